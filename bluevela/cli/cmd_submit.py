@@ -1,0 +1,89 @@
+"""`bv submit`: a distributed PyTorch job (torchrun under srun) through sbatch."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from bluevela.cli import State
+from bluevela.cli.output import emit_json
+
+
+@click.command(context_settings={"allow_interspersed_args": False})
+@click.argument("script")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.option("-N", "--nodes", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--gpus-per-node", type=click.IntRange(min=0), default=None,
+              help="GPUs to request per node (default: the --class's GPUs, else 0).")
+@click.option("--procs-per-node", type=click.IntRange(min=1), default=None,
+              help="torchrun --nproc-per-node (default: GPUs per node, or 1 without GPUs).")
+@click.option("--class", "node_class", default=None, help="Node class from site.yaml.")
+@click.option("-p", "--partition", default=None)
+@click.option("-t", "--time", "time_limit", default=None, help="Slurm time limit, e.g. 1:00:00.")
+@click.option("-J", "--job-name", default=None)
+@click.option("--comment", default=None)
+@click.option("--account", default=None)
+@click.option("--qos", default=None)
+@click.option("--env", "env", multiple=True, metavar="KEY=VALUE",
+              help="Environment for the job (repeatable); overrides site.yaml launch.env.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=None,
+              help="torchrun --max-restarts (default: site.yaml).")
+@click.option("--requeue/--no-requeue", default=None,
+              help="Let Slurm requeue the job (prolog failure, node failure). Default: site.yaml.")
+@click.option("--site", "site_path", default=None, metavar="PATH", help="site.yaml to use.")
+@click.option("--dry-run", is_flag=True, help="Print the batch script; do not touch Slurm.")
+@click.option("--wait", is_flag=True, help="Follow the job to its end; exit non-zero if it failed.")
+@click.option("--retry-s", type=click.FloatRange(min=0), default=None,
+              help="How long to retry an unreachable slurmctld (default: site.yaml, 120 s).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
+            gpus_per_node: int | None, procs_per_node: int | None, node_class: str | None,
+            partition: str | None, time_limit: str | None, job_name: str | None,
+            comment: str | None, account: str | None, qos: str | None, env: tuple[str, ...],
+            max_restarts: int | None, requeue: bool | None, site_path: str | None,
+            dry_run: bool, wait: bool, retry_s: float | None, as_json: bool) -> None:
+    """Submit SCRIPT [ARGS]... as a torchrun job: one srun task per node, c10d rendezvous on
+    the first node of the allocation."""
+    from bluevela.launch.submit import build_request, exit_status_for, follow, submit
+
+    if site_path:
+        obj.site_path = site_path
+    site = obj.site_or_none()
+    request = build_request(
+        site, script, args, nodes=nodes, gpus_per_node=gpus_per_node,
+        procs_per_node=procs_per_node, partition=partition, time_limit=time_limit,
+        job_name=job_name, comment=comment, account=account, qos=qos, env=env,
+        max_restarts=max_restarts, requeue=requeue, node_class=node_class,
+    )
+    if dry_run:
+        if as_json:
+            emit_json({"dry_run": True, "script": request.materialize()})
+        else:
+            click.echo(request.materialize(), nl=False)
+        return
+    if retry_s is None and site is not None:
+        retry_s = site.launch.submit_retry_s
+    client = obj.client(retry_s=retry_s)
+    job_id = submit(request, client, cwd=os.getcwd())
+    if not wait:
+        if as_json:
+            emit_json({"job_id": job_id, "nodes": nodes, "procs_per_node": request.nproc_per_node,
+                       "output": request.output.replace("%j", str(job_id))})
+        else:
+            click.echo(f"Submitted job {job_id}. Follow it: bv status {job_id} | bv logs {job_id} --follow")
+        return
+    from bluevela.cli.follow import Follower
+
+    if not as_json:
+        click.echo(f"Submitted job {job_id}.", err=True)
+    with Follower(job_id, live=sys.stderr.isatty() and not as_json) as follower:
+        info = follow(client, job_id, on_update=follower.update)
+    code = exit_status_for(info)
+    if as_json:
+        emit_json({"job_id": job_id, **info.to_dict(), "wait_exit_status": code})
+    else:
+        click.echo(f"Job {job_id} {info.state_name} (exit {info.exit_code}) on {','.join(info.nodes)}")
+    sys.exit(code)

@@ -1,0 +1,1 @@
+"""Building batch scripts for distributed PyTorch jobs, and submitting them."""

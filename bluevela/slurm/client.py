@@ -1,0 +1,113 @@
+"""The one seam for talking to Slurm: a `SlurmClient` protocol and the data it returns.
+
+`get_client()` returns the pyslurm implementation when pyslurm imports and matches the running
+Slurm, otherwise the CLI implementation (sbatch/squeue/sacct/scontrol), which works on 22.05 and
+24.11 alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from bluevela.slurm.states import JobState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """What bluevela needs to know about one job."""
+
+    job_id: int
+    state: JobState
+    state_name: str  # Slurm's own name, e.g. "CANCELLED"
+    exit_code: int | None  # the batch script's exit status (not the raw wait status)
+    signal: int | None
+    nodes: tuple[str, ...]
+    name: str = ""
+    user: str = ""
+    partition: str = ""
+    reason: str = ""
+    stdout: str = ""
+    work_dir: str = ""
+    restarts: int = 0
+    start_time: int | None = None  # unix seconds
+    end_time: int | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "job_id": self.job_id,
+            "state": self.state_name,
+            "exit_code": self.exit_code,
+            "signal": self.signal,
+            "nodes": list(self.nodes),
+            "name": self.name,
+            "user": self.user,
+            "partition": self.partition,
+            "reason": self.reason,
+            "stdout": self.stdout,
+            "work_dir": self.work_dir,
+            "restarts": self.restarts,
+            "start_time": self.start_time,
+            "end_time": self.end_time,
+            "terminal": self.state.is_terminal(),
+        }
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    state: str  # e.g. "IDLE", "IDLE+DRAIN", "ALLOCATED"
+    reason: str = ""
+    partitions: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def drained(self) -> bool:
+        """Drained or draining (the DRAIN flag is set)."""
+        return "DRAIN" in self.state.upper()
+
+
+class SlurmClient(Protocol):
+    """Everything bluevela asks of Slurm."""
+
+    def version(self) -> tuple[int, int]:
+        """(major, minor), e.g. (22, 5)."""
+        ...
+
+    def submit(self, script: str, *, cwd: str | None = None) -> int:
+        """Submit a batch script (text); return the job id. Retries an unreachable controller."""
+        ...
+
+    def job(self, job_id: int) -> JobInfo:
+        """One job's current state. Raises SlurmError when Slurm does not know it."""
+        ...
+
+    def jobs(self, job_ids: list[int] | None = None) -> list[JobInfo]:
+        """Jobs by id (all jobs slurmctld knows when None)."""
+        ...
+
+    def cancel(self, job_ids: list[int]) -> None: ...
+
+    def nodes(self, names: list[str] | None = None) -> list[NodeInfo]: ...
+
+    def drain(self, node: str, reason: str, *, timeout_s: float = 5.0) -> None: ...
+
+    def resume(self, node: str, *, timeout_s: float = 5.0) -> None: ...
+
+
+def get_client(*, retry_s: float | None = None) -> SlurmClient:
+    """The best available client: pyslurm when it matches the running Slurm, else the CLI."""
+    from bluevela.slurm.cli_client import CliSlurmClient
+
+    cli = CliSlurmClient(retry_s=retry_s)
+    try:
+        from bluevela.slurm.pyslurm_client import PySlurmClient, pyslurm_matches
+
+        if pyslurm_matches(cli):
+            logger.debug("using pyslurm")
+            return PySlurmClient(fallback=cli)
+    except ImportError:
+        pass
+    return cli

@@ -1,0 +1,1 @@
+"""Small shared helpers with no heavy imports."""

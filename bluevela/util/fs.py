@@ -1,0 +1,106 @@
+"""Atomic, symlink-safe file writes and validated names.
+
+Hooks run as root, so every path they write is built from validated names only, and nothing is
+followed through a symlink. Writes go to a temporary file in the target directory, are fsynced,
+renamed into place, and the directory is fsynced too (what Slurm does for its own state).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+from bluevela.errors import UnsafeValueError
+
+# Slurm node names: letters, digits, '-', '_', '.'; no path separators, no leading dot.
+_NODE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+_JOB_RE = re.compile(r"^[0-9]{1,12}$")
+
+
+def safe_node_name(value: str) -> str:
+    """Return `value` if it is a plain node name, else raise UnsafeValueError."""
+    if not _NODE_RE.match(value) or ".." in value:
+        raise UnsafeValueError(f"unsafe node name {value!r}")
+    return value
+
+
+def safe_job_id(value: str | int) -> int:
+    """Return the job id as an int if it is a plain positive integer, else raise."""
+    text = str(value)
+    if not _JOB_RE.match(text) or int(text) <= 0:
+        raise UnsafeValueError(f"unsafe job id {text!r}")
+    return int(text)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename in it survives power loss."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def ensure_dir(path: Path, mode: int = 0o755) -> Path:
+    """Create `path` (and parents) if needed; refuse it if it is a symlink or not a directory."""
+    path.mkdir(mode=mode, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UnsafeValueError(f"{path} is not a plain directory")
+    return path
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write `data` to `path` atomically: temp file (O_EXCL|O_NOFOLLOW), fsync, rename, fsync dir.
+
+    Raises:
+        OSError: on any I/O failure (ENOSPC included); the target is then untouched and the
+            temporary file removed.
+    """
+    directory = path.parent
+    tmp = directory / f".{path.name}.{os.getpid()}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        os.unlink(tmp)  # a stale temp of a dead writer with our pid
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, flags, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    fsync_dir(directory)
+
+
+def read_no_follow(path: Path, limit: int = 64 << 20) -> bytes:
+    """Read a regular file without following a symlink at its last component."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeValueError(f"{path} is not a regular file")
+        chunks = []
+        remaining = limit
+        while remaining > 0:
+            chunk = os.read(fd, min(1 << 20, remaining))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
