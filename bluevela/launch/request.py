@@ -25,8 +25,8 @@ SBATCH_OPTIONS = (
 
 
 def _plain(name: str, value: str) -> str:
-    """Refuse NUL, newlines and other control characters (they would forge script lines)."""
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+    """Refuse NUL, newlines and other control characters but tab (they would forge lines)."""
+    if any((ord(c) < 0x20 and c != "\t") or ord(c) == 0x7F for c in value):
         raise LaunchError(f"{name} contains a newline or control character; refusing {value!r}")
     return value
 

@@ -1,0 +1,170 @@
+"""A benchmark batch job: `BenchJobRequest.materialize()` is the exact sbatch script the nightly
+sends for one node or one node pair, a sibling of `SubmitRequest` with the same rules.
+
+It reuses request.py's validation and quoting: every value is checked with the same patterns
+(`_plain` refuses control characters, `_WORD`/`_TIME` check names and times) and every word that
+reaches the script is `shlex.quote`d; `#SBATCH` lines are sorted; unknown sbatch options are
+refused with the list of valid ones. The only shell expansion in the script is our own fixed
+`--cpus-per-task="$SLURM_CPUS_ON_NODE"` template for a step that spawns its own ranks.
+
+Unlike `bv submit`'s torchrun job, a benchmark job pins its nodes (`--nodelist`), is
+`--exclusive` (nothing else shares the node while it is measured), and runs several srun steps,
+each to the end: a failed step is reported in the exit status but does not stop the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shlex
+from dataclasses import dataclass
+
+from bluevela import __version__
+from bluevela.errors import LaunchError, UnsafeValueError
+from bluevela.launch.request import _TIME, _WORD, SBATCH_OPTIONS, _plain
+from bluevela.util.fs import safe_node_name
+
+logger = logging.getLogger(__name__)
+
+BENCH_SBATCH_OPTIONS = tuple(sorted({*SBATCH_OPTIONS, "nodelist"}))
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class BenchStep:
+    """One `srun` step of a benchmark job.
+
+    Args:
+        argv: the program and its arguments (absolute interpreter path first).
+        nodes: nodes of the step (1, or 2 for a pair).
+        ntasks_per_node: ranks per node.
+        mpi: srun's `--mpi` plugin (e.g. `pmix`) for an MPI step, else None.
+        whole_node: give the single task every CPU of the node (it spawns its own ranks).
+        gpus_per_node: GPUs the step asks for (0: none).
+    """
+
+    argv: tuple[str, ...]
+    nodes: int = 1
+    ntasks_per_node: int = 1
+    mpi: str | None = None
+    whole_node: bool = False
+    gpus_per_node: int = 0
+
+    def validate(self) -> None:
+        if not self.argv:
+            raise LaunchError("a benchmark step needs a program")
+        for word in self.argv:
+            _plain("step argument", word)
+        if self.nodes < 1 or self.ntasks_per_node < 1 or self.gpus_per_node < 0:
+            raise LaunchError(f"bad step shape: nodes={self.nodes} "
+                              f"ntasks_per_node={self.ntasks_per_node}")
+        if self.mpi is not None and not _WORD.match(self.mpi):
+            raise LaunchError(f"--mpi {self.mpi!r} is not a plain name")
+
+    def srun_words(self) -> list[str]:
+        """The step's command line as shell words (quoted; one fixed template)."""
+        opts = [f"--nodes={self.nodes}", f"--ntasks-per-node={self.ntasks_per_node}",
+                "--kill-on-bad-exit=1", "--export=ALL"]
+        if self.mpi:
+            opts.append(f"--mpi={self.mpi}")
+        if self.gpus_per_node:
+            opts.append(f"--gpus-per-node={self.gpus_per_node}")
+        words = [shlex.quote(w) for w in ("srun", *opts)]
+        if self.whole_node:
+            words.append('--cpus-per-task="$SLURM_CPUS_ON_NODE"')
+        return words + [shlex.quote(w) for w in self.argv]
+
+
+@dataclass(frozen=True)
+class BenchJobRequest:
+    """A batch job that runs benchmark steps on named nodes."""
+
+    steps: tuple[BenchStep, ...]
+    nodelist: tuple[str, ...]
+    partition: str | None = None
+    time: str | None = None
+    job_name: str = "bv-bench"
+    comment: str | None = None
+    gpus_per_node: int = 0
+    output: str = "bv-bench-%j.out"
+    chdir: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    exclusive: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise LaunchError on any value that is out of range or cannot be made safe."""
+        if not self.steps:
+            raise LaunchError("a benchmark job needs at least one step")
+        if not self.nodelist:
+            raise LaunchError("a benchmark job needs its nodes named")
+        for node in self.nodelist:
+            try:
+                safe_node_name(node)
+            except UnsafeValueError as exc:
+                raise LaunchError(str(exc)) from exc
+        if len(set(self.nodelist)) != len(self.nodelist):
+            raise LaunchError(f"node named twice in {list(self.nodelist)}")
+        for step in self.steps:
+            step.validate()
+            if step.nodes > len(self.nodelist):
+                raise LaunchError(f"a step wants {step.nodes} nodes of {len(self.nodelist)}")
+        for name, value in (("job name", self.job_name), ("comment", self.comment),
+                            ("output", self.output), ("chdir", self.chdir)):
+            if value is not None:
+                _plain(name, value)
+        if self.partition is not None and not _WORD.match(self.partition):
+            raise LaunchError(f"partition {self.partition!r} is not a plain name")
+        if self.time is not None and not _TIME.match(self.time):
+            raise LaunchError(f"--time {self.time!r} is not a Slurm time (MM, HH:MM:SS, D-HH, ...)")
+        if self.gpus_per_node < 0:
+            raise LaunchError("gpus per node must be >= 0")
+        for key, value in self.env:
+            if not _ENV_NAME.match(key):
+                raise LaunchError(f"environment name {key!r} is not a valid variable name")
+            _plain(f"environment {key}", value)
+
+    def sbatch_options(self) -> dict[str, str | None]:
+        """The `#SBATCH` options (None: a flag without value)."""
+        opts: dict[str, str | None] = {
+            "nodes": str(len(self.nodelist)),
+            "nodelist": ",".join(self.nodelist),
+            "ntasks-per-node": str(max(s.ntasks_per_node for s in self.steps)),
+            "output": self.output,
+            "job-name": self.job_name,
+            "no-requeue": None,  # a benchmark is rerun by the next night, not by Slurm
+        }
+        if self.exclusive:
+            opts["exclusive"] = None
+        if self.gpus_per_node:
+            opts["gpus-per-node"] = str(self.gpus_per_node)
+        for key, value in (("partition", self.partition), ("time", self.time),
+                           ("comment", self.comment), ("chdir", self.chdir)):
+            if value is not None:
+                opts[key] = value
+        unknown = set(opts) - set(BENCH_SBATCH_OPTIONS)
+        if unknown:  # a programming error, but say it the same way submit does
+            raise LaunchError(f"unknown sbatch option(s) {sorted(unknown)}; valid: "
+                              f"{', '.join(BENCH_SBATCH_OPTIONS)}")
+        return opts
+
+    def materialize(self) -> str:
+        """The exact batch script. Deterministic: same request, same bytes."""
+        lines = ["#!/bin/bash"]
+        for key, value in sorted(self.sbatch_options().items()):
+            lines.append(f"#SBATCH --{key}" if value is None
+                         else f"#SBATCH --{key}={shlex.quote(value)}")
+        lines += [
+            f"# Generated by bluevela {__version__} (bv bench nightly). Every step runs to its",
+            "# end; the job fails when any step failed.",
+            "set -uo pipefail",
+        ]
+        for key, value in self.env:
+            lines.append(f"export {key}={shlex.quote(value)}")
+        lines += ['echo "bv: bench job $SLURM_JOB_ID on $SLURM_JOB_NODELIST" >&2', "rc=0"]
+        for step in self.steps:
+            lines.append(" ".join(step.srun_words()) + " || rc=$?")
+        lines.append("exit $rc")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,145 @@
+"""Shared fixtures. The `devcluster` fixture brings up the REAL local Slurm cluster
+(`slurm/devcluster up`) once per session and points Slurm clients and bv at it.
+
+`BV_DEVCLUSTER_ID` picks the instance (default 0), so parallel developers can run their own.
+When the cluster was already up before the session, it is left up at the end; otherwise the
+session brings it down (CI's `.ci/run` also brings it down).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DEVCLUSTER = REPO / "slurm" / "devcluster"
+DATA = Path(__file__).resolve().parent / "data"
+
+# Hostile values: quotes, ;, $(), backticks, newlines, spaces (submitit's weird_tmp_path idea).
+HOSTILE = [
+    "it's",
+    'say "hi"',
+    "a;touch /tmp/bv-pwned-semicolon",
+    "$(touch /tmp/bv-pwned-subst)",
+    "`touch /tmp/bv-pwned-backtick`",
+    "sp ace and\ttab",
+    "glob*?[x]",
+    "#not-a-comment",
+    "back\\slash",
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """GPU-marked tests are skipped, with the reason, where no NVIDIA GPU is present."""
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (none present: no /dev/nvidiactl)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _has_gpu() -> bool:
+    return os.path.exists("/dev/nvidiactl")
+
+
+@dataclass
+class DevCluster:
+    state_dir: Path
+    env: dict[str, str]
+    nodes: list[str] = field(default_factory=list)
+
+    def environ(self, **extra: str) -> dict[str, str]:
+        return {**os.environ, **self.env, **extra}
+
+    def run(self, argv: list[str], *, check: bool = True, timeout: float = 300,
+            cwd: Path | None = None, **kw: object) -> subprocess.CompletedProcess[str]:
+        """Run a command with the cluster's environment."""
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                              env=self.environ(), cwd=cwd, check=False, **kw)  # type: ignore[call-overload]
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{argv} exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+        return proc
+
+    def bv(self, *args: str, check: bool = True, timeout: float = 300,
+           cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+        return self.run([sys.executable, "-m", "bluevela", *args], check=check, timeout=timeout, cwd=cwd)
+
+    def node_dir(self, node: str) -> Path:
+        return self.state_dir / "nodes" / node
+
+    def hook_env(self, node: str) -> Path:
+        return self.node_dir(node) / "etc-bluevela" / "hook.env"
+
+    def set_hook_env(self, node: str, **values: str) -> None:
+        """Merge KEY=VALUE settings into a node's hook.env (what its prolog/epilog read)."""
+        path = self.hook_env(node)
+        current: dict[str, str] = {}
+        for line in path.read_text().splitlines():
+            if "=" in line and not line.lstrip().startswith("#"):
+                k, _, v = line.partition("=")
+                current[k.strip()] = v
+        for k, v in values.items():
+            if v == "":
+                current.pop(k, None)
+            else:
+                current[k] = v
+        path.write_text("".join(f"{k}={v}\n" for k, v in current.items()))
+
+    def wait_idle(self, nodes: list[str] | None = None, timeout: float = 60) -> None:
+        """Wait until the nodes have no jobs (idle or idle+drain)."""
+        deadline = time.monotonic() + timeout
+        want = nodes or self.nodes
+        while time.monotonic() < deadline:
+            out = self.run(["sinfo", "-h", "-N", "-o", "%N %T"]).stdout
+            states = dict(line.split() for line in out.splitlines() if line.strip())
+            if all(states.get(n, "").rstrip("*") in ("idle", "drained") for n in want):
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"nodes not idle after {timeout}s: {out}")
+
+    def resume_all(self) -> None:
+        for n in self.nodes:
+            self.run(["scontrol", "update", f"NodeName={n}", "State=RESUME"], check=False)
+
+
+def _parse_env(text: str) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for line in text.splitlines():
+        words = shlex.split(line)
+        if len(words) == 2 and words[0] == "export" and "=" in words[1]:
+            k, _, v = words[1].partition("=")
+            env[k] = v
+    return env
+
+
+@pytest.fixture(scope="session")
+def devcluster() -> Iterator[DevCluster]:
+    """The real local Slurm cluster (3 nodes), up for the whole session."""
+    if os.geteuid() != 0:
+        pytest.skip("the dev cluster needs root (namespaces, slurmd as root)")
+    status = subprocess.run([sys.executable, str(DEVCLUSTER), "status"], capture_output=True,
+                            text=True, check=False)
+    was_up = status.returncode == 0
+    up = subprocess.run([sys.executable, str(DEVCLUSTER), "up", "--nodes", "3"],
+                        capture_output=True, text=True, timeout=600, check=False,
+                        env={**os.environ, "BV_PYTHON": sys.executable})
+    if up.returncode != 0:
+        raise RuntimeError(f"devcluster up failed:\n{up.stdout}\n{up.stderr}")
+    env_out = subprocess.run([sys.executable, str(DEVCLUSTER), "env"], capture_output=True,
+                             text=True, check=True).stdout
+    env = _parse_env(env_out)
+    cluster = DevCluster(state_dir=Path(env["BV_DEVCLUSTER_DIR"]), env=env,
+                         nodes=["node1", "node2", "node3"])
+    yield cluster
+    if not was_up:
+        subprocess.run([sys.executable, str(DEVCLUSTER), "down"], capture_output=True,
+                       text=True, timeout=120, check=False)

@@ -1,0 +1,106 @@
+"""The check framework: statuses, worst-wins, results, the registry, metrics text."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from bluevela.errors import HealthError
+from bluevela.health.metrics import PROM_FILE, merge_last_results, render, write_prom
+from bluevela.health.registry import Check, all_checks, check, get_check, register, unregister
+from bluevela.health.result import CheckResult, HealthReport, Status, worst
+
+
+def test_status_values_are_nagios() -> None:
+    assert [int(s) for s in (Status.OK, Status.WARNING, Status.CRITICAL, Status.UNKNOWN)] == [0, 1, 2, 3]
+    assert Status.parse("critical") is Status.CRITICAL
+    assert Status.parse(3) is Status.UNKNOWN
+
+
+@pytest.mark.parametrize(
+    ("statuses", "expected"),
+    [
+        ([], Status.OK),
+        ([Status.OK, Status.WARNING], Status.WARNING),
+        ([Status.WARNING, Status.UNKNOWN], Status.UNKNOWN),
+        # Nagios host verdict: CRITICAL outranks UNKNOWN although its value is smaller.
+        ([Status.UNKNOWN, Status.CRITICAL], Status.CRITICAL),
+        ([Status.CRITICAL, Status.UNKNOWN, Status.OK], Status.CRITICAL),
+    ],
+)
+def test_worst_is_by_severity_not_value(statuses: list[Status], expected: Status) -> None:
+    assert worst(statuses) is expected
+
+
+def test_report_exit_code_is_worst_status() -> None:
+    rep = HealthReport("quick", (CheckResult("a", Status.UNKNOWN, "x"),
+                                 CheckResult("b", Status.CRITICAL, "port down")))
+    assert rep.status is Status.CRITICAL and rep.exit_code == 2
+    assert rep.drain_detail() == "b: port down"
+    assert HealthReport("quick", (CheckResult("a", Status.UNKNOWN, "x"),)).exit_code == 3
+
+
+def test_check_result_is_frozen_and_cleans_metrics() -> None:
+    r = CheckResult("gpu", Status.OK, "  two\nlines ", {"temp_max_c": 31, "flag": True,
+                                                        "bad name": 1.0, "nan_c": float("nan")})
+    assert r.summary == "two lines"
+    assert r.metrics == {"temp_max_c": 31.0, "flag": 1.0}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.status = Status.CRITICAL  # type: ignore[misc]
+    again = CheckResult.from_dict(r.to_dict())
+    assert again == r
+    assert r.to_dict()["status"] == "OK" and r.to_dict()["status_code"] == 0
+
+
+def test_registry_refuses_duplicates() -> None:
+    names = set(all_checks())
+    assert {"gpu", "ib", "node", "nccl"} <= names
+    assert get_check("nccl").noisy and not get_check("ib").noisy
+    with pytest.raises(HealthError, match="registered twice"):
+        register(Check("ib", probe=lambda ctx: None, evaluate=lambda f, c: None))  # type: ignore[arg-type,return-value]
+    with pytest.raises(HealthError, match="registered twice"):
+        @check("gpu", probe=lambda ctx: None)
+        def again(facts: object, cls: object) -> CheckResult:  # pragma: no cover
+            raise AssertionError
+
+    with pytest.raises(HealthError, match="known: gpu, ib, nccl, node"):
+        get_check("nope")
+
+
+def test_register_and_unregister_a_throwaway_check() -> None:
+    @check("tmp_framework_check", probe=lambda ctx: 5)
+    def evaluate(facts: int, cls: object) -> CheckResult:
+        """A throwaway."""
+        return CheckResult("tmp_framework_check", Status.OK, f"got {facts}")
+
+    try:
+        chk = get_check("tmp_framework_check")
+        assert chk.doc == "A throwaway."
+        assert chk.evaluate(5, None).summary == "got 5"  # type: ignore[arg-type]
+    finally:
+        unregister("tmp_framework_check")
+    assert "tmp_framework_check" not in all_checks()
+
+
+def test_prometheus_text(tmp_path: Path) -> None:
+    rep = HealthReport("quick", (
+        CheckResult("ib", Status.CRITICAL, "mlx5_3/1 state DOWN", {"symbol_error_total": 3},
+                    duration_s=0.01),
+        CheckResult("gpu", Status.OK, "ok", {"temp_max_c": 33.5}),
+    ))
+    merged = merge_last_results(tmp_path, rep, "prolog")
+    later = HealthReport("quick", (CheckResult("gpu", Status.WARNING, "warm", {"temp_max_c": 80}),))
+    merged = merge_last_results(tmp_path, later, "epilog")
+    assert merged["ib"]["status_code"] == 2  # kept from the earlier run
+    text = render(merged)
+    assert 'bluevela_check_status{check="ib"} 2' in text
+    assert 'bluevela_check_status{check="gpu"} 1' in text
+    assert "bluevela_node_status 2" in text
+    assert "bluevela_ib_symbol_error_total 3" in text
+    assert "bluevela_gpu_temp_max_c 80" in text
+    assert "# TYPE bluevela_gpu_temp_max_c gauge" in text
+    path = write_prom(tmp_path / "metrics", merged)
+    assert path == tmp_path / "metrics" / PROM_FILE and path.read_text() == text
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temp left
