@@ -33,6 +33,7 @@ from bluevela.cli.output import emit_json
 @click.option("--requeue/--no-requeue", default=None,
               help="Let Slurm requeue the job (prolog failure, node failure). Default: site.yaml.")
 @click.option("--site", "site_path", default=None, metavar="PATH", help="site.yaml to use.")
+@click.option("--hold", is_flag=True, help="Submit held (release with scontrol release).")
 @click.option("--dry-run", is_flag=True, help="Print the batch script; do not touch Slurm.")
 @click.option("--wait", is_flag=True, help="Follow the job to its end; exit non-zero if it failed.")
 @click.option("--retry-s", type=click.FloatRange(min=0), default=None,
@@ -44,7 +45,7 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
             partition: str | None, time_limit: str | None, job_name: str | None,
             comment: str | None, account: str | None, qos: str | None, env: tuple[str, ...],
             max_restarts: int | None, requeue: bool | None, site_path: str | None,
-            dry_run: bool, wait: bool, retry_s: float | None, as_json: bool) -> None:
+            hold: bool, dry_run: bool, wait: bool, retry_s: float | None, as_json: bool) -> None:
     """Submit SCRIPT [ARGS]... as a torchrun job: one srun task per node, c10d rendezvous on
     the first node of the allocation."""
     from bluevela.launch.submit import build_request, exit_status_for, follow, submit
@@ -56,7 +57,7 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
         site, script, args, nodes=nodes, gpus_per_node=gpus_per_node,
         procs_per_node=procs_per_node, partition=partition, time_limit=time_limit,
         job_name=job_name, comment=comment, account=account, qos=qos, env=env,
-        max_restarts=max_restarts, requeue=requeue, node_class=node_class,
+        max_restarts=max_restarts, requeue=requeue, node_class=node_class, hold=hold,
     )
     if dry_run:
         if as_json:

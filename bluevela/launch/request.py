@@ -20,7 +20,7 @@ _WORD = re.compile(r"^[A-Za-z0-9_.+-]+$")
 # What sbatch itself accepts for the free-text values we pass.
 SBATCH_OPTIONS = (
     "account", "comment", "gpus-per-node", "job-name", "nodes", "ntasks-per-node", "output",
-    "partition", "qos", "requeue", "no-requeue", "time", "exclusive", "chdir",
+    "partition", "qos", "requeue", "no-requeue", "time", "exclusive", "chdir", "hold",
 )
 
 
@@ -53,6 +53,7 @@ class SubmitRequest:
     torchrun: tuple[str, ...] = ("torchrun",)
     output: str = "bv-%j.out"
     chdir: str | None = None
+    hold: bool = False
     extra_sbatch: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -113,6 +114,8 @@ class SubmitRequest:
         }
         if self.gpus_per_node:
             opts["gpus-per-node"] = str(self.gpus_per_node)
+        if self.hold:
+            opts["hold"] = None
         for key, value in (("partition", self.partition), ("time", self.time),
                            ("job-name", self.job_name), ("comment", self.comment),
                            ("account", self.account), ("qos", self.qos), ("chdir", self.chdir)):

@@ -45,6 +45,7 @@ def build_request(
     max_restarts: int | None = None,
     requeue: bool | None = None,
     node_class: str | None = None,
+    hold: bool = False,
 ) -> SubmitRequest:
     """Merge the site's launch defaults with the user's options.
 
@@ -77,6 +78,7 @@ def build_request(
         rdzv_port=launch.rdzv_port if launch else 29500,
         torchrun=tuple(launch.torchrun) if launch else ("torchrun",),
         output=launch.output if launch else "bv-%j.out",
+        hold=hold,
     )
 
 
