@@ -27,7 +27,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
 
 class Paths(_Model):
@@ -179,6 +179,11 @@ class BenchThresholds(_Model):
     mpi_lat_us_max: float = 0.0  # 0 = no ceiling
     regression_nights: int = Field(7, ge=1)
     regression_tolerance_pct: float = Field(10.0, ge=0, le=100)
+    # The message sizes the floors above apply to (the largest size of each sweep);
+    # 0 = the measurement's default for the node's backend (CUDA or CPU).
+    allreduce_size_bytes: int = Field(0, ge=0)
+    pair_size_bytes: int = Field(0, ge=0)
+    mpi_size_bytes: int = Field(0, ge=0)
 
 
 class NodeClass(_Model):
@@ -217,7 +222,9 @@ class NodeClass(_Model):
 
 
 class Site(_Model):
-    model_config = ConfigDict(extra="forbid", frozen=True, ignored_types=(cached_property,))
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, defer_build=True, ignored_types=(cached_property,)
+    )
 
     cluster: str = Field(min_length=1)
     partitions: list[str] = Field(default_factory=list)

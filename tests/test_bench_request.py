@@ -1,0 +1,115 @@
+"""The nightly's batch scripts: golden files, quoting of hostile values, refused values.
+
+Regenerate the golden files after an intended change with
+`BV_REGEN_GOLDEN=1 python -m pytest tests/test_bench_request.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bluevela.bench.nightly import NightlyOptions, node_job, pair_job
+from bluevela.errors import LaunchError
+from bluevela.launch.bench_job import BenchJobRequest, BenchStep
+from bluevela.site import Site, load_site
+from tests.conftest import DATA, HOSTILE, REPO
+
+GOLDEN = DATA / "bench"
+WORKDIR = Path("/var/lib/bluevela/archive/nightly/runs/2026-11-20/010000-4242")
+
+
+def _site() -> Site:
+    # A fixed source path: the golden files must not depend on where the repo is checked out.
+    return load_site(REPO / "site.yaml").model_copy(
+        update={"source": Path("/etc/bluevela/site.yaml")})
+
+
+OPTS = NightlyOptions(partition="debug", night="2026-11-20", python="/opt/bluevela/bin/python3")
+
+
+def _check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("BV_REGEN_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text(), f"{name} changed; regenerate: BV_REGEN_GOLDEN=1 pytest {__file__}"
+
+
+@pytest.mark.parametrize(("cls", "nodes"), [("cpu", ("node1", "node3")),
+                                            ("h100", ("gpu001", "gpu002"))])
+def test_golden_scripts(cls: str, nodes: tuple[str, str]) -> None:
+    site = _site()
+    req, job = node_job(site, nodes[0], cls, WORKDIR, OPTS)
+    _check_golden(f"golden_node_job_{cls}.sh", req.materialize())
+    assert job.files["node"] == WORKDIR / f"{nodes[0]}.json"
+    req, job = pair_job(site, nodes, cls, WORKDIR, OPTS, round_no=2)
+    _check_golden(f"golden_pair_job_{cls}.sh", req.materialize())
+    assert set(job.files) == {"allreduce-pair", "mpi"}
+
+
+def test_script_is_deterministic_and_sorted() -> None:
+    req, _ = pair_job(_site(), ("node1", "node2"), "cpu", WORKDIR, OPTS, 1)
+    text = req.materialize()
+    assert text == req.materialize()
+    sbatch = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert sbatch == sorted(sbatch)
+    assert "#SBATCH --exclusive" in sbatch and "#SBATCH --nodelist=node1,node2" in sbatch
+    assert "--mpi=pmix" in text
+
+
+def _fake_srun(tmp_path: Path) -> Path:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "srun"
+    fake.write_text('#!/bin/bash\nprintf "%s\\0" "$@" >> "$BV_FAKE_SRUN_LOG"\n')
+    fake.chmod(0o755)
+    return bindir
+
+
+def test_hostile_words_reach_the_program_verbatim(tmp_path: Path) -> None:
+    """Every hostile value is one argv word after the shell read the script; nothing ran."""
+    argv = ("/opt/py", "-m", "bluevela.bench.worker", *HOSTILE)
+    req = BenchJobRequest(steps=(BenchStep(argv, whole_node=True),), nodelist=("node1",),
+                          job_name=HOSTILE[0], comment=HOSTILE[3], chdir=str(tmp_path),
+                          env=(("BV_X", HOSTILE[2]),))
+    script = tmp_path / "job.sh"
+    script.write_text(req.materialize())
+    log = tmp_path / "srun.log"
+    env = {**os.environ, "PATH": f"{_fake_srun(tmp_path)}:{os.environ['PATH']}",
+           "BV_FAKE_SRUN_LOG": str(log), "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "node1",
+           "SLURM_CPUS_ON_NODE": "2"}
+    for marker in ("/tmp/bv-pwned-semicolon", "/tmp/bv-pwned-subst", "/tmp/bv-pwned-backtick"):
+        Path(marker).unlink(missing_ok=True)
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                          timeout=30, check=False)
+    assert proc.returncode == 0, proc.stderr
+    words = log.read_text().split("\0")[:-1]
+    assert words[-len(argv):] == list(argv)
+    assert "--cpus-per-task=2" in words
+    for marker in ("/tmp/bv-pwned-semicolon", "/tmp/bv-pwned-subst", "/tmp/bv-pwned-backtick"):
+        assert not Path(marker).exists()
+
+
+@pytest.mark.parametrize("bad", ["a\nb", "x\0y", "line\r"])
+def test_control_characters_are_refused(bad: str) -> None:
+    with pytest.raises(LaunchError):
+        BenchJobRequest(steps=(BenchStep(("/py", bad)),), nodelist=("node1",))
+    with pytest.raises(LaunchError):
+        BenchJobRequest(steps=(BenchStep(("/py",)),), nodelist=("node1",), comment=bad)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"nodelist": ("node1", "../x")}, {"nodelist": ("node1", "node1")}, {"nodelist": ()},
+    {"partition": "a b"}, {"time": "soon"}, {"env": (("1BAD", "x"),)},
+])
+def test_bad_values_are_refused(kwargs: dict[str, object]) -> None:
+    base: dict[str, object] = {"steps": (BenchStep(("/py",)),), "nodelist": ("node1",)}
+    with pytest.raises(LaunchError):
+        BenchJobRequest(**{**base, **kwargs})  # type: ignore[arg-type]
+    with pytest.raises(LaunchError, match="wants 2 nodes"):
+        BenchJobRequest(steps=(BenchStep(("/py",), nodes=2),), nodelist=("node1",))
+    with pytest.raises(LaunchError, match="plain name"):
+        BenchStep(("/py",), mpi="pmix;x").validate()
