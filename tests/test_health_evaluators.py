@@ -174,7 +174,8 @@ def test_ib_probe_on_a_missing_tree_reports_ports_missing(h100: NodeClass, tmp_p
 # -- gpu details ---------------------------------------------------------------------------------
 
 
-def _gpu_facts(h100: NodeClass, tmp_path: Path, phase: str = "prolog", **changes: object) -> GPUFacts:
+def _gpu_facts(h100: NodeClass, tmp_path: Path, changes: dict[str, object],
+               phase: str = "prolog") -> GPUFacts:
     snap = json.loads((FIXTURES / "h100-healthy" / "nvml.json").read_text())
     snap["gpus"][3].update(changes)
     path = tmp_path / "nvml.json"
@@ -198,18 +199,18 @@ def _gpu_facts(h100: NodeClass, tmp_path: Path, phase: str = "prolog", **changes
 ])
 def test_gpu_rules(h100: NodeClass, tmp_path: Path, changes: dict[str, object], status: Status,
                    text: str) -> None:
-    result = evaluate_gpu(_gpu_facts(h100, tmp_path, **changes), h100)
+    result = evaluate_gpu(_gpu_facts(h100, tmp_path, changes), h100)
     assert result.status is status, result
     assert text in result.summary
 
 
 def test_leftover_processes_count_only_where_no_job_runs(h100: NodeClass, tmp_path: Path) -> None:
-    procs = {"compute_processes": [{"pid": 7, "used_memory_bytes": 1}]}
-    assert evaluate_gpu(_gpu_facts(h100, tmp_path, "prolog", **procs), h100).status is Status.CRITICAL
-    assert evaluate_gpu(_gpu_facts(h100, tmp_path, "healthcheck", **procs), h100).status is Status.CRITICAL
-    assert evaluate_gpu(_gpu_facts(h100, tmp_path, "epilog", **procs), h100).status is Status.OK
+    procs: dict[str, object] = {"compute_processes": [{"pid": 7, "used_memory_bytes": 1}]}
+    assert evaluate_gpu(_gpu_facts(h100, tmp_path, procs, "prolog"), h100).status is Status.CRITICAL
+    assert evaluate_gpu(_gpu_facts(h100, tmp_path, procs, "healthcheck"), h100).status is Status.CRITICAL
+    assert evaluate_gpu(_gpu_facts(h100, tmp_path, procs, "epilog"), h100).status is Status.OK
     allowed = h100.model_copy(update={"gpu": h100.gpu.model_copy(update={"allow_leftover_processes": True})})
-    assert evaluate_gpu(_gpu_facts(h100, tmp_path, "prolog", **procs), allowed).status is Status.OK
+    assert evaluate_gpu(_gpu_facts(h100, tmp_path, procs, "prolog"), allowed).status is Status.OK
 
 
 def test_gpu_metrics_carry_units(h100: NodeClass, tmp_path: Path) -> None:
@@ -292,3 +293,19 @@ def test_node_on_an_empty_root_is_not_critical_for_memory(h100: NodeClass, tmp_p
         update={"min_free_gib": {}, "required_devices": []})})
     r = evaluate_node(probe_node(ProbeContext(bare, "h100", root=tmp_path)), bare)
     assert r.status is Status.UNKNOWN and "MemAvailable unreadable" in r.summary
+
+
+def test_real_h100_recording_replays(site: Site) -> None:
+    """`bv health snapshot` on a real H100 (1 GPU VM, driver 580.159.04): parses, passes, and
+    has exactly the fields of the healthy fixture (the replay format is stable)."""
+    real_path = FIXTURES / "nvml-real-h100-1gpu.json"
+    real = json.loads(real_path.read_text())
+    fixture = json.loads((FIXTURES / "h100-healthy" / "nvml.json").read_text())
+    assert set(real) == set(fixture)
+    assert set(real["gpus"][0]) == set(fixture["gpus"][0])
+    one = site.node_class(name="h100").model_copy(update={"gpus": 1})
+    r = get_check("gpu").run_once(ProbeContext(one, "h100", nvml_snapshot=real_path))
+    assert r.status is Status.OK, r
+    assert r.summary.startswith("1 x NVIDIA H100 80GB HBM3 OK")
+    snap = load_snapshot(real_path)
+    assert snap.kmsg is not None and not parse_xids(list(snap.kmsg))

@@ -187,3 +187,23 @@ def test_nccl_freshness(tmp_path: Path) -> None:
 def test_empty_plan(ctx: ProbeContext) -> None:
     rep = run_plan(RunPlan("none", (), 1.0), ctx)
     assert rep.checks == () and rep.status is Status.OK
+
+
+def test_could_not_run_is_not_retried(ctx: ProbeContext, tmp_path: Path,
+                                      register_tmp: Callable[..., str]) -> None:
+    count = tmp_path / "count"
+
+    def once(c: ProbeContext) -> None:
+        count.write_text(count.read_text() + "x" if count.exists() else "x")
+
+    name = register_tmp("t_unknown_noisy", once,
+                        lambda f, c: CheckResult("t_unknown_noisy", Status.UNKNOWN, "no torch"),
+                        noisy=True)
+    rep = run_checks([name], ctx, timeout_s=5, cap_s=10, retries=3)
+    assert count.read_text() == "x" and rep.checks[0].metrics["tries_count"] == 1
+
+
+def test_a_check_named_twice_runs_once(ctx: ProbeContext, register_tmp: Callable[..., str]) -> None:
+    name = register_tmp("t_twice", lambda c: 2)
+    rep = run_checks([name, name], ctx, timeout_s=5, cap_s=10)
+    assert [r.name for r in rep.checks] == [name]

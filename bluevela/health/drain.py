@@ -82,3 +82,49 @@ def resume_node(client: SlurmClient, site: Site, node: str) -> DrainOutcome:
         return DrainOutcome(node, False, info.reason, f"drained by operator: {info.reason}")
     client.resume(node, timeout_s=site.health.drain_timeout_s)
     return DrainOutcome(node, True, info.reason)
+
+
+def hook_client(site: Site) -> SlurmClient:
+    """A Slurm client for hooks: no retries, every command bounded by `drain_timeout_s`.
+
+    The prolog must not hang on an unreachable controller (Slurm's guide advises against
+    Slurm commands in the prolog; a precise drain reason is worth one bounded call).
+    """
+    from bluevela.slurm.cli_client import CliSlurmClient
+
+    return CliSlurmClient(retry_s=0.0, command_timeout_s=site.health.drain_timeout_s)
+
+
+def check_of_reason(site: Site, reason: str) -> str | None:
+    """The check named by one of our reasons: 'bv: ib: mlx5_3/1 state DOWN' -> 'ib'."""
+    if not is_ours(site, reason):
+        return None
+    rest = reason[len(site.health.drain_prefix):].strip()
+    name, sep, _ = rest.partition(":")
+    name = name.strip()
+    return name if sep and name.isidentifier() else None
+
+
+def passes_for_resume(site: Site, reason: str, statuses: dict[str, int]) -> tuple[bool, str]:
+    """Whether a node drained with `reason` may be resumed given fresh check `statuses`.
+
+    Passing means: no check CRITICAL now, and the check the reason names (when it names one)
+    ran and is OK or WARNING (an UNKNOWN says nothing either way, so it does not resume).
+
+    Args:
+        site: the site (for the prefix).
+        reason: the node's current drain reason.
+        statuses: check name -> Status value (0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN).
+    """
+    critical = sorted(n for n, s in statuses.items() if s == 2)
+    if critical:
+        return False, f"still CRITICAL: {', '.join(critical)}"
+    named = check_of_reason(site, reason)
+    if named is None:
+        bad = sorted(n for n, s in statuses.items() if s not in (0, 1))
+        return (not bad), (f"not passing: {', '.join(bad)}" if bad else "all checks pass")
+    if named not in statuses:
+        return False, f"the drain names check {named!r}, which this run did not include"
+    if statuses[named] not in (0, 1):
+        return False, f"check {named!r} could not run (UNKNOWN)"
+    return True, f"check {named!r} passes again"

@@ -1,0 +1,8 @@
+"""The built-in checks. Importing this package registers them; none of these modules imports
+torch, numpy or pynvml at import time (the prolog's quick path imports all of them)."""
+
+from __future__ import annotations
+
+from bluevela.health.checks import gpu, ib, nccl, node
+
+__all__ = ["gpu", "ib", "nccl", "node"]

@@ -1,0 +1,139 @@
+"""`nccl`: all_reduce bus bandwidth inside the node, by nccl-tests' definition.
+
+torch.distributed over the node's GPUs (NCCL) or, on a CPU class, over `nccl.procs` local
+processes (gloo, default 2). Each rank is a fresh `python -m bluevela.health.nccl_worker`
+process (torch is imported there only); the ranks meet through a FileStore in a private
+temporary directory. The time of one all_reduce is the mean over `iters` after `warmup`,
+taken from the slowest rank. algbw = size / time (GB = 1e9 B); busbw = algbw * 2(n-1)/n,
+compared with the class's `min_busbw_gbs` at its `size_bytes`. A single rank has no bus
+bandwidth (the factor is 0): UNKNOWN. Registered as noisy: the runner retries it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bluevela.health.registry import check
+from bluevela.health.result import CheckResult, Status
+
+if TYPE_CHECKING:
+    from bluevela.health.context import ProbeContext
+    from bluevela.site import NodeClass
+
+logger = logging.getLogger(__name__)
+
+NVIDIA_CTL = Path("/dev/nvidiactl")
+WORKER_TIMEOUT_S = 900.0  # the runner's own timeout normally ends a hung run first
+
+
+@dataclass(frozen=True)
+class NCCLFacts:
+    backend: str
+    ranks: int
+    size_bytes: int
+    iters: int
+    time_s: float | None = None  # one all_reduce, slowest rank's mean
+    error: str | None = None
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:g} {unit}"
+        n /= 1024
+    return f"{n:g} B"  # pragma: no cover
+
+
+def bus_bandwidth(size_bytes: int, time_s: float, ranks: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s (1e9 B/s) for an all_reduce, as nccl-tests defines them."""
+    algbw = size_bytes / time_s / 1e9
+    return algbw, algbw * 2 * (ranks - 1) / ranks
+
+
+def measure(backend: str, ranks: int, size_bytes: int, iters: int, warmup: int,
+            timeout_s: float = WORKER_TIMEOUT_S) -> NCCLFacts:
+    """Run `ranks` worker processes and collect the slowest rank's time per all_reduce."""
+    if importlib.util.find_spec("torch") is None:
+        return NCCLFacts(backend, ranks, size_bytes, iters, error="torch is not installed")
+    tmp = tempfile.mkdtemp(prefix="bv-nccl-")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    procs = []
+    try:
+        for rank in range(ranks):
+            argv = [sys.executable, "-m", "bluevela.health.nccl_worker",
+                    "--rank", str(rank), "--world", str(ranks), "--backend", backend,
+                    "--store", os.path.join(tmp, "store"), "--size", str(size_bytes),
+                    "--iters", str(iters), "--warmup", str(warmup)]
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          stdin=subprocess.DEVNULL, text=True, env=env))
+        times: list[float] = []
+        errors: list[str] = []
+        for rank, proc in enumerate(procs):
+            try:
+                out, err = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+                errors.append(f"rank {rank} timed out after {timeout_s:g} s")
+                continue
+            line = out.strip().splitlines()[-1] if out.strip() else ""
+            try:
+                times.append(float(json.loads(line)["time_s"]))
+            except (ValueError, KeyError, TypeError):
+                last = err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}"
+                errors.append(f"rank {rank}: {last}")
+        if errors:
+            return NCCLFacts(backend, ranks, size_bytes, iters, error="; ".join(errors[:2]))
+        return NCCLFacts(backend, ranks, size_bytes, iters, time_s=max(times))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def probe_nccl(ctx: ProbeContext) -> NCCLFacts:
+    """One measurement at the class's size (GPUs: NCCL over all of them; else gloo)."""
+    cls, t = ctx.node_class, ctx.node_class.nccl
+    if cls.gpus > 0:
+        backend, ranks = "nccl", cls.gpus
+        if not NVIDIA_CTL.exists():
+            return NCCLFacts(backend, ranks, t.size_bytes, t.iters,
+                             error=f"no NVIDIA device ({NVIDIA_CTL} missing)")
+    else:
+        backend, ranks = "gloo", t.procs or 2
+    return measure(backend, ranks, t.size_bytes, t.iters, t.warmup)
+
+
+@check("nccl", probe=probe_nccl, noisy=True)
+def evaluate_nccl(facts: NCCLFacts, cls: NodeClass) -> CheckResult:
+    """all_reduce bus bandwidth at the class's size against `nccl.min_busbw_gbs`."""
+    where = f"{facts.backend}, {facts.ranks} ranks, {human_bytes(facts.size_bytes)}"
+    base = {"ranks_count": facts.ranks, "size_bytes": facts.size_bytes}
+    if facts.error:
+        return CheckResult("nccl", Status.UNKNOWN, f"could not run ({where}): {facts.error}", base)
+    if facts.time_s is None or facts.time_s <= 0:
+        return CheckResult("nccl", Status.UNKNOWN, f"no time measured ({where})", base)
+    algbw, busbw = bus_bandwidth(facts.size_bytes, facts.time_s, facts.ranks)
+    if facts.ranks < 2:
+        return CheckResult("nccl", Status.UNKNOWN,
+                           f"1 rank has no bus bandwidth (factor 2(n-1)/n = 0) ({where})",
+                           {**base, "algbw_gbs": algbw, "time_s": facts.time_s})
+    metrics = {**base, "busbw_gbs": busbw, "algbw_gbs": algbw, "time_s": facts.time_s}
+    floor = cls.nccl.min_busbw_gbs
+    if busbw < floor:
+        return CheckResult("nccl", Status.CRITICAL,
+                           f"busbw {busbw:.3g} GB/s < {floor:g} GB/s ({where})", metrics)
+    return CheckResult("nccl", Status.OK, f"busbw {busbw:.3g} GB/s >= {floor:g} GB/s ({where})",
+                       metrics)

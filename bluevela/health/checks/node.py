@@ -1,0 +1,147 @@
+"""`node`: memory available, free space, required mounts, paths and devices. Short and fast.
+
+Everything is read through the root (`BV_SYSFS_ROOT`, standing for `/`): `<root>/proc/meminfo`,
+`<root>/proc/mounts`, `<root>/<path>` for paths and devices, and `statvfs(<root>/<path>)` for
+free space. A missing mount, path or device, too little memory or free space is CRITICAL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from bluevela.health.registry import check
+from bluevela.health.result import CheckResult, Status, worst
+
+if TYPE_CHECKING:
+    from bluevela.health.context import ProbeContext
+    from bluevela.site import NodeClass
+
+logger = logging.getLogger(__name__)
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    mem_available_bytes: int | None
+    free_bytes: dict[str, int | None] = field(default_factory=dict)  # None: cannot statvfs
+    mounts: frozenset[str] | None = None  # None: /proc/mounts unreadable
+    present: dict[str, bool] = field(default_factory=dict)  # required paths and devices
+    errors: tuple[str, ...] = ()
+
+
+def parse_meminfo(text: str) -> int | None:
+    """MemAvailable in bytes from /proc/meminfo text ('MemAvailable:  123 kB')."""
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            parts = line.split()
+            if len(parts) >= 2 and parts[1].isdigit():
+                return int(parts[1]) * 1024
+    return None
+
+
+def _unescape_mount(field_: str) -> str:
+    # /proc/mounts escapes space, tab, newline and backslash as \040 \011 \012 \134.
+    for code, ch in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field_ = field_.replace(code, ch)
+    return field_
+
+
+def parse_mounts(text: str) -> frozenset[str]:
+    """Mount points from /proc/mounts text."""
+    out = set()
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2:
+            out.add(_unescape_mount(parts[1]))
+    return frozenset(out)
+
+
+def probe_node(ctx: ProbeContext) -> NodeFacts:
+    """Read meminfo and mounts, statvfs the free-space paths, stat required paths/devices."""
+    t = ctx.node_class.node
+    errors: list[str] = []
+    mem: int | None = None
+    try:
+        mem = parse_meminfo(ctx.under_root("/proc/meminfo").read_text(errors="replace"))
+    except OSError as exc:
+        errors.append(f"meminfo: {exc.strerror or exc}")
+    mounts: frozenset[str] | None = None
+    if t.required_mounts:
+        try:
+            mounts = parse_mounts(ctx.under_root("/proc/mounts").read_text(errors="replace"))
+        except OSError as exc:
+            errors.append(f"mounts: {exc.strerror or exc}")
+    free: dict[str, int | None] = {}
+    for path in t.min_free_gib:
+        try:
+            st = os.statvfs(ctx.under_root(path))
+            free[path] = st.f_bavail * st.f_frsize
+        except OSError:
+            free[path] = None
+    present = {p: os.path.lexists(ctx.under_root(p))
+               for p in [*t.required_paths, *t.required_devices]}
+    return NodeFacts(mem, free, mounts, present, tuple(errors))
+
+
+@check("node", probe=probe_node)
+def evaluate_node(facts: NodeFacts, cls: NodeClass) -> CheckResult:
+    """Memory available, free space, required mounts, paths and devices."""
+    t = cls.node
+    problems: list[tuple[Status, str]] = []
+    metrics: dict[str, float] = {}
+    if facts.mem_available_bytes is None:
+        problems.append((Status.UNKNOWN, "MemAvailable unreadable"))
+    else:
+        gib = facts.mem_available_bytes / GIB
+        metrics["mem_available_gib"] = gib
+        if gib < t.min_mem_available_gib:
+            problems.append((Status.CRITICAL, f"{gib:.1f} GiB memory available < "
+                             f"{t.min_mem_available_gib:g} GiB"))
+    frees = []
+    for path, need in t.min_free_gib.items():
+        free = facts.free_bytes.get(path)
+        if free is None:
+            problems.append((Status.CRITICAL, f"{path} missing or unreadable (free space)"))
+            continue
+        gib = free / GIB
+        frees.append(gib)
+        if gib < need:
+            problems.append((Status.CRITICAL, f"{path} {gib:.2f} GiB free < {need:g} GiB"))
+    if frees:
+        metrics["free_min_gib"] = min(frees)
+    if t.required_mounts:
+        if facts.mounts is None:
+            problems.append((Status.UNKNOWN, "mount table unreadable"))
+        else:
+            for m in t.required_mounts:
+                if (m.rstrip("/") or "/") not in facts.mounts:
+                    problems.append((Status.CRITICAL, f"{m} not mounted"))
+    for p in t.required_paths:
+        if not facts.present.get(p, False):
+            problems.append((Status.CRITICAL, f"{p} missing"))
+    for d in t.required_devices:
+        if not facts.present.get(d, False):
+            problems.append((Status.CRITICAL, f"device {d} missing"))
+    for err in facts.errors:
+        if not any(err.startswith(x) for x in ("meminfo", "mounts")):
+            problems.append((Status.UNKNOWN, err))
+    status = worst(s for s, _ in problems)
+    if problems:
+        ordered = [text for s, text in problems if s is status]
+        rest = len(problems) - len(ordered)
+        summary = "; ".join(ordered) + (f" (+{rest} lesser)" if rest else "")
+    else:
+        parts = []
+        if "mem_available_gib" in metrics:
+            parts.append(f"{metrics['mem_available_gib']:.0f} GiB memory available")
+        if frees:
+            parts.append(f"min {min(frees):.0f} GiB free")
+        for what, items in (("mounts", t.required_mounts), ("paths", t.required_paths),
+                            ("devices", t.required_devices)):
+            if items:
+                parts.append(f"{len(items)} required {what} present")
+        summary = ", ".join(parts) or "OK"
+    return CheckResult("node", status, summary, metrics)

@@ -1,0 +1,473 @@
+"""NVML facts: recorded live through pynvml, or replayed from a snapshot file.
+
+The snapshot format (schema 1) is exactly what `gather_live()` records and what
+`bv health snapshot --out FILE` writes; the gpu check parses both through `parse_snapshot()`,
+so replaying a snapshot exercises the same code as a live node. Format (docs/health.md)::
+
+    {
+      "schema": 1, "kind": "nvml_snapshot",
+      "source": "pynvml 12.535.133" | "fixture: ...",
+      "recorded_at": "2026-01-01T00:00:00Z", "hostname": "gpu001",
+      "driver_version": "535.129.03", "nvml_version": "12.535.129.03",
+      "cuda_driver_version": 12020,
+      "device_count": 8,
+      "gpus": [ {GPU}, ... ],
+      "kmsg": ["<kernel log line>", ...] | null,    # NVRM lines only, for XIDs
+      "errors": {"<what>": "<NVML error>"}           # calls that failed outside a GPU
+    }
+
+    GPU = {
+      "index": 0, "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-...",
+      "pci_bus_id": "00000000:18:00.0", "serial": "...",
+      "temperature_c": 31, "power_w": 69.8, "power_limit_w": 700.0,
+      "total_energy_mj": 412872345123,
+      "persistence_mode": true,
+      "ecc_uncorrected_volatile": 0, "ecc_uncorrected_aggregate": 0,
+      "retired_pages_sbe": null, "retired_pages_dbe": null, "retired_pages_pending": null,
+      "remapped_rows_correctable": 0, "remapped_rows_uncorrectable": 0,
+      "remapped_rows_pending": false, "remapped_rows_failure": false,
+      "clocks_event_reasons": 1,                     # NVML bitmask (0x1 = GPU idle)
+      "pcie_link_gen_current": 5, "pcie_link_gen_max": 5, "pcie_link_gen_gpu_max": 5,
+      "pcie_link_width_current": 16, "pcie_link_width_max": 16,
+      "compute_processes": [{"pid": 1234, "used_memory_bytes": 524288000}],
+      "memory_total_bytes": 85520809984, "memory_used_bytes": 553648128,
+      "errors": {"retired_pages_sbe": "Not Supported"}   # each field NVML refused: null above
+    }
+
+A GPU whose handle NVML cannot open (fallen off the bus) is recorded as
+`{"index": i, "error": "..."}` and counts as missing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = 1
+KIND = "nvml_snapshot"
+
+# NVML clocks event (throttle) reason bits, from nvml.h.
+REASON_BITS: dict[int, str] = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+HW_REASONS = 0x8 | 0x40 | 0x80
+SW_THERMAL = 0x20
+
+_XID = re.compile(r"NVRM: Xid \(PCI:([0-9A-Fa-f:.]+)\): (\d+)")
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    pid: int
+    used_memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class GPUInfo:
+    """One GPU's NVML values; None where NVML did not support or answer the call."""
+
+    index: int
+    name: str | None = None
+    uuid: str | None = None
+    pci_bus_id: str | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    total_energy_mj: float | None = None
+    persistence_mode: bool | None = None
+    ecc_uncorrected_volatile: int | None = None
+    ecc_uncorrected_aggregate: int | None = None
+    retired_pages_sbe: int | None = None
+    retired_pages_dbe: int | None = None
+    retired_pages_pending: bool | None = None
+    remapped_rows_correctable: int | None = None
+    remapped_rows_uncorrectable: int | None = None
+    remapped_rows_pending: bool | None = None
+    remapped_rows_failure: bool | None = None
+    clocks_event_reasons: int | None = None
+    pcie_link_gen_current: int | None = None
+    pcie_link_gen_max: int | None = None
+    pcie_link_gen_gpu_max: int | None = None
+    pcie_link_width_current: int | None = None
+    pcie_link_width_max: int | None = None
+    compute_processes: tuple[ProcessInfo, ...] | None = None
+    memory_total_bytes: int | None = None
+    memory_used_bytes: int | None = None
+    error: str | None = None  # the handle itself could not be opened
+
+    @property
+    def label(self) -> str:
+        return f"GPU{self.index}"
+
+    @property
+    def bus(self) -> str | None:
+        return bus_key(self.pci_bus_id) if self.pci_bus_id else None
+
+
+@dataclass(frozen=True)
+class Xid:
+    pci: str
+    code: int
+    line: str
+
+    @property
+    def bus(self) -> str:
+        return bus_key(self.pci)
+
+
+@dataclass(frozen=True)
+class NVMLSnapshot:
+    """A parsed snapshot (live or replayed)."""
+
+    gpus: tuple[GPUInfo, ...]
+    device_count: int | None
+    driver_version: str | None = None
+    nvml_version: str | None = None
+    kmsg: tuple[str, ...] | None = None
+    source: str = ""
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def bus_key(pci: str) -> str:
+    """'00000000:18:00.0' and '0000:18:00' (XID form) both -> '18:00'."""
+    head = pci.split(".")[0].lower()
+    parts = head.split(":")
+    return ":".join(parts[-2:]) if len(parts) >= 2 else head
+
+
+def parse_xids(lines: list[str] | tuple[str, ...] | None) -> list[Xid]:
+    """NVIDIA XID events in kernel log lines (`NVRM: Xid (PCI:0000:18:00): 79, ...`)."""
+    out = []
+    for line in lines or ():
+        m = _XID.search(line)
+        if m:
+            out.append(Xid(m.group(1), int(m.group(2)), line.strip()))
+    return out
+
+
+def reason_names(mask: int) -> list[str]:
+    return [name for bit, name in REASON_BITS.items() if mask & bit]
+
+
+# -- parsing ----------------------------------------------------------------------------------
+
+
+def _opt_int(v: Any) -> int | None:
+    if isinstance(v, bool) or v is None:
+        return None if v is None else int(v)
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return None
+
+
+def _opt_float(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v)
+
+
+def _opt_bool(v: Any) -> bool | None:
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int):
+        return bool(v)
+    return None
+
+
+def _opt_str(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def parse_gpu(raw: dict[str, Any], position: int) -> GPUInfo:
+    procs_raw = raw.get("compute_processes")
+    procs: tuple[ProcessInfo, ...] | None = None
+    if isinstance(procs_raw, list):
+        procs = tuple(
+            ProcessInfo(int(p["pid"]), _opt_int(p.get("used_memory_bytes")))
+            for p in procs_raw
+            if isinstance(p, dict) and isinstance(p.get("pid"), int)
+        )
+    index = raw.get("index")
+    return GPUInfo(
+        index=index if isinstance(index, int) else position,
+        name=_opt_str(raw.get("name")),
+        uuid=_opt_str(raw.get("uuid")),
+        pci_bus_id=_opt_str(raw.get("pci_bus_id")),
+        temperature_c=_opt_float(raw.get("temperature_c")),
+        power_w=_opt_float(raw.get("power_w")),
+        power_limit_w=_opt_float(raw.get("power_limit_w")),
+        total_energy_mj=_opt_float(raw.get("total_energy_mj")),
+        persistence_mode=_opt_bool(raw.get("persistence_mode")),
+        ecc_uncorrected_volatile=_opt_int(raw.get("ecc_uncorrected_volatile")),
+        ecc_uncorrected_aggregate=_opt_int(raw.get("ecc_uncorrected_aggregate")),
+        retired_pages_sbe=_opt_int(raw.get("retired_pages_sbe")),
+        retired_pages_dbe=_opt_int(raw.get("retired_pages_dbe")),
+        retired_pages_pending=_opt_bool(raw.get("retired_pages_pending")),
+        remapped_rows_correctable=_opt_int(raw.get("remapped_rows_correctable")),
+        remapped_rows_uncorrectable=_opt_int(raw.get("remapped_rows_uncorrectable")),
+        remapped_rows_pending=_opt_bool(raw.get("remapped_rows_pending")),
+        remapped_rows_failure=_opt_bool(raw.get("remapped_rows_failure")),
+        clocks_event_reasons=_opt_int(raw.get("clocks_event_reasons")),
+        pcie_link_gen_current=_opt_int(raw.get("pcie_link_gen_current")),
+        pcie_link_gen_max=_opt_int(raw.get("pcie_link_gen_max")),
+        pcie_link_gen_gpu_max=_opt_int(raw.get("pcie_link_gen_gpu_max")),
+        pcie_link_width_current=_opt_int(raw.get("pcie_link_width_current")),
+        pcie_link_width_max=_opt_int(raw.get("pcie_link_width_max")),
+        compute_processes=procs,
+        memory_total_bytes=_opt_int(raw.get("memory_total_bytes")),
+        memory_used_bytes=_opt_int(raw.get("memory_used_bytes")),
+        error=_opt_str(raw.get("error")),
+    )
+
+
+def parse_snapshot(data: Any, source: str = "") -> NVMLSnapshot:
+    """Parse a snapshot dict (schema 1).
+
+    Raises:
+        ValueError: not a schema-1 NVML snapshot.
+    """
+    if not isinstance(data, dict) or data.get("kind") != KIND:
+        raise ValueError("not an NVML snapshot (kind != 'nvml_snapshot')")
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"unsupported NVML snapshot schema {data.get('schema')!r} (want {SCHEMA})")
+    gpus_raw = data.get("gpus")
+    if not isinstance(gpus_raw, list):
+        raise ValueError("NVML snapshot has no 'gpus' list")
+    kmsg = data.get("kmsg")
+    return NVMLSnapshot(
+        gpus=tuple(parse_gpu(g, i) for i, g in enumerate(gpus_raw) if isinstance(g, dict)),
+        device_count=_opt_int(data.get("device_count")),
+        driver_version=_opt_str(data.get("driver_version")),
+        nvml_version=_opt_str(data.get("nvml_version")),
+        kmsg=tuple(str(x) for x in kmsg) if isinstance(kmsg, list) else None,
+        source=source or str(data.get("source") or ""),
+        errors={str(k): str(v) for k, v in (data.get("errors") or {}).items()},
+    )
+
+
+def load_snapshot(path: Path) -> NVMLSnapshot:
+    """Read and parse a snapshot file.
+
+    Raises:
+        OSError: unreadable. ValueError: not valid JSON or not a snapshot.
+    """
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    return parse_snapshot(data, source=f"snapshot {path}")
+
+
+# -- live recording ---------------------------------------------------------------------------
+
+
+def read_kmsg_nvrm(path: str = "/dev/kmsg", max_records: int = 200_000) -> list[str]:
+    """NVRM lines of the kernel ring buffer, read without blocking (root only).
+
+    Raises:
+        OSError: /dev/kmsg cannot be opened (not root, dmesg_restrict, no such device).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    lines: list[str] = []
+    try:
+        for _ in range(max_records):
+            try:
+                rec = os.read(fd, 8192)
+            except BlockingIOError:
+                break
+            except BrokenPipeError:
+                continue  # the record was overwritten while we read: skip it
+            if not rec:
+                break
+            text = rec.decode("utf-8", "replace")
+            _, _, msg = text.partition(";")
+            if "NVRM" in msg:
+                lines.append(msg.splitlines()[0] if msg else msg)
+    finally:
+        os.close(fd)
+    return lines
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def gather_live(*, include_kmsg: bool = True) -> dict[str, Any]:
+    """Record this node's NVML values in the snapshot format.
+
+    Every NVML call is guarded: a field NVML does not support (or that fails) is recorded
+    as null, with the error text under the GPU's `errors`.
+
+    Raises:
+        ImportError: pynvml (package nvidia-ml-py) is not installed.
+        RuntimeError: nvmlInit failed (no driver, library missing): the message says why.
+    """
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        raise RuntimeError(f"NVML init failed: {exc}") from exc
+    try:
+        return _gather(pynvml, include_kmsg)
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+
+
+def _gather(nv: Any, include_kmsg: bool) -> dict[str, Any]:
+    errors: dict[str, str] = {}
+
+    def call(where: dict[str, str], key: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except nv.NVMLError as exc:
+            where[key] = str(exc)
+        except (AttributeError, TypeError, ValueError) as exc:  # older/newer pynvml
+            where[key] = f"{type(exc).__name__}: {exc}"
+        return None
+
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as pkg_version
+
+    try:
+        version = pkg_version("nvidia-ml-py")
+    except PackageNotFoundError:
+        version = "?"
+    count = call(errors, "device_count", nv.nvmlDeviceGetCount)
+    cuda = call(errors, "cuda_driver_version", nv.nvmlSystemGetCudaDriverVersion)
+    out: dict[str, Any] = {
+        "schema": SCHEMA,
+        "kind": KIND,
+        "source": f"live NVML via pynvml (nvidia-ml-py {version})",
+        "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "hostname": socket.gethostname(),
+        "driver_version": _opt(call(errors, "driver_version", nv.nvmlSystemGetDriverVersion), _text),
+        "nvml_version": _opt(call(errors, "nvml_version", nv.nvmlSystemGetNVMLVersion), _text),
+        "cuda_driver_version": cuda,
+        "device_count": count,
+        "gpus": [_gather_gpu(nv, i, call) for i in range(count or 0)],
+        "kmsg": None,
+        "errors": errors,
+    }
+    if include_kmsg:
+        kmsg = os.environ.get("BV_KMSG")
+        try:
+            if kmsg:
+                with open(kmsg, encoding="utf-8", errors="replace") as fh:
+                    out["kmsg"] = [ln.rstrip("\n") for ln in fh if "NVRM" in ln]
+            else:
+                out["kmsg"] = read_kmsg_nvrm()
+        except OSError as exc:
+            errors["kmsg"] = f"{exc.strerror or exc}"
+    return out
+
+
+def _opt(value: Any, fn: Callable[[Any], Any]) -> Any:
+    return None if value is None else fn(value)
+
+
+def _gather_gpu(nv: Any, index: int, call: Callable[..., Any]) -> dict[str, Any]:
+    errs: dict[str, str] = {}
+    try:
+        h = nv.nvmlDeviceGetHandleByIndex(index)
+    except nv.NVMLError as exc:
+        return {"index": index, "error": str(exc)}
+
+    def get(key: str, fn: Callable[[], Any]) -> Any:
+        return call(errs, key, fn)
+
+    g: dict[str, Any] = {"index": index}
+    g["name"] = _opt(get("name", lambda: nv.nvmlDeviceGetName(h)), _text)
+    g["uuid"] = _opt(get("uuid", lambda: nv.nvmlDeviceGetUUID(h)), _text)
+    g["pci_bus_id"] = _opt(get("pci_bus_id", lambda: nv.nvmlDeviceGetPciInfo(h).busId), _text)
+    g["serial"] = _opt(get("serial", lambda: nv.nvmlDeviceGetSerial(h)), _text)
+    g["temperature_c"] = get(
+        "temperature_c", lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
+    g["power_w"] = _opt(get("power_w", lambda: nv.nvmlDeviceGetPowerUsage(h)), lambda mw: mw / 1000)
+    g["power_limit_w"] = _opt(
+        get("power_limit_w", lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h)), lambda mw: mw / 1000)
+    g["total_energy_mj"] = get(
+        "total_energy_mj", lambda: nv.nvmlDeviceGetTotalEnergyConsumption(h))
+    g["persistence_mode"] = _opt(
+        get("persistence_mode", lambda: nv.nvmlDeviceGetPersistenceMode(h)), bool)
+    unc = nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+    g["ecc_uncorrected_volatile"] = get(
+        "ecc_uncorrected_volatile",
+        lambda: nv.nvmlDeviceGetTotalEccErrors(h, unc, nv.NVML_VOLATILE_ECC))
+    g["ecc_uncorrected_aggregate"] = get(
+        "ecc_uncorrected_aggregate",
+        lambda: nv.nvmlDeviceGetTotalEccErrors(h, unc, nv.NVML_AGGREGATE_ECC))
+    g["retired_pages_sbe"] = _opt(get("retired_pages_sbe", lambda: nv.nvmlDeviceGetRetiredPages(
+        h, nv.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)), len)
+    g["retired_pages_dbe"] = _opt(get("retired_pages_dbe", lambda: nv.nvmlDeviceGetRetiredPages(
+        h, nv.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)), len)
+    g["retired_pages_pending"] = _opt(get(
+        "retired_pages_pending", lambda: nv.nvmlDeviceGetRetiredPagesPendingStatus(h)), bool)
+    rows = get("remapped_rows", lambda: nv.nvmlDeviceGetRemappedRows(h))
+    if rows is not None:
+        corr, unc_rows, pending, failure = rows
+        g.update(remapped_rows_correctable=corr, remapped_rows_uncorrectable=unc_rows,
+                 remapped_rows_pending=bool(pending), remapped_rows_failure=bool(failure))
+    else:
+        g.update(remapped_rows_correctable=None, remapped_rows_uncorrectable=None,
+                 remapped_rows_pending=None, remapped_rows_failure=None)
+    reasons_fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+    g["clocks_event_reasons"] = get("clocks_event_reasons", lambda: reasons_fn(h))
+    g["pcie_link_gen_current"] = get(
+        "pcie_link_gen_current", lambda: nv.nvmlDeviceGetCurrPcieLinkGeneration(h))
+    g["pcie_link_gen_max"] = get(
+        "pcie_link_gen_max", lambda: nv.nvmlDeviceGetMaxPcieLinkGeneration(h))
+    g["pcie_link_gen_gpu_max"] = get(
+        "pcie_link_gen_gpu_max", lambda: nv.nvmlDeviceGetGpuMaxPcieLinkGeneration(h))
+    g["pcie_link_width_current"] = get(
+        "pcie_link_width_current", lambda: nv.nvmlDeviceGetCurrPcieLinkWidth(h))
+    g["pcie_link_width_max"] = get(
+        "pcie_link_width_max", lambda: nv.nvmlDeviceGetMaxPcieLinkWidth(h))
+    procs = get("compute_processes", lambda: nv.nvmlDeviceGetComputeRunningProcesses(h))
+    g["compute_processes"] = None if procs is None else [
+        {"pid": int(p.pid), "used_memory_bytes": _mem(getattr(p, "usedGpuMemory", None))}
+        for p in procs
+    ]
+    mem = get("memory", lambda: nv.nvmlDeviceGetMemoryInfo(h))
+    g["memory_total_bytes"] = getattr(mem, "total", None) if mem is not None else None
+    g["memory_used_bytes"] = getattr(mem, "used", None) if mem is not None else None
+    g["errors"] = errs
+    return g
+
+
+def _mem(value: Any) -> int | None:
+    # NVML reports "not available" (no privilege, MIG) as a huge sentinel value.
+    if not isinstance(value, int) or value < 0 or value >= (1 << 63):
+        return None
+    return value
+
+
+def write_snapshot(path: Path, data: dict[str, Any]) -> None:
+    """Write a snapshot as readable JSON (atomically when the directory allows it)."""
+    from bluevela.util.fs import atomic_write
+
+    text = json.dumps(data, indent=2, sort_keys=False) + "\n"
+    atomic_write(path, text.encode(), 0o644)

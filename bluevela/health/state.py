@@ -1,0 +1,139 @@
+"""The node's own state directory (`site.path("state")`): small JSON files, written atomically.
+
+Layout:
+    ib_counters.json      last IB counter reading (for "increase since the last run")
+    nccl_last_pass.json   time and busbw of the last PASSING nccl check (prolog freshness)
+    last_results.json     the last result of each check (the Prometheus file is rendered from it)
+    last_run.json         the last hook run: phase, job, health report, drain
+    jobs/<job_id>.json    the prolog's readings of a running job (the epilog's per-job deltas)
+
+Every file name is fixed or built from a validated job id; nothing is followed through a
+symlink; a file that cannot be read or parsed counts as absent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from bluevela.errors import UnsafeValueError
+from bluevela.util.fs import atomic_write, ensure_dir, read_no_follow, safe_job_id
+
+logger = logging.getLogger(__name__)
+
+IB_COUNTERS = "ib_counters.json"
+NCCL_LAST_PASS = "nccl_last_pass.json"
+LAST_RESULTS = "last_results.json"
+LAST_RUN = "last_run.json"
+JOBS = "jobs"
+JOB_READING_MAX_AGE_S = 30 * 86400.0
+
+
+def read_json(path: Path) -> Any | None:
+    """Parsed JSON at `path`, or None when missing, unreadable, a symlink or not JSON."""
+    try:
+        return json.loads(read_no_follow(path, limit=16 << 20))
+    except FileNotFoundError:
+        return None
+    except (OSError, UnsafeValueError, ValueError) as exc:
+        logger.warning("ignoring %s: %s", path, exc)
+        return None
+
+
+def write_json(path: Path, data: Any) -> bool:
+    """Write `data` as JSON atomically (creating the directory); False (logged) on failure."""
+    try:
+        ensure_dir(path.parent, 0o755)
+        atomic_write(path, json.dumps(data, sort_keys=True, default=str).encode(), 0o644)
+    except (OSError, UnsafeValueError) as exc:
+        logger.warning("cannot write %s: %s", path, exc)
+        return False
+    return True
+
+
+def writable_dir(path: Path | None, *, create: bool = True) -> Path | None:
+    """`path` when it is a writable directory of ours (created if `create`), else None."""
+    if path is None:
+        return None
+    try:
+        if create:
+            ensure_dir(path, 0o755)
+        elif not path.is_dir() or path.is_symlink():
+            return None
+    except (OSError, UnsafeValueError):
+        return None
+    return path if os.access(path, os.W_OK | os.X_OK) else None
+
+
+# -- nccl freshness -------------------------------------------------------------------------
+
+
+def nccl_last_pass(state_dir: Path) -> dict[str, Any] | None:
+    data = read_json(state_dir / NCCL_LAST_PASS)
+    return data if isinstance(data, dict) and isinstance(data.get("time"), int | float) else None
+
+
+def nccl_is_stale(state_dir: Path | None, freshness_h: float, now: float | None = None) -> bool:
+    """True when the last passing nccl result is older than `freshness_h` (or there is none).
+
+    `freshness_h` 0 means "never from the prolog": never stale.
+    """
+    if freshness_h <= 0:
+        return False
+    if state_dir is None:
+        return True
+    last = nccl_last_pass(state_dir)
+    if last is None:
+        return True
+    now = time.time() if now is None else now
+    return now - float(last["time"]) > freshness_h * 3600.0
+
+
+def record_nccl_pass(state_dir: Path, metrics: Mapping[str, float], now: float | None = None) -> None:
+    write_json(state_dir / NCCL_LAST_PASS, {"time": time.time() if now is None else now, **metrics})
+
+
+# -- per-job readings -----------------------------------------------------------------------
+
+
+def job_reading_path(state_dir: Path, job_id: int | str) -> Path:
+    return state_dir / JOBS / f"{safe_job_id(job_id)}.json"
+
+
+def save_job_reading(state_dir: Path, job_id: int, reading: dict[str, Any]) -> None:
+    """Keep the prolog's readings of `job_id`; also drop readings of jobs long gone."""
+    write_json(job_reading_path(state_dir, job_id), reading)
+    _prune_jobs(state_dir / JOBS)
+
+
+def pop_job_reading(state_dir: Path, job_id: int) -> dict[str, Any] | None:
+    """The prolog's readings of `job_id`, removed from the state dir."""
+    path = job_reading_path(state_dir, job_id)
+    data = read_json(path)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("cannot remove %s: %s", path, exc)
+    return data if isinstance(data, dict) else None
+
+
+def _prune_jobs(directory: Path, max_age_s: float = JOB_READING_MAX_AGE_S) -> None:
+    """Readings whose epilog never ran (node crash) would pile up: remove old ones."""
+    cutoff = time.time() - max_age_s
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                os.unlink(entry.path)
+        except OSError:
+            continue

@@ -1,0 +1,212 @@
+"""The hook's environment: `/etc/bluevela/hook.env`, and what Slurm passes, validated.
+
+Slurm does not pass slurmd's environment to the prolog, so site settings reach the hooks
+through a root-owned file of `KEY=VALUE` lines (`/etc/bluevela/hook.env`, or `$BV_HOOK_ENV`;
+`BV_HOOK_ENV=none` skips it). Only `BV_*` keys and `SLURM_CONF` are accepted; the file must be
+a regular file (not a symlink) owned by root (or us) and not writable by group or others.
+
+Values the job's owner controls (SLURM_JOB_COMMENT, SLURM_JOB_WORK_DIR, SLURM_JOB_STDOUT,
+SLURM_JOB_STDERR, SLURM_JOB_NAME, SLURM_JOB_EXTRA, SLURM_JOB_CONSTRAINTS) are never read
+here: nothing of theirs can become a shell word or a path. The node name and job id are
+validated (`bluevela.util.fs`) before they name any file; user and partition are kept as data
+(control characters removed, length bounded).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import stat
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from bluevela.errors import UnsafeValueError
+from bluevela.util.fs import safe_job_id, safe_node_name
+
+logger = logging.getLogger(__name__)
+
+HOOK_ENV = Path("/etc/bluevela/hook.env")
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_KEY = re.compile(r"^(BV_[A-Z0-9_]+|SLURM_CONF)$")
+MAX_HOOK_ENV = 64 << 10
+
+
+def parse_hook_env(text: str) -> dict[str, str]:
+    """`KEY=VALUE` lines (optional `export `, `#` comments, one pair of quotes) -> accepted keys."""
+    out: dict[str, str] = {}
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("export "):
+            line = line[len("export "):].lstrip()
+        key, sep, value = line.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not _KEY.match(key):
+            logger.warning("hook.env line %d ignored: only BV_* and SLURM_CONF keys are accepted", n)
+            continue
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        if "\0" in value:
+            continue
+        out[key] = value
+    return out
+
+
+def read_hook_env(path: Path) -> dict[str, str]:
+    """Parse the hook.env at `path`; {} when absent or refused (logged).
+
+    Refused: a symlink, not a regular file, not owned by root or us, group/other-writable.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        logger.warning("cannot open %s: %s", path, exc.strerror or exc)
+        return {}
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            logger.error("%s is not a regular file: ignored", path)
+            return {}
+        if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+            logger.error("%s must be owned by root and not group/other-writable: ignored", path)
+            return {}
+        data = os.read(fd, MAX_HOOK_ENV)
+    finally:
+        os.close(fd)
+    return parse_hook_env(data.decode("utf-8", "replace"))
+
+
+def load_hook_env(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Apply hook.env to `environ` (default os.environ); also give the hook a PATH.
+
+    Slurm runs hooks with no PATH: a default is set, and `BV_SLURM_BIN` (a directory, from
+    hook.env) is put in front of it for sites whose Slurm is elsewhere.
+    """
+    env = os.environ if environ is None else environ
+    chosen = env.get("BV_HOOK_ENV") or str(HOOK_ENV)
+    values = {} if chosen == "none" else read_hook_env(Path(chosen))
+    env.update(values)
+    if not env.get("PATH"):
+        env["PATH"] = DEFAULT_PATH
+    slurm_bin = env.get("BV_SLURM_BIN")
+    if slurm_bin and os.path.isabs(slurm_bin) and slurm_bin not in env["PATH"].split(":"):
+        env["PATH"] = f"{slurm_bin}:{env['PATH']}"
+    return values
+
+
+def _data(value: str | None, limit: int = 128) -> str:
+    """A value kept only as data: printable characters, bounded length."""
+    if not value:
+        return ""
+    return "".join(ch for ch in value if ch.isprintable())[:limit]
+
+
+def _int(value: str | None) -> int | None:
+    if value is None:
+        return None
+    value = value.strip()
+    return int(value) if re.fullmatch(r"-?[0-9]{1,10}", value) else None
+
+
+def parse_exit(code2: str | None, raw: str | None) -> tuple[int | None, int | None]:
+    """(exit_code, signal) from SLURM_JOB_EXIT_CODE2 ('3:0') or the raw wait status."""
+    if code2:
+        m = re.fullmatch(r"\s*([0-9]{1,3}):([0-9]{1,3})\s*", code2)
+        if m:
+            sig = int(m.group(2))
+            return int(m.group(1)), (sig or None)
+    status = _int(raw)
+    if status is None or status < 0:
+        return None, None
+    if status & 0x7F:
+        return None, status & 0x7F
+    return (status >> 8) & 0xFF, None
+
+
+def parse_derived(value: str | None) -> int | None:
+    """SLURM_JOB_DERIVED_EC ('3:0', or a raw wait status as a number) -> exit code."""
+    if not value:
+        return None
+    if ":" in value:
+        code, _ = parse_exit(value, None)
+        return code
+    code, sig = parse_exit(None, value)
+    return code if sig is None else 128 + sig
+
+
+@dataclass(frozen=True)
+class HookContext:
+    """What Slurm tells a hook, validated.
+
+    Attributes:
+        phase: prolog, epilog or healthcheck.
+        node: this node's Slurm name (SLURMD_NODENAME, else the short hostname), validated.
+        job_id: validated, None for the healthcheck.
+        user, partition: data only.
+        nodelist: the job's nodes (each a validated name); () when unparsable.
+    """
+
+    phase: str
+    node: str
+    job_id: int | None = None
+    user: str = ""
+    partition: str = ""
+    num_nodes: int | None = None
+    nodelist: tuple[str, ...] = ()
+    restart_count: int = 0
+    exit_code: int | None = None
+    exit_signal: int | None = None
+    derived_exit_code: int | None = None
+
+    @classmethod
+    def from_env(cls, phase: str, env: MutableMapping[str, str] | None = None) -> HookContext:
+        """Read and validate.
+
+        Raises:
+            UnsafeValueError: the node name or the job id is not plain.
+        """
+        env = os.environ if env is None else env
+        node = safe_node_name(env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0])
+        job_id: int | None = None
+        if phase != "healthcheck":
+            raw = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+            if raw is None:
+                raise UnsafeValueError(f"{phase}: SLURM_JOB_ID is not set")
+            job_id = safe_job_id(raw)
+        exit_code = exit_signal = derived = None
+        if phase == "epilog":
+            exit_code, exit_signal = parse_exit(env.get("SLURM_JOB_EXIT_CODE2"),
+                                                env.get("SLURM_JOB_EXIT_CODE"))
+            derived = parse_derived(env.get("SLURM_JOB_DERIVED_EC"))
+        return cls(
+            phase=phase,
+            node=node,
+            job_id=job_id,
+            user=_data(env.get("SLURM_JOB_USER"), 64),
+            partition=_data(env.get("SLURM_JOB_PARTITION"), 64),
+            num_nodes=_int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")),
+            nodelist=_nodelist(env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST")),
+            restart_count=_int(env.get("SLURM_JOB_RESTART_COUNT")) or 0,
+            exit_code=exit_code,
+            exit_signal=exit_signal,
+            derived_exit_code=derived,
+        )
+
+
+def _nodelist(expr: str | None) -> tuple[str, ...]:
+    if not expr:
+        return ()
+    import hostlist
+
+    try:
+        names = hostlist.expand_hostlist(expr)
+        return tuple(safe_node_name(n) for n in names[:100_000])
+    except (hostlist.BadHostlist, UnsafeValueError):
+        logger.warning("unparsable SLURM_NODELIST ignored")
+        return ()

@@ -1,0 +1,275 @@
+"""What each hook does. Exit codes are what Slurm acts on:
+
+- prolog: quick tier (+ nccl when its last pass is older than `health.nccl_freshness_h`).
+  CRITICAL: drain this node `bv: <check>: <detail>`, spool the report, exit 1 (Slurm requeues
+  the job). Exit 0 when the fleet breaker held the drain (a non-zero exit would make Slurm
+  drain the node itself, defeating the breaker). WARNING/UNKNOWN: exit 0, recorded.
+- epilog: quick tier after the job, with its exit status and per-job telemetry, spooled.
+  CRITICAL: drain with the precise reason; always exit 0 (a non-zero exit would drain with
+  Slurm's vague "Epilog error").
+- healthcheck: full tier on an idle node; drain on CRITICAL; resume a node only when its drain
+  reason is ours (`bv:`) and the check it names passes again. Operators' drains are never touched.
+
+Failing open: an error of the hook itself (bad site.yaml, a bug) logs one line and exits 0 -
+a broken installation must not drain the fleet; the checks themselves never raise (a check
+that cannot run is UNKNOWN).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bluevela.errors import BluevelaError
+from bluevela.hooks.env import HookContext, load_hook_env
+
+if TYPE_CHECKING:
+    from bluevela.health.result import HealthReport
+    from bluevela.site import Site
+
+logger = logging.getLogger(__name__)
+
+HEALTHCHECK_LIMIT_S = 55.0  # slurmd kills HealthCheckProgram at 60 s (slurm.conf(5))
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    attempted: bool = False
+    drained: bool = False
+    reason: str | None = None
+    why_not: str | None = None  # fleet breaker, operator's drain
+    error: str | None = None  # the Slurm call failed
+
+    @property
+    def breaker(self) -> bool:
+        return bool(self.why_not and self.why_not.startswith("fleet breaker"))
+
+
+@dataclass(frozen=True)
+class HookOutcome:
+    """What a hook did (also written to `<state>/last_run.json`)."""
+
+    phase: str
+    node: str
+    job_id: int | None
+    report: HealthReport
+    drain: DrainResult
+    resumed: bool = False
+    resume_note: str | None = None
+    spooled: str | None = None
+    exit_code: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase, "node": self.node, "job_id": self.job_id,
+            "time": time.time(), "health": self.report.to_dict(),
+            "drained": self.drain.drained, "drain_reason": self.drain.reason,
+            "drain_note": self.drain.why_not or self.drain.error,
+            "resumed": self.resumed, "resume_note": self.resume_note,
+            "spooled": self.spooled, "exit_code": self.exit_code,
+        }
+
+
+def _setup_logging(phase: str) -> None:
+    level_name = os.environ.get("BV_HOOK_LOG_LEVEL", "INFO").upper()
+    level = getattr(logging, level_name, logging.INFO)
+    logging.basicConfig(level=level if isinstance(level, int) else logging.INFO,
+                        format=f"bluevela {phase}: %(levelname)s: %(message)s", stream=sys.stderr)
+
+
+def run_hook(phase: str) -> int:
+    """Run one hook; the return value is the exit code Slurm sees. Never raises."""
+    try:
+        load_hook_env()
+        _setup_logging(phase)
+        hctx = HookContext.from_env(phase)
+        from bluevela.site import load_site
+
+        site = load_site()
+        outcome = {"prolog": prolog, "epilog": epilog, "healthcheck": healthcheck}[phase](site, hctx)
+        return outcome.exit_code
+    except Exception as exc:  # noqa: BLE001 - fail open: see the module docstring
+        logging.getLogger(__name__).debug("hook failure", exc_info=True)
+        print(f"bluevela {phase}: hook error, nothing checked, exit 0: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 0
+
+
+# -- shared steps -------------------------------------------------------------------------------
+
+
+def _state_dir(site: Site) -> Path | None:
+    from bluevela.health.state import writable_dir
+
+    state = writable_dir(site.path("state"))
+    if state is None:
+        logger.warning("state dir %s not writable: no baselines, no freshness, no telemetry",
+                       site.path("state"))
+    return state
+
+
+def _run(site: Site, hctx: HookContext, state: Path | None, plan_name: str) -> HealthReport:
+    from bluevela.health.context import ProbeContext
+    from bluevela.health.runner import plan_prolog, plan_tier, run_plan
+    from bluevela.health.state import nccl_is_stale
+
+    class_name = site.class_name_for(hctx.node)
+    cls = site.node_classes[class_name]
+    if plan_name == "prolog":
+        stale = state is not None and nccl_is_stale(state, site.health.nccl_freshness_h)
+        plan = plan_prolog(site, stale)
+    else:
+        plan = plan_tier(site, plan_name)
+    if hctx.phase == "healthcheck" and plan.cap_s > HEALTHCHECK_LIMIT_S:
+        # slurmd kills a HealthCheckProgram after 60 s: end the run (and drain) before that.
+        plan = replace(plan, cap_s=HEALTHCHECK_LIMIT_S)
+    pctx = ProbeContext.from_env(cls, class_name, state_dir=state, phase=hctx.phase)
+    return run_plan(plan, pctx)
+
+
+def _record(site: Site, state: Path | None, report: HealthReport, phase: str) -> None:
+    """Last results, the Prometheus file, and the nccl freshness mark."""
+    if state is None:
+        return
+    from bluevela.health.metrics import merge_last_results, write_prom
+    from bluevela.health.result import Status
+    from bluevela.health.state import record_nccl_pass
+
+    merged = merge_last_results(state, report, phase)
+    write_prom(site.path("metrics"), merged)
+    nccl = report.result("nccl")
+    if nccl is not None and nccl.status is Status.OK:
+        record_nccl_pass(state, nccl.metrics)
+
+
+def _drain_if_critical(site: Site, node: str, report: HealthReport) -> DrainResult:
+    detail = report.drain_detail()
+    if detail is None:
+        return DrainResult()
+    from bluevela.health.drain import drain_node, hook_client, make_reason
+
+    reason = make_reason(site, detail)
+    try:
+        out = drain_node(hook_client(site), site, node, detail)
+    except BluevelaError as exc:
+        logger.error("could not drain %s (%s): %s", node, reason, exc)
+        return DrainResult(True, False, reason, error=str(exc))
+    if not out.drained:
+        logger.error("NOT drained %s (%s): %s", node, reason, out.why_not)
+    return DrainResult(True, out.drained, out.reason, out.why_not)
+
+
+def _spool(site: Site, hctx: HookContext, report: HealthReport, drain: DrainResult,
+           telemetry: dict[str, float]) -> str | None:
+    if hctx.job_id is None:
+        return None
+    from bluevela.archive.spool import write_report
+
+    body = {
+        "phase": hctx.phase, "job_id": hctx.job_id, "node": hctx.node, "user": hctx.user,
+        "partition": hctx.partition, "num_nodes": hctx.num_nodes,
+        "nodelist": list(hctx.nodelist), "time": time.time(),
+        "exit_code": hctx.exit_code, "exit_signal": hctx.exit_signal,
+        "derived_exit_code": hctx.derived_exit_code,
+        "health": report.to_dict(), "telemetry": telemetry,
+        "drained": drain.drained, "drain_reason": drain.reason if drain.attempted else None,
+    }
+    try:
+        return str(write_report(site.path("spool"), body))
+    except (OSError, BluevelaError) as exc:
+        logger.error("could not spool the %s report of job %s: %s", hctx.phase, hctx.job_id, exc)
+        return None
+
+
+def _finish(state: Path | None, outcome: HookOutcome) -> HookOutcome:
+    from bluevela.health.state import LAST_RUN, write_json
+
+    if state is not None:
+        write_json(state / LAST_RUN, outcome.to_dict())
+    r = outcome.report
+    what = f"job {outcome.job_id} " if outcome.job_id is not None else ""
+    detail = r.drain_detail() or "; ".join(f"{c.name} {c.status.name}" for c in r.checks)
+    action = ""
+    if outcome.drain.drained:
+        action = "drained"
+    elif outcome.drain.attempted:
+        action = f"not drained ({outcome.drain.why_not or outcome.drain.error})"
+    elif outcome.resumed:
+        action = "resumed"
+    line = f"{what}on {outcome.node}: {r.status.name} in {r.duration_s:.2f} s: {detail}"
+    logger.log(logging.WARNING if r.status.severity >= 2 else logging.INFO,
+               "%s%s; exit %d", line, f"; {action}" if action else "", outcome.exit_code)
+    return outcome
+
+
+# -- the hooks ----------------------------------------------------------------------------------
+
+
+def prolog(site: Site, hctx: HookContext) -> HookOutcome:
+    from bluevela.health.state import save_job_reading
+    from bluevela.hooks.telemetry import reading_of
+
+    state = _state_dir(site)
+    report = _run(site, hctx, state, "prolog")
+    _record(site, state, report, "prolog")
+    if state is not None and hctx.job_id is not None:
+        save_job_reading(state, hctx.job_id, reading_of(report, time.time()))
+    drain = _drain_if_critical(site, hctx.node, report)
+    spooled = _spool(site, hctx, report, drain, {})
+    # Exit 1 keeps the job off this node (Slurm requeues it) unless the fleet breaker held
+    # the drain on purpose.
+    code = 1 if drain.attempted and not drain.breaker else 0
+    return _finish(state, HookOutcome("prolog", hctx.node, hctx.job_id, report, drain,
+                                      spooled=spooled, exit_code=code))
+
+
+def epilog(site: Site, hctx: HookContext) -> HookOutcome:
+    from bluevela.health.state import pop_job_reading
+    from bluevela.hooks.telemetry import job_telemetry
+
+    state = _state_dir(site)
+    report = _run(site, hctx, state, "quick")
+    _record(site, state, report, "epilog")
+    reading = pop_job_reading(state, hctx.job_id) if state and hctx.job_id is not None else None
+    telemetry = job_telemetry(reading, report, time.time())
+    drain = _drain_if_critical(site, hctx.node, report)
+    spooled = _spool(site, hctx, report, drain, telemetry)
+    return _finish(state, HookOutcome("epilog", hctx.node, hctx.job_id, report, drain,
+                                      spooled=spooled, exit_code=0))
+
+
+def healthcheck(site: Site, hctx: HookContext) -> HookOutcome:
+    from bluevela.health.drain import hook_client, is_ours, passes_for_resume
+
+    state = _state_dir(site)
+    report = _run(site, hctx, state, "full")
+    _record(site, state, report, "healthcheck")
+    drain = _drain_if_critical(site, hctx.node, report)
+    resumed, note = False, None
+    if not drain.attempted:
+        try:
+            client = hook_client(site)
+            found = client.nodes([hctx.node])
+            info = found[0] if found else None
+            if info is not None and info.drained and is_ours(site, info.reason):
+                ok, note = passes_for_resume(site, info.reason,
+                                             {c.name: int(c.status) for c in report.checks})
+                if ok:
+                    client.resume(hctx.node, timeout_s=site.health.drain_timeout_s)
+                    resumed = True
+                    logger.warning("resumed %s (was: %s): %s", hctx.node, info.reason, note)
+                else:
+                    logger.warning("%s stays drained (%s): %s", hctx.node, info.reason, note)
+            elif info is not None and info.drained:
+                note = f"drained by an operator ({info.reason}): left alone"
+                logger.info("%s %s", hctx.node, note)
+        except BluevelaError as exc:
+            note = f"could not query/resume: {exc}"
+            logger.error("%s", note)
+    return _finish(state, HookOutcome("healthcheck", hctx.node, None, report, drain,
+                                      resumed=resumed, resume_note=note, exit_code=0))
