@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,24 @@ def test_multi_level_compaction(dirs: tuple[Path, Path]) -> None:
     assert query.verify(archive).ok
 
 
+def test_a_first_ingest_killed_after_its_segment_is_completed_next_time(
+        dirs: tuple[Path, Path]) -> None:
+    spool, archive = dirs
+    with Archive(archive).writer():
+        pass  # a new archive gets its (empty) manifest before any segment
+    assert json.loads((archive / MANIFEST).read_text())["segments"] == []
+    # What a writer killed between the segment's rename and the manifest leaves behind:
+    (archive / "segments").mkdir()
+    (archive / "segments" / "seg-000000000001-L0.h5").write_bytes(b"orphan")
+    (archive / "segments" / ".seg-000000000001-L0.h5.123.tmp").write_bytes(b"half")
+    keys = spool_job(spool, 55, ["n1"])
+    assert ingest(spool, archive).reports_ingested == 2
+    assert stored_keys(archive) == Counter(keys)
+    assert [p.name for p in (archive / "segments").iterdir()] == \
+        [s.file for s in Archive(archive).manifest().segments]
+    assert query.verify(archive).ok
+
+
 def test_missing_archive_is_one_clear_error_and_the_spool_is_untouched(
         dirs: tuple[Path, Path], tmp_path: Path) -> None:
     spool, _ = dirs
@@ -200,29 +219,45 @@ def _bv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
                           check=False)
 
 
+def _wait_for_lock(proc: subprocess.Popen[bytes], lock: Path, timeout: float = 30) -> float:
+    """Wait until `proc` holds the writer lock (its pid in .lock): its imports are done and
+    the work that must survive a kill begins. Returns the time."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if lock.read_text().strip() == str(proc.pid):
+                break
+        except FileNotFoundError:
+            pass
+        time.sleep(0.002)
+    return time.monotonic()
+
+
 def test_kill_9_at_random_points_loses_and_doubles_nothing(dirs: tuple[Path, Path]) -> None:
-    """SIGKILL `bv archive ingest` at >= 20 random moments (writing, committing, moving spool
-    files, compacting); after each, a normal ingest completes the work and verify passes."""
+    """SIGKILL `bv archive ingest` at >= 20 random moments while it holds the lock (reading
+    the spool, writing the segment, committing, moving spool files, compacting); after each,
+    a normal ingest completes the work and verify passes."""
     spool, archive = dirs
     env = {"BV_SPOOL_DIR": str(spool), "BV_ARCHIVE_DIR": str(archive)}
     rng = random.Random(4)
     nodes = [f"n{i:03d}" for i in range(40)]
     want: Counter[tuple[int, str, str]] = Counter()
     duration = 1.0
-    kills = 0
+    kills = rnd = 0
     t_start = time.monotonic()
-    for rnd in range(24):
+    while kills < 22 and rnd < 40:
+        rnd += 1
         for j in range(4):  # 4 jobs x 40 nodes x 2 phases = 320 reports per round
             want.update(spool_job(spool, 1000 + rnd * 10 + j, nodes, t=T0 + rnd * 86400))
         proc = subprocess.Popen([sys.executable, "-m", "bluevela", "archive", "ingest"],
                                 env={**os.environ, **env}, cwd=REPO, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
-        t0 = time.monotonic()
-        if rnd == 0:
+        t0 = _wait_for_lock(proc, archive / ".lock")
+        if rnd == 1:
             proc.wait(60)  # measure one uninterrupted run to aim the kills
             duration = time.monotonic() - t0
             continue
-        time.sleep(rng.uniform(0.1, duration * 1.1))
+        time.sleep(rng.uniform(0.0, duration))
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         kills += proc.returncode == -signal.SIGKILL
@@ -233,13 +268,13 @@ def test_kill_9_at_random_points_loses_and_doubles_nothing(dirs: tuple[Path, Pat
         got = stored_keys(archive)
         assert got == want, (set(want) - set(got), [k for k, c in got.items() if c > 1])
         assert not list(spool.glob("*.json"))
-    assert kills >= 20
+    assert kills >= 20, (kills, rnd)
     assert Archive(archive).manifest().segments
     assert time.monotonic() - t_start < 60
 
 
 @pytest.fixture()
-def tiny_fs(tmp_path: Path):  # type: ignore[no-untyped-def]
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a small tmpfs needs root")
     mnt = tmp_path / "tiny"

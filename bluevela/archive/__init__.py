@@ -1,1 +1,8 @@
-"""The spool of node reports and the per-job HDF5 run archive."""
+"""The spool of node reports and the HDF5 run archive (docs/archive.md).
+
+`spool` (report format; writing, reading, quarantine), `ingest` (spool -> archive),
+`store` (segment files, manifest, writer lock, compaction), `schema` (dtypes and checker),
+`tables` (rows <-> reports), `query` (the read API under `bv archive`), `slurmctld`
+(the EpilogSlurmctld entry point), `sample` (synthetic reports for tests and benchmarks).
+Only `spool` is imported on the hooks' path; the rest imports numpy/h5py lazily.
+"""

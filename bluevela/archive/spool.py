@@ -13,23 +13,58 @@ Report format (schema 1), one JSON object:
              summary, metrics: {<name>_<unit>: number}, duration_s}]},
     telemetry: {<name>_<unit>: number}  (per-job deltas in the epilog),
     drained: bool, drain_reason: str | null
+
+Reading side (ingest): `scan_spool` lists the report files and refuses anything else (symlinks,
+non-regular files, names that are not `<job>.<node>.<phase>.json`); `load_report` reads one
+without following a symlink and validates it; `quarantine` moves a refused or malformed entry
+to `<spool>/quarantine/` next to a `.reason` file; `mark_done` moves ingested reports to
+`<spool>/done/` once the archive holding them is durable.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
+import os
+import re
+import stat
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from bluevela.errors import UnsafeValueError
-from bluevela.util.fs import atomic_write, ensure_dir, safe_job_id, safe_node_name
+from bluevela.errors import ArchiveError, UnsafeValueError
+from bluevela.util.fs import (
+    atomic_write,
+    ensure_dir,
+    fsync_dir,
+    safe_job_id,
+    safe_node_name,
+)
 
 logger = logging.getLogger(__name__)
 
 SCHEMA = 1
 Phase = Literal["prolog", "epilog"]
 PHASES: tuple[str, ...] = ("prolog", "epilog")
+DONE_DIR = "done"
+QUARANTINE_DIR = "quarantine"
+MAX_REPORT_BYTES = 4 << 20
+STALE_TEMP_S = 3600.0  # a writer's temporary file older than this belongs to a dead writer
+
+_NAME_RE = re.compile(r"^([0-9]{1,12})\.(.+)\.(prolog|epilog)\.json$")
+_TEMP_RE = re.compile(r"^\..+\.[0-9]+\.tmp$")
+# Limits shared with the archive schema (bluevela/archive/schema.py): identifier columns are
+# fixed-width, so a longer value is refused here rather than truncated there.
+_NAME_LIMIT = 64
+_TIER_LIMIT = 32
+_STATUS_CODES = {"OK": 0, "WARNING": 1, "CRITICAL": 2, "UNKNOWN": 3}
+
+
+class ReportError(ArchiveError):
+    """A spool entry is not a valid node report (it goes to quarantine, ingest goes on)."""
 
 
 def report_name(job_id: int | str, node: str, phase: str) -> str:
@@ -54,3 +89,445 @@ def write_report(spool: Path, report: dict[str, Any]) -> Path:
     atomic_write(path, data, 0o644)
     logger.debug("spooled %s (%d bytes)", path, len(data))
     return path
+
+
+def parse_report_name(name: str) -> tuple[int, str, str]:
+    """Split `<job>.<node>.<phase>.json` into its validated parts.
+
+    Raises:
+        UnsafeValueError: the name is not exactly a report name built from safe values.
+    """
+    m = _NAME_RE.match(name)
+    if not m:
+        raise UnsafeValueError(f"not a report file name: {name!r}")
+    job_id = safe_job_id(m.group(1))
+    node = safe_node_name(m.group(2))
+    return job_id, node, m.group(3)
+
+
+@dataclass(frozen=True)
+class SpoolEntry:
+    """One report file found in the spool (its name already validated)."""
+
+    name: str
+    job_id: int
+    node: str
+    phase: str
+
+    @property
+    def key(self) -> tuple[int, str, str]:
+        return (self.job_id, self.node, self.phase)
+
+
+@dataclass
+class SpoolScan:
+    """What `scan_spool` found: report entries, and refused entries with the reason."""
+
+    entries: list[SpoolEntry] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)
+
+
+def check_spool_dir(spool: Path) -> None:
+    """Raise ArchiveError unless `spool` is a plain, readable directory (not a symlink)."""
+    try:
+        st = os.lstat(spool)
+    except FileNotFoundError:
+        raise ArchiveError(f"spool directory {spool} does not exist") from None
+    except OSError as exc:
+        raise ArchiveError(f"cannot read spool directory {spool}: {exc.strerror}") from exc
+    if stat.S_ISLNK(st.st_mode):
+        raise ArchiveError(f"spool {spool} is a symlink; refusing to follow it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ArchiveError(f"spool {spool} is not a directory")
+
+
+def scan_spool(spool: Path, job_id: int | None = None) -> SpoolScan:
+    """List the spool's report files; refuse symlinks, non-regular files and odd names.
+
+    Writers' temporary files (`.<name>.<pid>.tmp`) are skipped; those older than an hour
+    belong to a dead writer and are removed.
+
+    Args:
+        spool: the spool directory.
+        job_id: only this job's entries (the EpilogSlurmctld path).
+
+    Raises:
+        ArchiveError: the spool is missing, not a directory, a symlink or unreadable.
+    """
+    check_spool_dir(spool)
+    scan = SpoolScan()
+    prefix = f"{job_id}." if job_id is not None else ""
+    now = time.time()
+    try:
+        with os.scandir(spool) as it:
+            for de in it:
+                name = de.name
+                if name in (DONE_DIR, QUARANTINE_DIR) and de.is_dir(follow_symlinks=False):
+                    continue
+                if not name.startswith(prefix):
+                    continue
+                if name.startswith("."):
+                    if _TEMP_RE.match(name) and de.is_file(follow_symlinks=False):
+                        _remove_stale_temp(de, now)
+                    continue
+                if de.is_symlink():
+                    scan.refused.append((name, "a symlink (never followed)"))
+                    continue
+                if not de.is_file(follow_symlinks=False):
+                    scan.refused.append((name, "not a regular file"))
+                    continue
+                try:
+                    job, node, phase = parse_report_name(name)
+                except UnsafeValueError as exc:
+                    scan.refused.append((name, str(exc)))
+                    continue
+                scan.entries.append(SpoolEntry(name, job, node, phase))
+    except OSError as exc:
+        raise ArchiveError(f"cannot read spool directory {spool}: {exc.strerror}") from exc
+    scan.entries.sort(key=lambda e: (e.job_id, e.node, e.phase))
+    return scan
+
+
+def _remove_stale_temp(de: os.DirEntry[str], now: float) -> None:
+    try:
+        if now - de.stat(follow_symlinks=False).st_mtime > STALE_TEMP_S:
+            os.unlink(de.path)
+            logger.info("removed a dead writer's temporary file %s", de.path)
+    except OSError:
+        pass
+
+
+def load_report(spool: Path, entry: SpoolEntry) -> dict[str, Any]:
+    """Read and validate one spooled report (never through a symlink).
+
+    Raises:
+        ReportError: unreadable, not JSON, truncated, or not a valid schema-1 report.
+        FileNotFoundError: the file vanished since the scan.
+    """
+    try:
+        raw = _read(os.path.join(spool, entry.name), MAX_REPORT_BYTES + 1)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ReportError(f"cannot read: {exc.strerror or exc}") from exc
+    if len(raw) > MAX_REPORT_BYTES:
+        raise ReportError(f"larger than {MAX_REPORT_BYTES} bytes")
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ReportError(f"not UTF-8: {exc.reason} at byte {exc.start}") from exc
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"not valid JSON (truncated?): {exc.msg} at byte {exc.pos}") from exc
+    return validate_report(obj, entry)
+
+
+def _read(path: str, limit: int) -> bytes:
+    """A regular file's bytes, never through a symlink (`util.fs.read_no_follow` without
+    pathlib: this runs once per report, 20,000 times for a large job)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ReportError("not a regular file")
+        chunks = []
+        while limit > 0:
+            chunk = os.read(fd, min(1 << 20, limit))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            limit -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _num(value: Any, where: str, *, allow_none: bool = True) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ReportError(f"{where} must be a number, got {type(value).__name__}")
+    out = float(value)
+    if math.isinf(out):
+        raise ReportError(f"{where} is infinite")
+    return out
+
+
+def _int(value: Any, where: str, *, lo: int = 0, hi: int = 2**31 - 1) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and value.isdigit() and len(value) < 12:
+        value = int(value)  # a value passed through from the environment
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ReportError(f"{where} must be an integer or null, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ReportError(f"{where}={value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def _text(value: Any, where: str, limit: int | None = None) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ReportError(f"{where} must be a string, got {type(value).__name__}")
+    if "\0" in value:
+        raise ReportError(f"{where} contains a NUL byte")
+    if limit is not None and len(value.encode()) > limit:
+        raise ReportError(f"{where} is longer than {limit} bytes")
+    return value
+
+
+def _ident(value: Any, where: str, limit: int = _NAME_LIMIT) -> str:
+    if value in _GOOD_NAMES:  # names repeat in every report: check each once
+        return str(value)
+    text = _text(value, where, limit)
+    if not text or not text.isprintable():
+        raise ReportError(f"{where} must be a non-empty printable name, got {value!r}")
+    if limit == _NAME_LIMIT and len(_GOOD_NAMES) < 100_000:
+        _GOOD_NAMES.add(text)
+    return text
+
+
+_GOOD_NAMES: set[str] = set()
+
+
+def _status_code(obj: dict[str, Any], where: str) -> int | None:
+    code = obj.get("status_code")
+    if code is None and isinstance(obj.get("status"), str):
+        code = _STATUS_CODES.get(obj["status"].upper())
+        if code is None:
+            raise ReportError(f"{where}.status {obj['status']!r} is not OK/WARNING/CRITICAL/UNKNOWN")
+    return _int(code, f"{where}.status_code", lo=0, hi=3)
+
+
+def _numbers(value: Any, where: str) -> tuple[dict[str, float | None], dict[str, Any]]:
+    """Split a {name: value} mapping into numeric values and the rest (kept, not dropped)."""
+    if value is None:
+        return {}, {}
+    if not isinstance(value, dict):
+        raise ReportError(f"{where} must be an object")
+    nums: dict[str, float | None] = {}
+    other: dict[str, Any] = {}
+    good = _GOOD_NAMES
+    for k, v in value.items():
+        if k not in good:
+            _ident(k, f"{where} key")
+        kind = type(v)
+        if kind is float:
+            if v == math.inf or v == -math.inf:
+                raise ReportError(f"{where}.{k} is infinite")
+            nums[k] = v
+        elif kind is int or kind is bool:
+            try:
+                nums[k] = float(v)
+            except OverflowError:
+                raise ReportError(f"{where}.{k} is too large") from None
+        elif v is None:
+            nums[k] = None
+        else:
+            other[k] = v
+    return nums, other
+
+
+def validate_report(obj: Any, entry: SpoolEntry) -> dict[str, Any]:
+    """Validate a decoded report against schema 1 and the file name it came from.
+
+    Returns a normalized copy: `nodelist` a tuple of safe node names (shared between the
+    reports of one job when given as a hostlist expression); `health.checks` with
+    integer `status_code`s; numeric `metrics`/`telemetry` split from any non-numeric values
+    (kept under `_nonnumeric`); every other unknown key kept as is.
+
+    Raises:
+        ReportError: with a one-line reason.
+    """
+    if not isinstance(obj, dict):
+        raise ReportError("not a JSON object")
+    if obj.get("schema") != SCHEMA or obj.get("kind") != "node_report":
+        raise ReportError(f"not a schema-{SCHEMA} node_report (schema={obj.get('schema')!r}, "
+                          f"kind={obj.get('kind')!r})")
+    out: dict[str, Any] = dict(obj)
+    job_id = obj.get("job_id")
+    try:
+        if not isinstance(job_id, int | str) or isinstance(job_id, bool) \
+                or safe_job_id(job_id) != entry.job_id:
+            raise UnsafeValueError("mismatch")
+    except UnsafeValueError:
+        raise ReportError(f"job_id {job_id!r} does not match the file name") from None
+    out["job_id"] = entry.job_id
+    if obj.get("node") != entry.node:
+        raise ReportError(f"node {obj.get('node')!r} does not match the file name")
+    if obj.get("phase") != entry.phase:
+        raise ReportError(f"phase {obj.get('phase')!r} does not match the file name")
+    t = _num(obj.get("time"), "time", allow_none=False)
+    if t is None or math.isnan(t):
+        raise ReportError("time is missing or NaN")
+    out["time"] = t
+    out["user"] = _text(obj.get("user"), "user", 64)
+    out["partition"] = _text(obj.get("partition"), "partition", 64)
+    out["num_nodes"] = _int(obj.get("num_nodes"), "num_nodes", lo=0)
+    out["nodelist"] = _nodelist(obj.get("nodelist"))
+    for key in ("exit_code", "exit_signal", "derived_exit_code"):
+        out[key] = _int(obj.get(key), key, lo=0)
+    drained = obj.get("drained")
+    if drained is not None and not isinstance(drained, bool):
+        raise ReportError("drained must be true, false or null")
+    out["drained"] = bool(drained)
+    out["drain_reason"] = _text(obj.get("drain_reason"), "drain_reason")
+    nonnumeric: dict[str, Any] = {}
+    out["telemetry"], other = _numbers(obj.get("telemetry"), "telemetry")
+    if other:
+        nonnumeric["telemetry"] = other
+    out["health"] = _health(obj.get("health"), nonnumeric)
+    if nonnumeric:
+        out["_nonnumeric"] = nonnumeric
+    return out
+
+
+def _nodelist(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):  # a hostlist expression, as in SLURM_JOB_NODELIST
+        return _expand_nodelist(value)
+    if not isinstance(value, list):
+        raise ReportError("nodelist must be a list of node names or a hostlist expression")
+    for n in value:
+        if n not in _GOOD_NODES:
+            if not isinstance(n, str):
+                raise ReportError(f"nodelist entry {n!r} is not a string")
+            try:
+                _GOOD_NODES.add(safe_node_name(n))
+            except UnsafeValueError as exc:
+                raise ReportError(f"nodelist: {exc}") from exc
+    return tuple(value)
+
+
+# Every report of a job carries the same nodelist: expand and check it once, share the tuple.
+_GOOD_NODES: set[str] = set()
+
+
+@functools.lru_cache(maxsize=64)
+def _expand_nodelist(value: str) -> tuple[str, ...]:
+    import hostlist
+
+    try:
+        names = hostlist.expand_hostlist(value)
+    except hostlist.BadHostlist as exc:
+        raise ReportError(f"nodelist is not a hostlist: {exc}") from exc
+    try:
+        return tuple(safe_node_name(n) for n in names)
+    except UnsafeValueError as exc:
+        raise ReportError(f"nodelist: {exc}") from exc
+
+
+def _health(value: Any, nonnumeric: dict[str, Any]) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ReportError("health must be an object or null")
+    out = dict(value)
+    out["status_code"] = _status_code(value, "health")
+    out["tier"] = _text(value.get("tier"), "health.tier", _TIER_LIMIT)
+    out["duration_s"] = _num(value.get("duration_s"), "health.duration_s")
+    checks = value.get("checks") or []
+    if not isinstance(checks, list):
+        raise ReportError("health.checks must be a list")
+    norm = []
+    for i, check in enumerate(checks):
+        where = f"health.checks[{i}]"
+        if not isinstance(check, dict):
+            raise ReportError(f"{where} must be an object")
+        c = dict(check)
+        c["name"] = _ident(check.get("name"), f"{where}.name")
+        c["status_code"] = _status_code(check, where)
+        c["summary"] = _text(check.get("summary"), f"{where}.summary")
+        c["duration_s"] = _num(check.get("duration_s"), f"{where}.duration_s")
+        c["metrics"], other = _numbers(check.get("metrics"), f"{where}.metrics")
+        if other:
+            nonnumeric.setdefault("checks", {})[str(i)] = other
+        norm.append(c)
+    out["checks"] = norm
+    return out
+
+
+def _unique_target(directory: Path, name: str) -> Path:
+    target = directory / name
+    n = 1
+    while os.path.lexists(target):
+        target = directory / f"{name}.{n}"
+        n += 1
+    return target
+
+
+def quarantine(spool: Path, name: str, reason: str) -> Path | None:
+    """Move a spool entry to `<spool>/quarantine/` with a `<name>.reason` file beside it.
+
+    The entry is renamed, never opened or followed (a symlink moves as a link). Returns the new
+    path, or None when the entry vanished meanwhile.
+
+    Raises:
+        ArchiveError: the quarantine directory cannot be made or written.
+    """
+    qdir = spool / QUARANTINE_DIR
+    try:
+        ensure_dir(qdir, 0o700)
+        target = _unique_target(qdir, name)
+        try:
+            os.rename(spool / name, target)
+        except FileNotFoundError:
+            return None
+        text = f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {reason}\n"
+        atomic_write(target.with_name(target.name + ".reason"), text.encode(), 0o600)
+        fsync_dir(spool)
+    except (OSError, UnsafeValueError) as exc:
+        raise ArchiveError(f"cannot quarantine {name!r} in {qdir}: {exc}") from exc
+    logger.warning("quarantined spool entry %r: %s", name, reason)
+    return target
+
+
+def mark_done(spool: Path, names: list[str], *, delete: bool = False) -> int:
+    """Move ingested reports to `<spool>/done/` (or delete them); return how many moved.
+
+    Call only after the archive holding them is durable. A name that vanished is skipped.
+
+    Raises:
+        ArchiveError: the done directory cannot be made, or a move failed.
+    """
+    if not names:
+        return 0
+    done = spool / DONE_DIR
+    moved = 0
+    try:
+        if not delete:
+            ensure_dir(done, 0o755)
+        src_dir, done_dir = str(spool), str(done)
+        for name in names:
+            try:
+                if delete:
+                    os.unlink(os.path.join(src_dir, name))
+                else:
+                    os.replace(os.path.join(src_dir, name), os.path.join(done_dir, name))
+                moved += 1
+            except FileNotFoundError:
+                continue
+        if not delete:
+            fsync_dir(done)
+        fsync_dir(spool)
+    except (OSError, UnsafeValueError) as exc:
+        raise ArchiveError(f"cannot move ingested reports out of {spool}: {exc}") from exc
+    return moved
+
+
+def prune_done(spool: Path, max_age_s: float) -> int:
+    """Delete reports in `<spool>/done/` older than `max_age_s`; return how many."""
+    done = spool / DONE_DIR
+    if max_age_s <= 0 or not done.is_dir() or done.is_symlink():
+        return 0
+    cutoff = time.time() - max_age_s
+    removed = 0
+    with os.scandir(done) as it:
+        for de in it:
+            try:
+                if de.is_file(follow_symlinks=False) and de.stat(follow_symlinks=False).st_mtime < cutoff:
+                    os.unlink(de.path)
+                    removed += 1
+            except OSError:
+                continue
+    return removed

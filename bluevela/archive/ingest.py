@@ -1,0 +1,439 @@
+"""Ingest: spooled node reports -> one new archive segment, then the spool entries to done/.
+
+Order of work, and why it survives kill -9 at any point:
+  1. take the writer lock; remove what a killed writer left (temp files, unlisted segments);
+  2. scan the spool; quarantine refused and malformed entries (ingest goes on);
+  3. look up the archived state of the jobs seen; reports already archived are duplicates;
+  4. decide which jobs are ready: every expected node has sent its epilog report, or
+     `timeout_s` passed since the job's first epilog report (missing nodes recorded), or the
+     job is already archived (a late report adds a new revision);
+  5. write one segment with the ready jobs' reports and job rows (temp, fsync, rename), then
+     the manifest (same way): from here on the reports are durable;
+  6. move their spool files (and duplicates) to `<spool>/done/`;
+  7. compact (merge crowded levels).
+A kill before 5 leaves the spool as it was; between 5 and 6 the next ingest finds the reports
+archived and only moves them; during 7 the old segments stay live until the new manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bluevela.archive import schema as S
+from bluevela.archive.spool import (
+    ReportError,
+    load_report,
+    mark_done,
+    prune_done,
+    quarantine,
+    scan_spool,
+)
+from bluevela.archive.store import Archive, Writer, open_h5
+from bluevela.errors import ArchiveError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+PROLOG_ONLY_TIMEOUT_S = 7 * 86400.0
+DONE_RETENTION_S = 7 * 86400.0
+_START_KEYS = ("start_unix_s", "start_time", "job_start")
+_END_KEYS = ("end_unix_s", "end_time", "job_end")
+
+
+@dataclass
+class IngestResult:
+    """What one ingest did."""
+
+    reports_ingested: int = 0
+    jobs_archived: list[int] = field(default_factory=list)
+    jobs_timed_out: list[int] = field(default_factory=list)
+    duplicates: int = 0
+    waiting_reports: int = 0
+    waiting_jobs: list[int] = field(default_factory=list)
+    quarantined: list[tuple[str, str]] = field(default_factory=list)
+    segment: str | None = None
+    compactions: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["quarantined"] = [{"name": n, "reason": r} for n, r in self.quarantined]
+        return d
+
+
+@dataclass
+class _Archived:
+    """A job's newest archived revision: its row and its job_nodes rows."""
+
+    row: Any
+    nodes: np.ndarray
+
+
+def ingest(
+    spool: Path,
+    archive_dir: Path,
+    *,
+    job_id: int | None = None,
+    wait_s: float = 0.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    prolog_only_timeout_s: float = PROLOG_ONLY_TIMEOUT_S,
+    lock_wait_s: float = 30.0,
+    delete: bool = False,
+    done_retention_s: float = DONE_RETENTION_S,
+    compact: bool = True,
+    now: float | None = None,
+) -> IngestResult:
+    """Merge the spool's reports into the archive (idempotent, crash safe, one writer).
+
+    Args:
+        spool: the spool directory (`site.path("spool")`).
+        archive_dir: the archive directory (`site.path("archive")`); must exist.
+        job_id: ingest only this job's reports (the EpilogSlurmctld path).
+        wait_s: with `job_id`, first wait up to this long for every node's epilog report.
+        timeout_s: archive an incomplete job this long after its first epilog report.
+        prolog_only_timeout_s: archive a job that has only prolog reports after this long.
+        lock_wait_s: how long to wait for another ingest to finish.
+        delete: delete ingested spool files instead of moving them to `<spool>/done/`.
+        done_retention_s: delete files in `<spool>/done/` older than this (0: keep).
+        compact: merge crowded segment levels afterwards.
+        now: the current time (tests).
+
+    Raises:
+        ArchiveError: missing/unusable archive or spool, lock not obtained, a write failed
+            (ENOSPC...). Reports not yet durable in the archive are then still in the spool.
+    """
+    t0 = time.perf_counter()
+    archive = Archive(archive_dir)
+    archive.check()
+    if job_id is not None and wait_s > 0:
+        _wait_for_job(spool, job_id, wait_s)
+    result = IngestResult()
+    with archive.writer(lock_wait_s) as w:
+        now = time.time() if now is None else now
+        scan = scan_spool(spool, job_id)
+        for name, reason in scan.refused:
+            quarantine(spool, name, reason)
+            result.quarantined.append((name, reason))
+        by_job: dict[int, list[tuple[Any, dict[str, Any]]]] = defaultdict(list)
+        for entry in scan.entries:
+            try:
+                report = load_report(spool, entry)
+            except FileNotFoundError:
+                continue
+            except ReportError as exc:
+                quarantine(spool, entry.name, str(exc))
+                result.quarantined.append((entry.name, str(exc)))
+                continue
+            by_job[entry.job_id].append((entry, report))
+        logger.debug("read %d report(s) of %d job(s) from %s", len(scan.entries), len(by_job),
+                     spool)
+        done_names = _archive(w, by_job, result, now=now, timeout_s=timeout_s,
+                              prolog_only_timeout_s=prolog_only_timeout_s, spool=spool)
+        mark_done(spool, done_names, delete=delete)
+        logger.debug("moved %d spool file(s) out of %s", len(done_names), spool)
+        if compact:
+            try:
+                result.compactions = w.compact()
+            except ArchiveError as exc:
+                logger.warning("compaction skipped (the ingest itself is durable): %s", exc)
+        if done_retention_s > 0 and not delete and job_id is None:
+            prune_done(spool, done_retention_s)  # the timer's job: done/ may hold many files
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _archive(w: Writer, by_job: dict[int, list[tuple[Any, dict[str, Any]]]],
+             result: IngestResult, *, now: float, timeout_s: float,
+             prolog_only_timeout_s: float, spool: Path | None) -> list[str]:
+    """Write the ready jobs' fresh reports as one segment; return the spool names now done
+    (written or already archived). `by_job` maps job id -> [(spool entry or None, report)]."""
+    archived = archived_jobs(w, sorted(by_job))
+    ready_reports: list[dict[str, Any]] = []
+    job_rows: list[tuple[Any, ...]] = []
+    job_nodes: list[list[tuple[Any, ...]]] = []
+    done_names: list[str] = []
+    written: list[str] = []
+    for jid in sorted(by_job):
+        old = archived.get(jid)
+        stored = _stored_keys(old)
+        fresh = []
+        for entry, report in by_job[jid]:
+            if (report["node"], report["phase"]) in stored:
+                result.duplicates += 1
+                if entry is not None:
+                    done_names.append(entry.name)
+            else:
+                fresh.append((entry, report))
+        if not fresh:
+            continue
+        reports = [r for _, r in fresh]
+        state = _readiness(reports, old, now, timeout_s, prolog_only_timeout_s)
+        if state is None:
+            result.waiting_reports += len(fresh)
+            result.waiting_jobs.append(jid)
+            continue
+        row, nodes = _job_row(jid, reports, old, now)
+        job_rows.append(row)
+        job_nodes.append(nodes)
+        ready_reports.extend(reports)
+        written.extend(e.name for e, _ in fresh if e is not None)
+        result.jobs_archived.append(jid)
+        if row[2] == S.COMPLETION_CODES["timeout"]:
+            result.jobs_timed_out.append(jid)
+    if job_rows:
+        tables = _tables(ready_reports, job_rows, job_nodes)
+        try:
+            info = w.write_segment(tables, level=0)
+            w.commit([info])
+        except ArchiveError as exc:
+            where = f" stay in {spool}" if spool is not None else " were not stored"
+            raise ArchiveError(f"{exc}; the {len(ready_reports)} report(s){where}") from exc
+        result.segment = info.file
+        result.reports_ingested = len(ready_reports)
+        logger.info("archived %d reports of %d jobs in %s", len(ready_reports), len(job_rows),
+                    info.file)
+    return done_names + written
+
+
+def store_reports(archive_dir: Path, reports: list[dict[str, Any]], *,
+                  timeout_s: float = 0.0, lock_wait_s: float = 30.0, compact: bool = True,
+                  now: float | None = None) -> IngestResult:
+    """Archive already validated reports (see `spool.validate_report`) without a spool.
+
+    The same writer path as `ingest` (dedupe, job rows, one segment, compaction): for
+    importing reports kept elsewhere, and for benchmarks. With the default `timeout_s=0`
+    every job is written now, incomplete ones marked with their missing nodes.
+    """
+    t0 = time.perf_counter()
+    archive = Archive(archive_dir)
+    archive.check()
+    result = IngestResult()
+    by_job: dict[int, list[tuple[Any, dict[str, Any]]]] = defaultdict(list)
+    for r in reports:
+        by_job[int(r["job_id"])].append((None, r))
+    with archive.writer(lock_wait_s) as w:
+        now = time.time() if now is None else now
+        wait = timeout_s if timeout_s > 0 else -math.inf  # 0: every job is ready now
+        _archive(w, by_job, result, now=now, timeout_s=wait, prolog_only_timeout_s=wait,
+                 spool=None)
+        if compact:
+            result.compactions = w.compact()
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _wait_for_job(spool: Path, job_id: int, wait_s: float) -> None:
+    """Poll the spool until every node of `job_id` has an epilog report, or `wait_s` passes."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        scan = scan_spool(spool, job_id)
+        if not scan.entries:
+            return  # nothing spooled (or a timer ingest already took it)
+        expected: set[str] = set()
+        num_nodes = 0
+        epilogs = {e.node for e in scan.entries if e.phase == "epilog"}
+        for entry in scan.entries[:1] + [e for e in scan.entries if e.phase == "epilog"][:1]:
+            try:
+                r = load_report(spool, entry)
+            except (ReportError, FileNotFoundError):
+                continue
+            expected |= set(r["nodelist"])
+            num_nodes = max(num_nodes, r["num_nodes"] or 0)
+        if epilogs and expected <= epilogs and len(epilogs) >= num_nodes:
+            return
+        if time.monotonic() >= deadline:
+            logger.info("job %d: not every node has reported after %g s; ingesting what is "
+                        "complete", job_id, wait_s)
+            return
+        time.sleep(0.5)
+
+
+def archived_jobs(w: Writer, job_ids: list[int]) -> dict[int, _Archived]:
+    """The newest archived revision of each of `job_ids` that is in the archive."""
+    return find_jobs([(s, w.archive.path_of(s)) for s in w.manifest.segments], job_ids)
+
+
+def find_jobs(segments: list[Any], job_ids: list[int]) -> dict[int, _Archived]:
+    """Look `job_ids` up in the segments' job index; newest revision wins."""
+    import numpy as np
+
+    found: dict[int, _Archived] = {}
+    if not job_ids:
+        return found
+    ids = np.array(sorted(set(job_ids)), dtype=np.uint64)
+    for info, path in segments:
+        lo, hi = np.searchsorted(ids, [info.job_id_min, info.job_id_max + 1])
+        if lo >= hi:
+            continue
+        want = ids[lo:hi]
+        with open_h5(path) as f:
+            index = f[S.JOB_IDS_INDEX][()]
+            pos = np.searchsorted(index, want)
+            pos = pos[pos < len(index)]
+            pos = np.unique(pos[np.isin(index[pos], want)])
+            if not len(pos):
+                continue
+            rows = f["jobs"][pos]
+            jn = f["job_nodes"]
+            for row in rows:
+                jid = int(row["job_id"])
+                cur = found.get(jid)
+                if cur is not None and int(cur.row["revision"]) >= int(row["revision"]):
+                    continue
+                first, count = int(row["node_first"]), int(row["node_count"])
+                found[jid] = _Archived(row.copy(), jn[first:first + count])
+    return found
+
+
+def _stored_keys(old: _Archived | None) -> set[tuple[str, str]]:
+    if old is None:
+        return set()
+    keys: set[tuple[str, str]] = set()
+    for n in old.nodes:
+        node = bytes(n["node"]).rstrip(b"\0").decode()
+        if n["has_prolog"]:
+            keys.add((node, "prolog"))
+        if n["has_epilog"]:
+            keys.add((node, "epilog"))
+    return keys
+
+
+def _expected(reports: list[dict[str, Any]], old: _Archived | None) -> tuple[set[str], int]:
+    expected: set[str] = set()
+    # The reports of one job share one nodelist object (spool.validate_report): add each once.
+    for nodelist in {id(r["nodelist"]): r["nodelist"] for r in reports}.values():
+        expected.update(nodelist)
+    num_nodes = max((r["num_nodes"] or 0 for r in reports), default=0)
+    if old is not None:
+        expected.update(bytes(n["node"]).rstrip(b"\0").decode() for n in old.nodes if n["expected"])
+        num_nodes = max(num_nodes, int(old.row["num_nodes"]))
+    return expected, num_nodes
+
+
+def _complete(expected: set[str], num_nodes: int, epilogs: set[str], reporting: set[str]) -> bool:
+    if not epilogs:
+        return False
+    if expected:
+        return expected <= epilogs
+    if num_nodes:
+        return len(epilogs) >= num_nodes
+    return reporting <= epilogs  # no nodelist, no count: every node that spoke has finished
+
+
+def _readiness(reports: list[dict[str, Any]], old: _Archived | None, now: float,
+               timeout_s: float, prolog_only_timeout_s: float) -> str | None:
+    """Why a job's fresh reports may be archived now, or None to leave them in the spool."""
+    if old is not None:
+        return "late"
+    expected, num_nodes = _expected(reports, None)
+    epilogs = {r["node"] for r in reports if r["phase"] == "epilog"}
+    if _complete(expected, num_nodes, epilogs, {r["node"] for r in reports}):
+        return "complete"
+    epilog_times = [r["time"] for r in reports if r["phase"] == "epilog"]
+    if epilog_times:
+        return "timeout" if now - min(epilog_times) >= timeout_s else None
+    return "timeout" if now - min(r["time"] for r in reports) >= prolog_only_timeout_s else None
+
+
+def _first_time(reports: list[dict[str, Any]], keys: tuple[str, ...]) -> float | None:
+    for r in reports:
+        for k in keys:
+            v = r.get(k)
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                return float(v)
+    return None
+
+
+def _nanmin(*values: float | None) -> float:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    return min(vals) if vals else math.nan
+
+
+def _nanmax(*values: float | None) -> float:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    return max(vals) if vals else math.nan
+
+
+def _job_row(job_id: int, reports: list[dict[str, Any]], old: _Archived | None,
+             now: float) -> tuple[tuple[Any, ...], list[tuple[Any, ...]]]:
+    """The job's new /jobs row and /job_nodes rows: the archived state plus `reports`."""
+    expected, num_nodes = _expected(reports, old)
+    prolog: set[str] = {r["node"] for r in reports if r["phase"] == "prolog"}
+    epilog: set[str] = {r["node"] for r in reports if r["phase"] == "epilog"}
+    known: set[str] = set(prolog | epilog)
+    if old is not None:
+        for n in old.nodes:
+            node = bytes(n["node"]).rstrip(b"\0").decode()
+            known.add(node)
+            if n["has_prolog"]:
+                prolog.add(node)
+            if n["has_epilog"]:
+                epilog.add(node)
+    if not expected:
+        expected = set(known)
+    complete = _complete(expected, num_nodes, epilog, known)
+    times = [r["time"] for r in reports]
+    prolog_times = [r["time"] for r in reports if r["phase"] == "prolog"]
+    epilog_reports = [r for r in reports if r["phase"] == "epilog"]
+
+    def worst(key: str, old_value: int) -> int:
+        vals = [r[key] for r in epilog_reports if r.get(key) is not None]
+        if old_value != S.MISSING_INT:
+            vals.append(old_value)
+        return max(vals) if vals else S.MISSING_INT
+
+    statuses = [r["health"]["status_code"] for r in reports
+                if r.get("health") and r["health"].get("status_code") is not None]
+    o = old.row if old is not None else None
+    text = (lambda k: bytes(o[k]).rstrip(b"\0").decode()) if o is not None else (lambda k: "")
+    user = text("user") or next((r["user"] for r in reports if r.get("user")), "")
+    partition = text("partition") or next((r["partition"] for r in reports if r.get("partition")), "")
+    if o is not None:
+        statuses.append(int(o["health_worst"]))
+    start = _nanmin(_first_time(reports, _START_KEYS), *prolog_times,
+                    float(o["start_unix_s"]) if o is not None else None)
+    end = _nanmax(_first_time(epilog_reports, _END_KEYS), *(r["time"] for r in epilog_reports),
+                  float(o["end_unix_s"]) if o is not None else None)
+    row = (
+        job_id, (int(o["revision"]) + 1) if o is not None else 1,
+        S.COMPLETION_CODES["all_reported" if complete else "timeout"],
+        user.encode(), partition.encode(), num_nodes, len(expected),
+        len(prolog & expected), len(epilog & expected), len(expected - epilog),
+        _nanmin(*times, float(o["first_report_unix_s"]) if o is not None else None),
+        _nanmax(*times, float(o["last_report_unix_s"]) if o is not None else None),
+        start, end, now,
+        worst("exit_code", int(o["exit_code"]) if o is not None else S.MISSING_INT),
+        worst("exit_signal", int(o["exit_signal"]) if o is not None else S.MISSING_INT),
+        worst("derived_exit_code",
+              int(o["derived_exit_code"]) if o is not None else S.MISSING_INT),
+        max(statuses) if statuses else -1,
+        0, 0, 0, 0,
+    )
+    nodes = [(job_id, n.encode(), 1 if n in expected else 0, 1 if n in prolog else 0,
+              1 if n in epilog else 0) for n in sorted(expected | known)]
+    return row, nodes
+
+
+def _tables(reports: list[dict[str, Any]], job_rows: list[tuple[Any, ...]],
+            job_nodes: list[list[tuple[Any, ...]]]) -> Any:
+    import numpy as np
+
+    from bluevela.archive.tables import from_reports
+
+    dt = S.dtypes()
+    t = from_reports(reports)
+    t.jobs = np.array(job_rows, dtype=dt["jobs"])
+    flat = [n for nodes in job_nodes for n in nodes]
+    t.job_nodes = np.array(flat, dtype=dt["job_nodes"])
+    t.job_nodes_src = np.repeat(np.arange(len(job_rows), dtype=np.int64),
+                                [len(n) for n in job_nodes])
+    return t
