@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from bluevela.errors import SiteConfigError
+from bluevela.errors import BluevelaError, SiteConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -353,17 +353,124 @@ def parse_site(text: str, source: Path) -> Site:
         raise SiteConfigError(problems[0], problems) from exc
 
 
+def _cache_dir() -> Path | None:
+    """Where validated sites are cached: `$BV_CACHE_DIR`, root: /var/cache/bluevela,
+    others: ~/.cache/bluevela. `BV_CACHE_DIR=off` disables the cache."""
+    env = os.environ.get("BV_CACHE_DIR")
+    if env:
+        return None if env == "off" else Path(env)
+    if os.geteuid() == 0:
+        return Path("/var/cache/bluevela")
+    home = os.environ.get("HOME")
+    return Path(home) / ".cache" / "bluevela" if home else None
+
+
+def _cache_key(path: Path, st: os.stat_result) -> dict[str, Any]:
+    from bluevela import __version__
+
+    # The model's own source is part of the key: a changed model never reads an old cache.
+    model = os.stat(__file__)
+    return {"path": str(path.resolve()), "mtime_ns": st.st_mtime_ns, "size": st.st_size,
+            "ino": st.st_ino, "version": __version__, "model_mtime_ns": model.st_mtime_ns}
+
+
+def _construct(cls: type[BaseModel], data: dict[str, Any]) -> Any:
+    """Rebuild a validated model from its own `model_dump(mode="json")` without validating.
+
+    Only for data this module validated and cached itself; covers the field shapes the site
+    model uses (nested models, dicts of models, paths, primitives).
+    """
+    import typing
+
+    values: dict[str, Any] = {}
+    for name, field in cls.model_fields.items():
+        if name not in data:
+            continue
+        value, ann = data[name], field.annotation
+        origin, args = typing.get_origin(ann), typing.get_args(ann)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            value = _construct(ann, value)
+        elif origin is dict and len(args) == 2 and isinstance(args[1], type) and issubclass(
+            args[1], BaseModel
+        ):
+            value = {k: _construct(args[1], v) for k, v in value.items()}
+        elif (ann is Path or Path in args) and value is not None:
+            value = Path(value)
+        values[name] = value
+    return cls.model_construct(_fields_set=set(values), **values)
+
+
+def _read_cache(cache: Path, key: dict[str, Any]) -> Site | None:
+    """The cached site when the cache file is ours, private, and its key matches."""
+    import json
+    import stat as stat_mod
+
+    from bluevela.util.fs import read_no_follow
+
+    try:
+        st = os.lstat(cache)
+        if (not stat_mod.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+                or st.st_mode & 0o022):
+            return None
+        doc = json.loads(read_no_follow(cache, limit=4 << 20))
+    except (OSError, ValueError, BluevelaError):
+        return None
+    if not isinstance(doc, dict) or doc.get("key") != key:
+        return None
+    try:
+        site: Site = _construct(Site, doc["site"])
+    except (KeyError, TypeError, AttributeError, ValueError):
+        return None
+    return site
+
+
+def _write_cache(cache: Path, key: dict[str, Any], site: Site) -> None:
+    import json
+
+    from bluevela.util.fs import atomic_write
+
+    try:
+        cache.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        body = {"key": key, "site": site.model_dump(mode="json", exclude={"source"})}
+        atomic_write(cache, json.dumps(body).encode(), 0o600)
+    except (OSError, BluevelaError) as exc:
+        logger.debug("site cache not written (%s): %s", cache, exc)
+
+
 def load_site(explicit: str | os.PathLike[str] | None = None) -> Site:
     """Find, read and validate the site file.
+
+    A validated site is cached (JSON, keyed by the file's path, inode, size and mtime, and the
+    model's own version) so the prolog and `bv submit` skip YAML parsing and validation when
+    the file has not changed.
 
     Raises:
         SiteConfigError: when missing, unreadable or invalid.
     """
+    import hashlib
+
     path = find_site_path(explicit)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise SiteConfigError(f"{path}: cannot read site file: {exc.strerror}") from exc
+    cache_dir = _cache_dir()
+    cache = key = None
+    if cache_dir is not None:
+        key = _cache_key(path, st)
+        digest = hashlib.sha256(key["path"].encode()).hexdigest()[:16]
+        cache = cache_dir / f"site-{digest}.json"
+        cached = _read_cache(cache, key)
+        if cached is not None:
+            object.__setattr__(cached, "source", path)
+            return cached
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise SiteConfigError(f"{path}: cannot read site file: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:
         raise SiteConfigError(f"{path}:1: not UTF-8 text") from exc
-    return parse_site(text, path)
+    site = parse_site(text, path)
+    if cache is not None and key is not None:
+        _write_cache(cache, key, site)
+    return site

@@ -309,3 +309,22 @@ def test_real_h100_recording_replays(site: Site) -> None:
     assert r.summary.startswith("1 x NVIDIA H100 80GB HBM3 OK")
     snap = load_snapshot(real_path)
     assert snap.kmsg is not None and not parse_xids(list(snap.kmsg))
+
+
+def test_real_h200_recording_replays(site: Site) -> None:
+    """`bv health snapshot` on a real H200 (1 GPU VM, driver 580.159.04, issue 6's device run):
+    same replay format as the healthy fixture, and the gpu check passes on it."""
+    real_path = FIXTURES / "nvml-real-h200-1gpu.json"
+    real = json.loads(real_path.read_text())
+    fixture = json.loads((FIXTURES / "h100-healthy" / "nvml.json").read_text())
+    assert set(real) == set(fixture)
+    assert set(real["gpus"][0]) == set(fixture["gpus"][0])
+    assert real["gpus"][0]["name"] == "NVIDIA H200"
+    one = site.node_class(name="h100").model_copy(update={"gpus": 1, "gpu_model": "NVIDIA H200"})
+    r = get_check("gpu").run_once(ProbeContext(one, "h100", nvml_snapshot=real_path))
+    assert r.status is Status.OK, r
+    assert r.summary.startswith("1 x NVIDIA H200 OK")
+    # The real H200 and the 8-GPU fixture disagree only in values, never in which fields an
+    # H100-class GPU leaves unsupported (page retirement is replaced by row remapping).
+    assert real["gpus"][0]["retired_pages_dbe"] is None
+    assert real["gpus"][0]["errors"]["retired_pages_dbe"] == "Not Supported"

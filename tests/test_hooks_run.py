@@ -72,7 +72,7 @@ def test_healthy_prolog_then_epilog_report_and_telemetry(tmp_path: Path) -> None
     report = json.loads((base / "spool" / "4242.gpu001.prolog.json").read_text())
     assert report["schema"] == 1 and report["kind"] == "node_report" and report["phase"] == "prolog"
     assert report["job_id"] == 4242 and report["user"] == "alice"
-    assert report["nodelist"] == ["gpu001", "gpu002"] and report["num_nodes"] == 2
+    assert report["nodelist"] == "gpu[001-002]" and report["num_nodes"] == 2
     assert report["drained"] is False and report["drain_reason"] is None
     health = report["health"]
     assert [c["name"] for c in health["checks"]][:3] == ["gpu", "ib", "node"]

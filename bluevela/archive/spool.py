@@ -6,7 +6,8 @@ temporary file with O_EXCL|O_NOFOLLOW, fsynced, renamed, and the directory fsync
 
 Report format (schema 1), one JSON object:
     schema: 1, kind: "node_report", phase: "prolog" | "epilog",
-    job_id: int, node: str, user: str, partition: str, num_nodes: int, nodelist: [str],
+    job_id: int, node: str, user: str, partition: str, num_nodes: int,
+    nodelist: str (a hostlist expression, `node[1-3]`; a list of names is accepted too),
     time: float (unix s, when written),
     exit_code: int | null, exit_signal: int | null, derived_exit_code: int | null  (epilog),
     health: {status, status_code, tier, duration_s, checks: [{name, status, status_code,

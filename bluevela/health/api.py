@@ -104,10 +104,13 @@ def _summarize(path: Path, data: Mapping[str, Any]) -> dict[str, Any]:
 def latest_reports(spool: Path) -> dict[str, dict[str, Any]]:
     """The newest spooled report of each node (by file time), summarized."""
     newest: dict[str, tuple[float, Path]] = {}
-    try:
-        entries = list(os.scandir(spool))
-    except OSError:
-        return {}
+    entries = []
+    # Ingest moves archived reports to <spool>/done/: the newest may be there.
+    for directory in (spool, spool / "done"):
+        try:
+            entries.extend(os.scandir(directory))
+        except OSError:
+            continue
     for entry in entries:
         m = _SPOOL_NAME.match(entry.name)
         if not m or not entry.is_file(follow_symlinks=False):
