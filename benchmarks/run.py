@@ -19,7 +19,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import Figure  # noqa: E402
 
 
 def _modules(names: list[str]) -> list[Path]:

@@ -46,18 +46,18 @@ def main() -> int:
     y = torch.tanh(x @ true_w) + 0.01 * torch.randn(256, 1, generator=gen)
     x, y = x.to(device), y.to(device)
 
-    def global_loss() -> float:
+    def global_loss(model: nn.Module) -> float:
         with torch.no_grad():
-            loss = nn.functional.mse_loss(ddp(x), y)
+            loss = nn.functional.mse_loss(model(x), y)
             dist.all_reduce(loss)
             return loss.item() / world
 
-    initial = global_loss()
+    initial = global_loss(ddp)
     for _ in range(opts.steps):
         opt.zero_grad(set_to_none=True)
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
-    final = global_loss()
+    final = global_loss(ddp)
     if rank == 0:
         print(f"initial_loss={initial:.6f} final_loss={final:.6f}", flush=True)
     print(f"rank={rank} world_size={world} host={socket.gethostname()} loss={final:.6f}", flush=True)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bluevela.slurm.cli_client import CliSlurmClient, parse_sacct_line, parse_squeue_job
+from bluevela.slurm.cli_client import parse_sacct_line, parse_squeue_job
 from bluevela.slurm.states import JobState
 from tests.conftest import DATA
 

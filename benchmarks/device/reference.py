@@ -33,7 +33,7 @@ def gemm_tflops() -> dict[str, float]:
     for n in (4096, 8192, 16384):
         a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        ms = _time_ms(lambda: torch.mm(a, b), reps=10 if n == 16384 else 30)
+        ms = _time_ms(lambda a=a, b=b: torch.mm(a, b), reps=10 if n == 16384 else 30)
         out[f"gemm_bf16_{n}_tflops"] = 2 * n**3 / (ms * 1e-3) / 1e12
         del a, b
     return out

@@ -104,7 +104,7 @@ def _summarize(path: Path, data: Mapping[str, Any]) -> dict[str, Any]:
 def latest_reports(spool: Path) -> dict[str, dict[str, Any]]:
     """The newest spooled report of each node (by file time), summarized."""
     newest: dict[str, tuple[float, Path]] = {}
-    entries = []
+    entries: list[os.DirEntry[str]] = []
     # Ingest moves archived reports to <spool>/done/: the newest may be there.
     for directory in (spool, spool / "done"):
         try:
