@@ -20,6 +20,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 
+def _say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
@@ -58,9 +63,11 @@ def main() -> int:
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
     final = global_loss(ddp)
+    # One write per line: ranks of a node share srun's stdout, and print() may write the text
+    # and its newline separately, gluing two ranks' lines together.
     if rank == 0:
-        print(f"initial_loss={initial:.6f} final_loss={final:.6f}", flush=True)
-    print(f"rank={rank} world_size={world} host={socket.gethostname()} loss={final:.6f}", flush=True)
+        _say(f"initial_loss={initial:.6f} final_loss={final:.6f}")
+    _say(f"rank={rank} world_size={world} host={socket.gethostname()} loss={final:.6f}")
     # Free DDP (its reducer holds gloo work) before the group goes: tearing the group down
     # under a live reducer aborted ~1 in 8 runs at exit ("terminate called without an active
     # exception") with torch 2.13 + gloo.

@@ -38,8 +38,7 @@ def test_ddp_two_nodes_two_procs(devcluster: DevCluster, workdir: Path) -> None:
     assert rc == 0, info
     assert info["state"] == "COMPLETED" and info["exit_code"] == 0
     out = (workdir / f"bv-{info['job_id']}.out").read_text()
-    # Ranks share one output file; a C++ warning without newline can precede a line.
-    ranks = re.findall(r"rank=(\d+) world_size=(\d+) host=(\S+) loss=([0-9.]+)$", out, re.M)
+    ranks = re.findall(r"^rank=(\d+) world_size=(\d+) host=(\S+) loss=([0-9.]+)$", out, re.M)
     assert sorted(int(r[0]) for r in ranks) == [0, 1, 2, 3], out
     assert {r[1] for r in ranks} == {"4"}
     assert len({r[2] for r in ranks}) == 2

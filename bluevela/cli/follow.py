@@ -38,7 +38,7 @@ class Follower:
         key = (info.state_name, info.nodes)
         line = (f"job {self.job_id}: {info.state_name}"
                 + (f" on {','.join(info.nodes)}" if info.nodes else "")
-                + (f" ({info.reason})" if info.reason and info.reason != "None" else "")
+                + (f" ({info.reason})" if info.reason else "")
                 + (f" restarts={info.restarts}" if info.restarts else ""))
         if self._live is not None:
             from rich.spinner import Spinner

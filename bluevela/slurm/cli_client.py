@@ -111,7 +111,7 @@ def parse_squeue_job(raw: dict[str, Any]) -> JobInfo:
         name=name,
         user=user,
         partition=str(raw.get("partition") or ""),
-        reason=str(raw.get("state_reason") or ""),
+        reason="" if raw.get("state_reason") in (None, "None") else str(raw["state_reason"]),
         stdout=stdout,
         work_dir=str(raw.get("current_working_directory") or ""),
         restarts=_num(raw.get("restart_cnt")) or 0,
