@@ -4,19 +4,26 @@ The file is found from `--site`, then `$BV_SITE`, then `./site.yaml`, then
 `/etc/bluevela/site.yaml`. Validation errors come back as `PATH:LINE: message` lines.
 Paths can be overridden per process by `BV_SPOOL_DIR`, `BV_ARCHIVE_DIR`, `BV_STATE_DIR` and
 `BV_METRICS_DIR` (the dev cluster gives every node its own), the node class by `BV_NODE_CLASS`.
+
+The model is frozen standard dataclasses: pydantic validates them (constraints are
+`annotated_types` metadata, cross-field rules live in `__post_init__`) but is imported only
+when a file is actually parsed. A validated site is cached, so the prolog and `bv submit`
+normally never import pydantic or parse YAML (docs/site-yaml.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
 import socket
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from annotated_types import Ge, Gt, Le, MinLen
 
 from bluevela.errors import BluevelaError, SiteConfigError
 
@@ -24,55 +31,97 @@ logger = logging.getLogger(__name__)
 
 SEARCH_PATHS = (Path("site.yaml"), Path("/etc/bluevela/site.yaml"))
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Unknown keys are errors: a typo in site.yaml must not pass silently.
+_STRICT = {"extra": "forbid"}
+T = TypeVar("T")
+
+NonNegInt = Annotated[int, Ge(0)]
+NonNegFloat = Annotated[float, Ge(0)]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
+class _Checked:
+    """Annotated metadata: run `fn` after pydantic's own validation of the field, so its error
+    carries the field's location (and line). pydantic_core is imported only when validating."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_after_validator_function(self.fn, handler(source))
 
 
-class Paths(_Model):
+def _absolute(v: Path) -> Path:
+    if not v.is_absolute():
+        raise ValueError("must be an absolute path")
+    return v
+
+
+def _env_map(v: dict[str, str]) -> dict[str, str]:
+    for key, value in v.items():
+        if not _ENV_NAME.match(key):
+            raise ValueError(f"invalid environment variable name {key!r}")
+        if "\n" in value or "\0" in value:
+            raise ValueError(f"value of {key} contains a newline or NUL")
+    return v
+
+
+def _port_list(v: list[str]) -> list[str]:
+    for p in v:
+        if not re.match(r"^[A-Za-z0-9_.-]+/[0-9]+$", p):
+            raise ValueError(f"port {p!r} is not '<hca>/<port>'")
+    return v
+
+
+def _hostlist_expr(v: str) -> str:
+    import hostlist
+
+    try:
+        hostlist.expand_hostlist(v)
+    except hostlist.BadHostlist as exc:
+        raise ValueError(f"bad hostlist {v!r}: {exc}") from exc
+    return v
+
+
+AbsPath = Annotated[Path, _Checked(_absolute)]
+
+
+@dataclass(frozen=True)
+class Paths:
     """Where bluevela keeps its files. All absolute."""
 
-    spool: Path = Path("/var/spool/bluevela")
-    archive: Path = Path("/var/lib/bluevela/archive")
-    state: Path = Path("/var/lib/bluevela/state")
-    metrics: Path = Path("/var/lib/node_exporter/textfile")
+    __pydantic_config__ = _STRICT
 
-    @field_validator("spool", "archive", "state", "metrics")
-    @classmethod
-    def _absolute(cls, v: Path) -> Path:
-        if not v.is_absolute():
-            raise ValueError("must be an absolute path")
-        return v
+    spool: AbsPath = Path("/var/spool/bluevela")
+    archive: AbsPath = Path("/var/lib/bluevela/archive")
+    state: AbsPath = Path("/var/lib/bluevela/state")
+    metrics: AbsPath = Path("/var/lib/node_exporter/textfile")
 
 
-class Launch(_Model):
+@dataclass(frozen=True)
+class Launch:
     """Defaults for `bv submit`."""
 
-    rdzv_port: int = Field(29500, ge=1024, le=65535)
-    torchrun: list[str] = Field(default_factory=lambda: ["torchrun"], min_length=1)
-    max_restarts: int = Field(0, ge=0, le=100)
+    __pydantic_config__ = _STRICT
+
+    rdzv_port: Annotated[int, Ge(1024), Le(65535)] = 29500
+    torchrun: Annotated[list[str], MinLen(1)] = field(default_factory=lambda: ["torchrun"])
+    max_restarts: Annotated[int, Ge(0), Le(100)] = 0
     requeue: bool = True
     output: str = "bv-%j.out"
-    env: dict[str, str] = Field(default_factory=dict)
-    submit_retry_s: float = Field(120.0, ge=0, description="how long to retry an unreachable slurmctld")
+    env: Annotated[dict[str, str], _Checked(_env_map)] = field(default_factory=dict)
+    submit_retry_s: NonNegFloat = 120.0  # how long to retry an unreachable slurmctld
     default_partition: str | None = None
 
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
-        for key, value in v.items():
-            if not _ENV_NAME.match(key):
-                raise ValueError(f"invalid environment variable name {key!r}")
-            if "\n" in value or "\0" in value:
-                raise ValueError(f"value of {key} contains a newline or NUL")
-        return v
 
+@dataclass(frozen=True)
+class Tier:
+    __pydantic_config__ = _STRICT
 
-class Tier(_Model):
     checks: list[str]
-    cap_s: float = Field(gt=0, description="hard cap on the whole run")
-    check_timeout_s: float = Field(gt=0, description="each check's own timeout")
+    cap_s: Annotated[float, Gt(0)]  # hard cap on the whole run
+    check_timeout_s: Annotated[float, Gt(0)]  # each check's own timeout
 
 
 def _default_tiers() -> dict[str, Tier]:
@@ -82,41 +131,41 @@ def _default_tiers() -> dict[str, Tier]:
     }
 
 
-class Health(_Model):
+@dataclass(frozen=True)
+class Health:
     """How the hooks run the checks."""
 
-    tiers: dict[str, Tier] = Field(default_factory=_default_tiers)
-    nccl_freshness_h: float = Field(6.0, ge=0, description="prolog reruns nccl when older; 0 = never")
-    retries: int = Field(3, ge=1, le=10, description="noisy measurements: pass if any try passes")
-    drain_timeout_s: float = Field(5.0, gt=0)
-    fleet_breaker_pct: float = Field(15.0, ge=0, le=100)
+    __pydantic_config__ = _STRICT
+
+    tiers: dict[str, Tier] = field(default_factory=_default_tiers)
+    nccl_freshness_h: NonNegFloat = 6.0  # the prolog reruns nccl when older; 0 = never
+    retries: Annotated[int, Ge(1), Le(10)] = 3  # noisy measurements: pass if any try passes
+    drain_timeout_s: Annotated[float, Gt(0)] = 5.0
+    fleet_breaker_pct: Annotated[float, Ge(0), Le(100)] = 15.0
     drain_prefix: str = "bv:"
 
-    @model_validator(mode="after")
-    def _tiers_present(self) -> Health:
+    def __post_init__(self) -> None:
         for name in ("quick", "full"):
             if name not in self.tiers:
                 raise ValueError(f"health.tiers needs a '{name}' tier")
-        return self
 
 
-class IBExpect(_Model):
+@dataclass(frozen=True)
+class IBExpect:
     """The InfiniBand ports a node class must have."""
 
-    ports: list[str] = Field(default_factory=list, description="'<hca>/<port>', e.g. mlx5_0/1")
-    rate_gbps: float = Field(0, ge=0)
+    __pydantic_config__ = _STRICT
+
+    # '<hca>/<port>', e.g. mlx5_0/1
+    ports: Annotated[list[str], _Checked(_port_list)] = field(default_factory=list)
+    rate_gbps: NonNegFloat = 0.0
     link_layer: Literal["InfiniBand", "Ethernet"] = "InfiniBand"
 
-    @field_validator("ports")
-    @classmethod
-    def _port_form(cls, v: list[str]) -> list[str]:
-        for p in v:
-            if not re.match(r"^[A-Za-z0-9_.-]+/[0-9]+$", p):
-                raise ValueError(f"port {p!r} is not '<hca>/<port>'")
-        return v
 
+@dataclass(frozen=True)
+class GPUThresholds:
+    __pydantic_config__ = _STRICT
 
-class GPUThresholds(_Model):
     max_temp_c: float = 87.0
     max_uncorrected_ecc_volatile: int = 0
     max_uncorrected_ecc_aggregate: int = 0
@@ -125,49 +174,55 @@ class GPUThresholds(_Model):
     require_persistence_mode: bool = True
 
 
-class IBThresholds(_Model):
+def _default_max_counters() -> dict[str, int]:
+    return {"symbol_error": 1000, "link_downed": 10, "link_error_recovery": 100,
+            "port_rcv_errors": 1000, "local_link_integrity_errors": 10,
+            "excessive_buffer_overrun_errors": 10}
+
+
+def _default_max_increase() -> dict[str, int]:
+    return {"symbol_error": 10, "link_downed": 0, "link_error_recovery": 0, "port_rcv_errors": 10}
+
+
+@dataclass(frozen=True)
+class IBThresholds:
     """Absolute ceilings for error counters, and for their increase since the last reading."""
 
-    max_counters: dict[str, int] = Field(
-        default_factory=lambda: {
-            "symbol_error": 1000,
-            "link_downed": 10,
-            "link_error_recovery": 100,
-            "port_rcv_errors": 1000,
-            "local_link_integrity_errors": 10,
-            "excessive_buffer_overrun_errors": 10,
-        }
-    )
-    max_increase: dict[str, int] = Field(
-        default_factory=lambda: {
-            "symbol_error": 10,
-            "link_downed": 0,
-            "link_error_recovery": 0,
-            "port_rcv_errors": 10,
-        }
-    )
+    __pydantic_config__ = _STRICT
+
+    max_counters: dict[str, int] = field(default_factory=_default_max_counters)
+    max_increase: dict[str, int] = field(default_factory=_default_max_increase)
 
 
-class NodeThresholds(_Model):
-    min_mem_available_gib: float = Field(1.0, ge=0)
-    min_free_gib: dict[str, float] = Field(default_factory=lambda: {"/tmp": 1.0})
-    required_paths: list[str] = Field(default_factory=list)
-    required_mounts: list[str] = Field(default_factory=list)
-    required_devices: list[str] = Field(default_factory=list)
+@dataclass(frozen=True)
+class NodeThresholds:
+    __pydantic_config__ = _STRICT
+
+    min_mem_available_gib: NonNegFloat = 1.0
+    min_free_gib: dict[str, float] = field(default_factory=lambda: {"/tmp": 1.0})
+    required_paths: list[str] = field(default_factory=list)
+    required_mounts: list[str] = field(default_factory=list)
+    required_devices: list[str] = field(default_factory=list)
 
 
-class NCCLThresholds(_Model):
+@dataclass(frozen=True)
+class NCCLThresholds:
     """All_reduce bus bandwidth inside the node at a stated size (nccl-tests definition)."""
 
-    size_bytes: int = Field(1 << 30, gt=0)
-    iters: int = Field(20, ge=1)
-    warmup: int = Field(5, ge=0)
-    min_busbw_gbs: float = Field(0.0, ge=0)
-    procs: int | None = Field(None, ge=1, description="ranks on a CPU node (default 2)")
+    __pydantic_config__ = _STRICT
+
+    size_bytes: Annotated[int, Gt(0)] = 1 << 30
+    iters: Annotated[int, Ge(1)] = 20
+    warmup: NonNegInt = 5
+    min_busbw_gbs: NonNegFloat = 0.0
+    procs: Annotated[int, Ge(1)] | None = None  # ranks on a CPU node (default 2)
 
 
-class BenchThresholds(_Model):
+@dataclass(frozen=True)
+class BenchThresholds:
     """Absolute acceptance floors for the nightly benchmarks (units in the names)."""
+
+    __pydantic_config__ = _STRICT
 
     gemm_tflops: float = 0.0
     hbm_gbs: float = 0.0
@@ -177,42 +232,32 @@ class BenchThresholds(_Model):
     pair_busbw_gbs: float = 0.0
     mpi_bw_gbs: float = 0.0
     mpi_lat_us_max: float = 0.0  # 0 = no ceiling
-    regression_nights: int = Field(7, ge=1)
-    regression_tolerance_pct: float = Field(10.0, ge=0, le=100)
+    regression_nights: Annotated[int, Ge(1)] = 7
+    regression_tolerance_pct: Annotated[float, Ge(0), Le(100)] = 10.0
     # The message sizes the floors above apply to (the largest size of each sweep);
     # 0 = the measurement's default for the node's backend (CUDA or CPU).
-    allreduce_size_bytes: int = Field(0, ge=0)
-    pair_size_bytes: int = Field(0, ge=0)
-    mpi_size_bytes: int = Field(0, ge=0)
+    allreduce_size_bytes: NonNegInt = 0
+    pair_size_bytes: NonNegInt = 0
+    mpi_size_bytes: NonNegInt = 0
 
 
-class NodeClass(_Model):
-    nodes: str = Field(description="hostlist expression, e.g. gpu[001-128]")
-    gpus: int = Field(0, ge=0)
+@dataclass(frozen=True)
+class NodeClass:
+    __pydantic_config__ = _STRICT
+
+    nodes: Annotated[str, _Checked(_hostlist_expr)]  # hostlist expression, e.g. gpu[001-128]
+    gpus: NonNegInt = 0
     gpu_model: str | None = None
-    ib: IBExpect = Field(default_factory=IBExpect)
-    gpu: GPUThresholds = Field(default_factory=GPUThresholds)
-    ib_limits: IBThresholds = Field(default_factory=IBThresholds)
-    node: NodeThresholds = Field(default_factory=NodeThresholds)
-    nccl: NCCLThresholds = Field(default_factory=NCCLThresholds)
-    bench: BenchThresholds = Field(default_factory=BenchThresholds)
+    ib: IBExpect = field(default_factory=IBExpect)
+    gpu: GPUThresholds = field(default_factory=GPUThresholds)
+    ib_limits: IBThresholds = field(default_factory=IBThresholds)
+    node: NodeThresholds = field(default_factory=NodeThresholds)
+    nccl: NCCLThresholds = field(default_factory=NCCLThresholds)
+    bench: BenchThresholds = field(default_factory=BenchThresholds)
 
-    @field_validator("nodes")
-    @classmethod
-    def _hostlist(cls, v: str) -> str:
-        import hostlist
-
-        try:
-            hostlist.expand_hostlist(v)
-        except hostlist.BadHostlist as exc:
-            raise ValueError(f"bad hostlist {v!r}: {exc}") from exc
-        return v
-
-    @model_validator(mode="after")
-    def _gpu_model(self) -> NodeClass:
+    def __post_init__(self) -> None:
         if self.gpus and not self.gpu_model:
             raise ValueError("gpu_model is required when gpus > 0")
-        return self
 
     @cached_property
     def hostnames(self) -> frozenset[str]:
@@ -221,30 +266,29 @@ class NodeClass(_Model):
         return frozenset(hostlist.expand_hostlist(self.nodes))
 
 
-class Site(_Model):
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, defer_build=True, ignored_types=(cached_property,)
-    )
+@dataclass(frozen=True)
+class Site:
+    __pydantic_config__ = _STRICT
 
-    cluster: str = Field(min_length=1)
-    partitions: list[str] = Field(default_factory=list)
-    paths: Paths = Field(default_factory=Paths)
-    launch: Launch = Field(default_factory=Launch)
-    health: Health = Field(default_factory=Health)
-    node_classes: dict[str, NodeClass] = Field(min_length=1)
+    cluster: Annotated[str, MinLen(1)]
+    node_classes: Annotated[dict[str, NodeClass], MinLen(1)]
+    partitions: list[str] = field(default_factory=list)
+    paths: Paths = field(default_factory=Paths)
+    launch: Launch = field(default_factory=Launch)
+    health: Health = field(default_factory=Health)
 
-    # Not part of the file: where it was read from.
-    source: Path | None = Field(None, exclude=True)
-
-    @model_validator(mode="after")
-    def _checks(self) -> Site:
+    def __post_init__(self) -> None:
         seen: dict[str, str] = {}
         for name, cls in self.node_classes.items():
             for host in cls.hostnames:
                 if host in seen:
                     raise ValueError(f"node {host} is in classes {seen[host]} and {name}")
                 seen[host] = name
-        return self
+
+    @property
+    def source(self) -> Path | None:
+        """Where the site was read from (not part of the file)."""
+        return self.__dict__.get("_source")
 
     def class_name_for(self, node: str | None = None) -> str:
         """The node class of `node` (default: this host), or `$BV_NODE_CLASS` when set."""
@@ -277,6 +321,51 @@ class Site(_Model):
         """A site path, overridden by `$BV_<WHICH>_DIR` when set."""
         env = os.environ.get(f"BV_{which.upper()}_DIR")
         return Path(env) if env else getattr(self.paths, which)
+
+
+def to_dict(obj: Any) -> Any:
+    """A site (or part of one) as plain JSON-able data: what site.yaml would say."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def validate(cls: type[T], data: Any) -> T:
+    """Validate `data` (parsed YAML) as `cls` with pydantic, imported only here.
+
+    Raises:
+        pydantic.ValidationError: as pydantic reports it (parse_site maps it to lines).
+    """
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(cls).validate_python(data)
+
+
+def _build(cls: type[T], data: dict[str, Any]) -> T:
+    """Rebuild a dataclass from its own `to_dict()` (the cache) without pydantic."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name not in data:
+            continue
+        value, ann = data[f.name], hints[f.name]
+        origin, args = typing.get_origin(ann), typing.get_args(ann)
+        if dataclasses.is_dataclass(ann):
+            value = _build(ann, value)  # type: ignore[arg-type]
+        elif origin is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]):
+            value = {k: _build(args[1], v) for k, v in value.items()}  # type: ignore[arg-type]
+        elif ann is Path or Path in args:
+            value = None if value is None else Path(value)
+        values[f.name] = value
+    return cls(**values)
 
 
 def find_site_path(explicit: str | os.PathLike[str] | None = None) -> Path:
@@ -340,8 +429,10 @@ def parse_site(text: str, source: Path) -> Site:
     if not isinstance(data, dict):
         msg = f"{source}:1: the site file must be a mapping"
         raise SiteConfigError(msg, [msg])
+    from pydantic import ValidationError
+
     try:
-        return Site.model_validate({**data, "source": source})
+        site = validate(Site, data)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
@@ -351,6 +442,12 @@ def parse_site(text: str, source: Path) -> Site:
             message = err["msg"].removeprefix("Value error, ")
             problems.append(f"{source}:{line}: {where}: {message}")
         raise SiteConfigError(problems[0], problems) from exc
+    _set_source(site, source)
+    return site
+
+
+def _set_source(site: Site, source: Path) -> None:
+    site.__dict__["_source"] = source  # frozen, but not a field: bookkeeping only
 
 
 def _cache_dir() -> Path | None:
@@ -374,32 +471,6 @@ def _cache_key(path: Path, st: os.stat_result) -> dict[str, Any]:
             "ino": st.st_ino, "version": __version__, "model_mtime_ns": model.st_mtime_ns}
 
 
-def _construct(cls: type[BaseModel], data: dict[str, Any]) -> Any:
-    """Rebuild a validated model from its own `model_dump(mode="json")` without validating.
-
-    Only for data this module validated and cached itself; covers the field shapes the site
-    model uses (nested models, dicts of models, paths, primitives).
-    """
-    import typing
-
-    values: dict[str, Any] = {}
-    for name, field in cls.model_fields.items():
-        if name not in data:
-            continue
-        value, ann = data[name], field.annotation
-        origin, args = typing.get_origin(ann), typing.get_args(ann)
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            value = _construct(ann, value)
-        elif origin is dict and len(args) == 2 and isinstance(args[1], type) and issubclass(
-            args[1], BaseModel
-        ):
-            value = {k: _construct(args[1], v) for k, v in value.items()}
-        elif (ann is Path or Path in args) and value is not None:
-            value = Path(value)
-        values[name] = value
-    return cls.model_construct(_fields_set=set(values), **values)
-
-
 def _read_cache(cache: Path, key: dict[str, Any]) -> Site | None:
     """The cached site when the cache file is ours, private, and its key matches."""
     import json
@@ -418,7 +489,7 @@ def _read_cache(cache: Path, key: dict[str, Any]) -> Site | None:
     if not isinstance(doc, dict) or doc.get("key") != key:
         return None
     try:
-        site: Site = _construct(Site, doc["site"])
+        site = _build(Site, doc["site"])
     except (KeyError, TypeError, AttributeError, ValueError):
         return None
     return site
@@ -431,7 +502,7 @@ def _write_cache(cache: Path, key: dict[str, Any], site: Site) -> None:
 
     try:
         cache.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        body = {"key": key, "site": site.model_dump(mode="json", exclude={"source"})}
+        body = {"key": key, "site": to_dict(site)}
         atomic_write(cache, json.dumps(body).encode(), 0o600)
     except (OSError, BluevelaError) as exc:
         logger.debug("site cache not written (%s): %s", cache, exc)
@@ -462,7 +533,7 @@ def load_site(explicit: str | os.PathLike[str] | None = None) -> Site:
         cache = cache_dir / f"site-{digest}.json"
         cached = _read_cache(cache, key)
         if cached is not None:
-            object.__setattr__(cached, "source", path)
+            _set_source(cached, path)
             return cached
     try:
         text = path.read_text(encoding="utf-8")

@@ -18,7 +18,7 @@ from bluevela.bench.evaluate import baseline_of, evaluate
 from bluevela.bench.registry import Check, get, measurements, register
 from bluevela.bench.result import Facts, Figure, Status
 from bluevela.bench.runner import facts_from_document
-from bluevela.site import BenchThresholds, Site, load_site
+from bluevela.site import BenchThresholds, Site, load_site, validate
 from tests.conftest import DATA, REPO
 
 BENCH = DATA / "bench"
@@ -26,7 +26,7 @@ BENCH = DATA / "bench"
 
 def _th(**values: float) -> BenchThresholds:
     """Thresholds from keywords (validated, the way site.yaml's are)."""
-    return BenchThresholds.model_validate(values)
+    return validate(BenchThresholds, values)
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,9 @@ WORKDIR = Path("/var/lib/bluevela/archive/nightly/runs/2026-11-20/010000-4242")
 
 def _site() -> Site:
     # A fixed source path: the golden files must not depend on where the repo is checked out.
-    return load_site(REPO / "site.yaml").model_copy(
-        update={"source": Path("/etc/bluevela/site.yaml")})
+    site = load_site(REPO / "site.yaml")
+    site.__dict__["_source"] = Path("/etc/bluevela/site.yaml")  # bookkeeping, not a field
+    return site
 
 
 OPTS = NightlyOptions(partition="debug", night="2026-11-20", python="/opt/bluevela/bin/python3")

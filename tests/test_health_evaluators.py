@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -151,7 +152,7 @@ def _port(**kw: object) -> PortFacts:
 
 
 def test_ib_evaluator_edge_cases(h100: NodeClass) -> None:
-    one = h100.model_copy(update={"ib": h100.ib.model_copy(update={"ports": ["mlx5_0/1"]})})
+    one = replace(h100, **{"ib": replace(h100.ib, **{"ports": ["mlx5_0/1"]})})
     assert evaluate_ib(IBFacts((_port(present=False, state=None),)), one).summary == "mlx5_0/1 missing"
     eth = evaluate_ib(IBFacts((_port(link_layer="Ethernet"),)), one)
     assert eth.status is Status.CRITICAL and "link_layer Ethernet" in eth.summary
@@ -161,7 +162,7 @@ def test_ib_evaluator_edge_cases(h100: NodeClass) -> None:
     assert reset.status is Status.CRITICAL and "link_downed +1" in reset.summary
     unread = evaluate_ib(IBFacts((), error="cannot list /x: Permission denied"), one)
     assert unread.status is Status.UNKNOWN
-    none = evaluate_ib(IBFacts(()), h100.model_copy(update={"ib": h100.ib.model_copy(update={"ports": []})}))
+    none = evaluate_ib(IBFacts(()), replace(h100, **{"ib": replace(h100.ib, **{"ports": []})}))
     assert none.status is Status.OK and "no InfiniBand ports expected" in none.summary
 
 
@@ -209,7 +210,7 @@ def test_leftover_processes_count_only_where_no_job_runs(h100: NodeClass, tmp_pa
     assert evaluate_gpu(_gpu_facts(h100, tmp_path, procs, "prolog"), h100).status is Status.CRITICAL
     assert evaluate_gpu(_gpu_facts(h100, tmp_path, procs, "healthcheck"), h100).status is Status.CRITICAL
     assert evaluate_gpu(_gpu_facts(h100, tmp_path, procs, "epilog"), h100).status is Status.OK
-    allowed = h100.model_copy(update={"gpu": h100.gpu.model_copy(update={"allow_leftover_processes": True})})
+    allowed = replace(h100, **{"gpu": replace(h100.gpu, **{"allow_leftover_processes": True})})
     assert evaluate_gpu(_gpu_facts(h100, tmp_path, procs, "prolog"), allowed).status is Status.OK
 
 
@@ -274,7 +275,7 @@ def test_node_parsers() -> None:
 
 
 def test_node_requirements(h100: NodeClass, tmp_path: Path) -> None:
-    strict = h100.model_copy(update={"node": h100.node.model_copy(update={
+    strict = replace(h100, **{"node": replace(h100.node, **{
         "required_mounts": ["/home", "/raid", "/lustre"], "required_paths": ["/etc/missing"],
         "min_free_gib": {"/tmp": 1.0, "/scratch": 1.0}})})
     r = evaluate_node(probe_node(ctx_for(strict, "h100-healthy", tmp_path)), strict)
@@ -282,15 +283,13 @@ def test_node_requirements(h100: NodeClass, tmp_path: Path) -> None:
     for text in ("/lustre not mounted", "/etc/missing missing", "/scratch missing or unreadable"):
         assert text in r.summary
     assert "/home" not in r.summary and "/raid" not in r.summary
-    hungry = h100.model_copy(
-        update={"node": h100.node.model_copy(update={"min_mem_available_gib": 4096})})
+    hungry = replace(h100, **{"node": replace(h100.node, **{"min_mem_available_gib": 4096})})
     r = evaluate_node(probe_node(ctx_for(hungry, "h100-healthy", tmp_path / "b")), hungry)
     assert r.status is Status.CRITICAL and "GiB memory available < 4096 GiB" in r.summary
 
 
 def test_node_on_an_empty_root_is_not_critical_for_memory(h100: NodeClass, tmp_path: Path) -> None:
-    bare = h100.model_copy(update={"node": h100.node.model_copy(
-        update={"min_free_gib": {}, "required_devices": []})})
+    bare = replace(h100, **{"node": replace(h100.node, **{"min_free_gib": {}, "required_devices": []})})
     r = evaluate_node(probe_node(ProbeContext(bare, "h100", root=tmp_path)), bare)
     assert r.status is Status.UNKNOWN and "MemAvailable unreadable" in r.summary
 
@@ -303,7 +302,7 @@ def test_real_h100_recording_replays(site: Site) -> None:
     fixture = json.loads((FIXTURES / "h100-healthy" / "nvml.json").read_text())
     assert set(real) == set(fixture)
     assert set(real["gpus"][0]) == set(fixture["gpus"][0])
-    one = site.node_class(name="h100").model_copy(update={"gpus": 1})
+    one = replace(site.node_class(name="h100"), **{"gpus": 1})
     r = get_check("gpu").run_once(ProbeContext(one, "h100", nvml_snapshot=real_path))
     assert r.status is Status.OK, r
     assert r.summary.startswith("1 x NVIDIA H100 80GB HBM3 OK")
@@ -320,7 +319,7 @@ def test_real_h200_recording_replays(site: Site) -> None:
     assert set(real) == set(fixture)
     assert set(real["gpus"][0]) == set(fixture["gpus"][0])
     assert real["gpus"][0]["name"] == "NVIDIA H200"
-    one = site.node_class(name="h100").model_copy(update={"gpus": 1, "gpu_model": "NVIDIA H200"})
+    one = replace(site.node_class(name="h100"), **{"gpus": 1, "gpu_model": "NVIDIA H200"})
     r = get_check("gpu").run_once(ProbeContext(one, "h100", nvml_snapshot=real_path))
     assert r.status is Status.OK, r
     assert r.summary.startswith("1 x NVIDIA H200 OK")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bluevela.errors import SiteConfigError
-from bluevela.site import load_site
+from bluevela.site import load_site, to_dict
 from tests.conftest import REPO
 
 
@@ -28,7 +28,8 @@ def test_cached_site_equals_fresh(cache: Path, monkeypatch: pytest.MonkeyPatch) 
     cached = load_site(REPO / "site.yaml")
     monkeypatch.setenv("BV_CACHE_DIR", "off")
     fresh = load_site(REPO / "site.yaml")
-    assert cached.model_dump() == fresh.model_dump() == first.model_dump()
+    assert to_dict(cached) == to_dict(fresh) == to_dict(first)
+    assert cached == fresh
     assert cached.node_class("gpu007").ib.ports == fresh.node_class("gpu007").ib.ports
     assert cached.paths.spool == Path("/var/spool/bluevela") and cached.source == REPO / "site.yaml"
 

@@ -7,6 +7,7 @@ that define measurements are imported by `measurements()`, so importing this mod
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from collections.abc import Callable
@@ -84,7 +85,7 @@ def register(name: str, *, scope: Scope, checks: tuple[Check, ...],
         ValueError: when `name` is registered twice, or a check names no threshold field.
     """
     for check in checks:
-        if check.threshold not in BenchThresholds.model_fields:
+        if check.threshold not in {f.name for f in dataclasses.fields(BenchThresholds)}:
             raise ValueError(f"{name}: no BenchThresholds field {check.threshold!r}")
 
     def deco(fn: Gather) -> Gather:

@@ -43,14 +43,14 @@ def local_context(site: Site | None, class_name: str | None = None, *,
     """
     host = host or socket.gethostname().split(".")[0]
     if site is None:
-        return LocalContext(host, None, RunParams(BenchThresholds.model_validate({}), budget_s=budget_s))
+        return LocalContext(host, None, RunParams(BenchThresholds(), budget_s=budget_s))
     name = class_name
     if name is None:
         try:
             name = site.class_name_for(host)
         except SiteConfigError:
             logger.warning("%s is in no node class: default parameters, no floors", host)
-            return LocalContext(host, None, RunParams(BenchThresholds.model_validate({}), budget_s=budget_s))
+            return LocalContext(host, None, RunParams(BenchThresholds(), budget_s=budget_s))
     cls = site.node_class(name=name)
     params = RunParams(cls.bench, gpus=cls.gpus, procs=cls.nccl.procs or 2, budget_s=budget_s)
     return LocalContext(host, name, params)

@@ -29,8 +29,10 @@ def validate(obj: State, path: str | None) -> None:
 @click.pass_obj
 def show(obj: State, as_json: bool) -> None:
     """Print the effective site (defaults filled in)."""
+    from bluevela.site import to_dict
+
     site = obj.site()
-    data = site.model_dump(mode="json")
+    data = to_dict(site)
     data["effective_paths"] = {k: str(site.path(k)) for k in ("spool", "archive", "state", "metrics")}
     if as_json:
         emit_json(data)
