@@ -12,6 +12,7 @@
 #   timings.json         quick-tier wall times, process start included, vs python -c pass
 #   pytest-gpu.txt       the GPU-marked tests
 #   log.txt              nvidia-smi -q and the commands' stderr
+# `run.sh health` does the health part only (snapshot, quick, timings, full, GPU tests).
 # On a machine without a GPU it stops at once with exit 2 and one line.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
@@ -55,8 +56,10 @@ d = {"quick_p50_s": statistics.median(q), "quick_p95_s": q[int(0.95 * (len(q) - 
 json.dump(d, open(sys.argv[1], "w"), indent=1); print(d)
 PYEOF
 echo "== full";      bv health run --tier full --json >"$OUT/health-full.json" 2>>"$log"; echo "rc=$?"
+if [ "${1:-all}" != health ]; then
 echo "== bench";     bv bench run gemm hbm h2d d2h --json >"$OUT/bench.json" 2>>"$log"; echo "rc=$?"
 echo "== reference"; "$PY" benchmarks/device/reference.py >"$OUT/reference.json" 2>>"$log"; echo "rc=$?"
+fi
 echo "== gpu tests"; "$PY" -m pytest -q -m gpu -p no:cacheprovider tests >"$OUT/pytest-gpu.txt" 2>&1; echo "rc=$?"
 tail -n 3 "$OUT/pytest-gpu.txt"
 "$PY" - "$OUT" <<'PYEOF'
