@@ -3,7 +3,7 @@
 `python -m bluevela.hooks prolog` is run as slurmd runs it (bare environment, settings from a
 hook.env) against tests/data/health/h100-healthy, with a fresh nccl mark so only the quick
 tier runs. Figures: p50 and p95 wall time over >= 30 runs (goals <= 0.5 s and <= 1 s), next to
-`python -c pass`, `python -c "import pydantic"` and loading site.yaml alone, plus the checks'
+`python -c pass`, `python -c "import pydantic"` and loading site.yaml alone (cached and not), plus the checks'
 own time (the report's duration_s), so one can see where the time goes.
 """
 
@@ -66,6 +66,7 @@ def figures(args: argparse.Namespace) -> Iterator[Figure]:
     pyd = _times([PY, "-c", "import pydantic"], max(5, n // 4))
     load = f"from bluevela.site import load_site; load_site({str(REPO / 'site.yaml')!r})"
     site = _times([PY, "-c", load], max(5, n // 4))
+    cold = _times([PY, "-c", load], max(5, n // 4), {"BV_CACHE_DIR": "off"})
     p50, p95 = statistics.median(times), percentile(times, 95)
     note = f"{n} runs, healthy H100 fixture (8 GPUs, 8 NDR ports), process start included"
     yield Figure("health.prolog_quick_p50", p50, "s", "<= 0.5", note)
@@ -74,6 +75,8 @@ def figures(args: argparse.Namespace) -> Iterator[Figure]:
     yield Figure("health.import_pydantic_p50", statistics.median(pyd), "s", "",
                  "python -c 'import pydantic'")
     yield Figure("health.site_load_p50", statistics.median(site), "s", "",
-                 "python + load_site(site.yaml) (pydantic, yaml)")
+                 "python + load_site(site.yaml), validated-site cache hit (no pydantic, no yaml)")
+    yield Figure("health.site_load_uncached_p50", statistics.median(cold), "s", "",
+                 "python + load_site(site.yaml), BV_CACHE_DIR=off (yaml + pydantic validation)")
     yield Figure("health.quick_checks_p50", statistics.median(checks), "s", "",
                  "gpu+ib+node in forked children (the report's duration_s)")
