@@ -51,6 +51,15 @@ def _has_gpu() -> bool:
     return os.path.exists("/dev/nvidiactl")
 
 
+@pytest.fixture()
+def dirs(tmp_path: Path) -> tuple[Path, Path]:
+    """An empty spool and archive directory."""
+    spool, archive = tmp_path / "spool", tmp_path / "archive"
+    spool.mkdir()
+    archive.mkdir()
+    return spool, archive
+
+
 @dataclass
 class DevCluster:
     state_dir: Path

@@ -28,14 +28,6 @@ REPO = Path(__file__).resolve().parent.parent
 T0 = 1_750_000_000.0
 
 
-@pytest.fixture()
-def dirs(tmp_path: Path) -> tuple[Path, Path]:
-    spool, archive = tmp_path / "spool", tmp_path / "archive"
-    spool.mkdir()
-    archive.mkdir()
-    return spool, archive
-
-
 def spool_job(spool: Path, job_id: int, nodes: list[str], *, phases: tuple[str, ...] =
               ("prolog", "epilog"), only: list[str] | None = None, t: float = T0,
               exit_code: int = 0) -> list[tuple[int, str, str]]:

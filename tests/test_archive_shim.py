@@ -25,14 +25,6 @@ def _spool_job(spool: Path, job_id: int, nodes: list[str]) -> None:
             write_report(spool, sample_report(job_id, n, phase, nodelist=nodes, time=time.time()))
 
 
-@pytest.fixture()
-def dirs(tmp_path: Path) -> tuple[Path, Path]:
-    spool, archive = tmp_path / "spool", tmp_path / "archive"
-    spool.mkdir()
-    archive.mkdir()
-    return spool, archive
-
-
 def test_shim_is_posix_sh() -> None:
     dash = shutil.which("dash") or "/bin/sh"
     subprocess.run([dash, "-n", str(SHIM)], check=True)

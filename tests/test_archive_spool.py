@@ -32,14 +32,6 @@ HOSTILE_NODES = ["../etc", "..", "a/b", "node1/../../x", ".hidden", "node 1", "n
 HOSTILE_JOBS = ["../1", "1/../2", "-1", "0", "1e3", "12 ", " 12", "1;2", "", "1234567890123"]
 
 
-@pytest.fixture()
-def dirs(tmp_path: Path) -> tuple[Path, Path]:
-    spool, archive = tmp_path / "spool", tmp_path / "archive"
-    spool.mkdir()
-    archive.mkdir()
-    return spool, archive
-
-
 def _entry(name: str) -> SpoolEntry:
     return SpoolEntry(name, *parse_report_name(name))
 
