@@ -125,3 +125,13 @@ def test_controller_down_gives_clear_error_after_retry_budget(
         up = devcluster.run([sys.executable, str(REPO / "slurm" / "devcluster"), "up"],
                             check=False, timeout=120)
         assert up.returncode == 0, up.stderr
+
+
+def test_logs_follow_ends_with_the_job(devcluster: DevCluster, workdir: Path) -> None:
+    """`bv logs --follow` started while the job runs prints its lines and returns at the end."""
+    proc = devcluster.bv("submit", "--json", EXAMPLE, "--steps", "5", cwd=workdir)
+    job_id = json.loads(proc.stdout)["job_id"]
+    logs = devcluster.bv("logs", str(job_id), "--follow", timeout=120)
+    assert re.search(r"^rank=0 world_size=1 host=node\d loss=", logs.stdout, re.M), logs.stdout
+    st = json.loads(devcluster.bv("status", str(job_id), "--json").stdout)
+    assert st["terminal"] and st["state"] == "COMPLETED"
