@@ -121,3 +121,8 @@ def test_materialize_is_deterministic() -> None:
     a = build_request(SITE, "t.py", nodes=3).materialize()
     b = build_request(SITE, "t.py", nodes=3).materialize()
     assert a == b
+
+
+def test_class_without_a_site_is_refused() -> None:
+    with pytest.raises(LaunchError, match="--class h100 needs a site file"):
+        build_request(None, "t.py", node_class="h100")

@@ -53,6 +53,8 @@ def build_request(
     is not guessed: 0). Site environment comes first; `--env` overrides it.
     """
     launch = site.launch if site else None
+    if node_class is not None and site is None:
+        raise LaunchError(f"--class {node_class} needs a site file (--site, $BV_SITE, ./site.yaml)")
     if gpus_per_node is None:
         gpus_per_node = site.node_class(name=node_class).gpus if (site and node_class) else 0
     site_env = tuple(launch.env.items()) if launch else ()
