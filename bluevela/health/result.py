@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -49,6 +49,17 @@ def worst(statuses: Iterable[Status]) -> Status:
         if status.severity > result.severity:
             result = status
     return result
+
+
+def summarize(problems: Sequence[tuple[Status, str]]) -> tuple[Status, str | None]:
+    """The worst status of `problems` and a one-line summary of the problems at that status
+    (`"a; b (+2 lesser)"`); (OK, None) when there are none."""
+    status = worst(s for s, _ in problems)
+    if not problems:
+        return status, None
+    ordered = [text for s, text in problems if s is status]
+    rest = len(problems) - len(ordered)
+    return status, "; ".join(ordered) + (f" (+{rest} lesser)" if rest else "")
 
 
 def _clean_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -31,7 +31,7 @@ from bluevela.health.nvml import (
     reason_names,
 )
 from bluevela.health.registry import check
-from bluevela.health.result import CheckResult, Status, worst
+from bluevela.health.result import CheckResult, Status, summarize
 
 if TYPE_CHECKING:
     from bluevela.health.context import ProbeContext
@@ -191,12 +191,8 @@ def evaluate_gpu(facts: GPUFacts, cls: NodeClass) -> CheckResult:
         status = Status.CRITICAL if x.code in FATAL_XIDS else Status.WARNING
         problems.append((status, f"XID {x.code} on {where}"))
     metrics = _metrics(usable, facts.xids)
-    status = worst(s for s, _ in problems)
-    if problems:
-        ordered = [t for s, t in problems if s is status]
-        rest = len(problems) - len(ordered)
-        summary = "; ".join(ordered) + (f" (+{rest} lesser)" if rest else "")
-    else:
+    status, summary = summarize(problems)
+    if summary is None:
         model = usable[0].name if usable else "GPU"
         temp = f", max {metrics['temp_max_c']:g} C" if "temp_max_c" in metrics else ""
         drv = f", driver {snap.driver_version}" if snap.driver_version else ""

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bluevela.health.registry import check
-from bluevela.health.result import CheckResult, Status, worst
+from bluevela.health.result import CheckResult, Status, summarize
 from bluevela.health.state import IB_COUNTERS, read_json, write_json
 
 if TYPE_CHECKING:
@@ -235,14 +235,8 @@ def evaluate_ib(facts: IBFacts, cls: NodeClass) -> CheckResult:
             metrics[f"{name}_increase_count"] = total_inc
     if facts.previous_age_s is not None:
         metrics["baseline_age_s"] = facts.previous_age_s
-    status = worst(s for s, _ in problems)
-    if problems:
-        ordered = sorted(problems, key=lambda sp: -sp[0].severity)
-        summary = "; ".join(text for s, text in ordered if s is status)
-        rest = len(problems) - sum(1 for s, _ in problems if s is status)
-        if rest:
-            summary += f" (+{rest} lesser)"
-    else:
+    status, summary = summarize(problems)
+    if summary is None:
         rate_txt = f" at {min(rates):g} Gb/s" if rates else ""
         summary = f"{active}/{len(expected.ports)} ports ACTIVE LinkUp{rate_txt}"
     return CheckResult("ib", status, summary, metrics)

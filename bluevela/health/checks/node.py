@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from bluevela.health.registry import check
-from bluevela.health.result import CheckResult, Status, worst
+from bluevela.health.result import CheckResult, Status, summarize
 
 if TYPE_CHECKING:
     from bluevela.health.context import ProbeContext
@@ -128,12 +128,8 @@ def evaluate_node(facts: NodeFacts, cls: NodeClass) -> CheckResult:
     for err in facts.errors:
         if not any(err.startswith(x) for x in ("meminfo", "mounts")):
             problems.append((Status.UNKNOWN, err))
-    status = worst(s for s, _ in problems)
-    if problems:
-        ordered = [text for s, text in problems if s is status]
-        rest = len(problems) - len(ordered)
-        summary = "; ".join(ordered) + (f" (+{rest} lesser)" if rest else "")
-    else:
+    status, summary = summarize(problems)
+    if summary is None:
         parts = []
         if "mem_available_gib" in metrics:
             parts.append(f"{metrics['mem_available_gib']:.0f} GiB memory available")
