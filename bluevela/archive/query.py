@@ -113,13 +113,7 @@ def list_jobs(archive_dir: Path, *, since: float | None = None, user: str | None
                     jobs = jobs[jobs["user"] == user.encode()]
                 if not len(jobs):
                     continue
-                jn = read_rows(f, "job_nodes")
-                for row in rows(jobs):
-                    jid, rev = int(row["job_id"]), int(row["revision"])
-                    if jid in newest and newest[jid][0] >= rev:
-                        continue
-                    first, count = int(row["node_first"]), int(row["node_count"])
-                    newest[jid] = (rev, row, rows(jn[first:first + count]), path)
+                _fold_newest(newest, jobs, read_rows(f, "job_nodes"), path)
         out = []
         for jid in sorted(newest):
             if node is not None and jid not in on_node:
@@ -355,19 +349,26 @@ def _iter_reports(archive_dir: Path, since: float | None) -> Iterator[dict[str, 
                 yield d
 
 
+def _fold_newest(newest: dict[int, tuple[int, dict[str, Any], list[dict[str, Any]], Path]],
+                 jobs: Any, job_nodes: Any, path: Path) -> None:
+    """Fold one segment's job rows into `newest` (job id -> (revision, row, nodes, file)),
+    keeping each job's highest revision (a late report adds a revision)."""
+    for row in rows(jobs):
+        jid, rev = int(row["job_id"]), int(row["revision"])
+        if jid in newest and newest[jid][0] >= rev:
+            continue
+        first, count = int(row["node_first"]), int(row["node_count"])
+        newest[jid] = (rev, row, rows(job_nodes[first:first + count]), path)
+
+
 def _all_jobs(segs: Segments) -> list[dict[str, Any]]:
-    newest: dict[int, tuple[int, dict[str, Any], list[dict[str, Any]]]] = {}
+    newest: dict[int, tuple[int, dict[str, Any], list[dict[str, Any]], Path]] = {}
     for _, path in segs:
         with open_h5(path) as f:
             jobs = read_rows(f, "jobs")
             jn = read_rows(f, "job_nodes")
-        for row in rows(jobs):
-            jid, rev = int(row["job_id"]), int(row["revision"])
-            if jid in newest and newest[jid][0] >= rev:
-                continue
-            first, count = int(row["node_first"]), int(row["node_count"])
-            newest[jid] = (rev, row, rows(jn[first:first + count]))
-    return [job_dict(row, nodes) for _, row, nodes in newest.values()]
+        _fold_newest(newest, jobs, jn, path)
+    return [job_dict(row, nodes) for _, row, nodes, _ in newest.values()]
 
 
 def flat_record(report: dict[str, Any]) -> dict[str, Any]:

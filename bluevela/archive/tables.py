@@ -100,6 +100,19 @@ def _residual(report: dict[str, Any]) -> str:
     return json.dumps(extra, sort_keys=True, default=str) if extra else ""
 
 
+def _extend_named_values(cols: dict[str, list[Any]], src: int, named: dict[str, Any],
+                         enc: dict[str, bytes]) -> None:
+    """Append a report's `{name: value}` (check metrics or telemetry) as rows: source index,
+    ordinal, encoded name (each name encoded once per batch), value (None -> NaN)."""
+    n = len(named)
+    cols["src"].extend([src] * n)
+    cols["ordinal"].extend(range(n))
+    cols["name"].extend(enc.get(k) or enc.setdefault(k, k.encode()) for k in named)
+    values = list(named.values())
+    cols["value"].extend(values if None not in values else
+                         [math.nan if v is None else v for v in values])
+
+
 def from_reports(reports: Sequence[dict[str, Any]]) -> Tables:
     """Build report, check, metric and telemetry rows from validated reports (no job rows)."""
     import numpy as np
@@ -142,22 +155,9 @@ def from_reports(reports: Sequence[dict[str, Any]]) -> Tables:
             chk["duration_s"].append(_f(c.get("duration_s")))
             chk["summary"].append(c.get("summary") or "")
             metrics = c.get("metrics") or {}
-            n = len(metrics)
-            met["src"].extend([idx] * n)
-            met["check_ordinal"].extend([ci] * n)
-            met["ordinal"].extend(range(n))
-            met["name"].extend(enc.get(k) or enc.setdefault(k, k.encode()) for k in metrics)
-            values = list(metrics.values())
-            met["value"].extend(values if None not in values else
-                                [nan if v is None else v for v in values])
-        telemetry = r.get("telemetry") or {}
-        n = len(telemetry)
-        tel["src"].extend([idx] * n)
-        tel["ordinal"].extend(range(n))
-        tel["name"].extend(enc.get(k) or enc.setdefault(k, k.encode()) for k in telemetry)
-        values = list(telemetry.values())
-        tel["value"].extend(values if None not in values else
-                            [nan if v is None else v for v in values])
+            met["check_ordinal"].extend([ci] * len(metrics))
+            _extend_named_values(met, idx, metrics, enc)
+        _extend_named_values(tel, idx, r.get("telemetry") or {}, enc)
     t = Tables.empty()
     t.reports = np.array(rep_rows, dtype=dt["reports"])
     for attr, cols, dtype in (("checks", chk, dt["checks"]),
