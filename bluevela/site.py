@@ -1,7 +1,8 @@
 """The site model: site.yaml parsed, validated and queried.
 
 The file is found from `--site`, then `$BV_SITE`, then `./site.yaml`, then
-`/etc/bluevela/site.yaml`. Validation errors come back as `PATH:LINE: message` lines.
+`/etc/bluevela/site.yaml`; root hooks never look in the current directory
+(`find_site_path(cwd=False)`). Validation errors come back as `PATH:LINE: message` lines.
 Paths can be overridden per process by `BV_SPOOL_DIR`, `BV_ARCHIVE_DIR`, `BV_STATE_DIR` and
 `BV_METRICS_DIR` (the dev cluster gives every node its own), the node class by `BV_NODE_CLASS`.
 
@@ -29,7 +30,8 @@ from bluevela.errors import BluevelaError, SiteConfigError
 
 logger = logging.getLogger(__name__)
 
-SEARCH_PATHS = (Path("site.yaml"), Path("/etc/bluevela/site.yaml"))
+ETC_SITE = Path("/etc/bluevela/site.yaml")
+SEARCH_PATHS = (Path("site.yaml"), ETC_SITE)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Unknown keys are errors: a typo in site.yaml must not pass silently.
 _STRICT = {"extra": "forbid"}
@@ -113,13 +115,39 @@ class Launch:
     env: Annotated[dict[str, str], _Checked(_env_map)] = field(default_factory=dict)
     submit_retry_s: NonNegFloat = 120.0  # how long to retry an unreachable slurmctld
     default_partition: str | None = None
+    # SIGUSR1 this long before the time limit (checkpoint, then requeue); 0: no signal.
+    signal_before_s: Annotated[int, Ge(0), Le(65535)] = 120
+    spare_nodes: Annotated[int, Ge(0)] = 0  # hot spare nodes added to every allocation
+    hang_timeout_s: NonNegFloat = 0.0  # end+requeue when no rank reports progress; 0: off
+
+
+def _check_names(v: list[str]) -> list[str]:
+    """Tier check names must be registered checks (imports the check registry: only when a
+    file is parsed, never on a cache hit)."""
+    from bluevela.health.registry import all_checks
+
+    known = all_checks()
+    unknown = [n for n in v if n not in known]
+    if unknown:
+        raise ValueError(f"unknown check(s) {', '.join(map(repr, unknown))} "
+                         f"(known: {', '.join(sorted(known))})")
+    return v
+
+
+def _drain_prefix(v: str) -> str:
+    """Our drains are told from operators' by this prefix: it must be distinctive."""
+    if not re.fullmatch(r"[^\s]*[A-Za-z][^\s]*:", v):
+        raise ValueError(f"drain_prefix {v!r} must be non-empty, contain a letter, end with ':' "
+                         "and have no whitespace (e.g. 'bv:'): every drain whose reason starts "
+                         "with it counts as bluevela's, to resume and for the fleet breaker")
+    return v
 
 
 @dataclass(frozen=True)
 class Tier:
     __pydantic_config__ = _STRICT
 
-    checks: list[str]
+    checks: Annotated[list[str], _Checked(_check_names)]
     cap_s: Annotated[float, Gt(0)]  # hard cap on the whole run
     check_timeout_s: Annotated[float, Gt(0)]  # each check's own timeout
 
@@ -142,7 +170,7 @@ class Health:
     retries: Annotated[int, Ge(1), Le(10)] = 3  # noisy measurements: pass if any try passes
     drain_timeout_s: Annotated[float, Gt(0)] = 5.0
     fleet_breaker_pct: Annotated[float, Ge(0), Le(100)] = 15.0
-    drain_prefix: str = "bv:"
+    drain_prefix: Annotated[str, _Checked(_drain_prefix)] = "bv:"
 
     def __post_init__(self) -> None:
         for name in ("quick", "full"):
@@ -172,6 +200,11 @@ class GPUThresholds:
     max_retired_pages: int = 60  # NVIDIA's RMA criterion
     allow_leftover_processes: bool = False
     require_persistence_mode: bool = True
+    # XIDs count when their kernel record is at most this old (0: every record since boot).
+    xid_window_s: NonNegFloat = 3600.0
+    # A hardware slowdown or a compute process is read again after this long and counts
+    # only when both readings show it (0: one reading decides).
+    recheck_s: Annotated[float, Ge(0), Le(2)] = 1.0
 
 
 def _default_max_counters() -> dict[str, int]:
@@ -368,8 +401,23 @@ def _build(cls: type[T], data: dict[str, Any]) -> T:
     return cls(**values)
 
 
-def find_site_path(explicit: str | os.PathLike[str] | None = None) -> Path:
-    """Resolve the site file: `explicit`, `$BV_SITE`, `./site.yaml`, `/etc/bluevela/site.yaml`."""
+def find_site_path(explicit: str | os.PathLike[str] | None = None, *,
+                   cwd: bool = True) -> Path:
+    """Resolve the site file: `explicit`, `$BV_SITE`, `./site.yaml`, `/etc/bluevela/site.yaml`.
+
+    Args:
+        explicit: a path given on the command line.
+        cwd: look in the current directory. Root entry points (the hooks, EpilogSlurmctld)
+            pass False: they run from slurmd's working directory, which others may write, so
+            only what root configured counts (`$BV_SITE` from hook.env, else
+            /etc/bluevela/site.yaml), and it must be an absolute path.
+    """
+    if not cwd:
+        chosen = os.fspath(explicit) if explicit else os.environ.get("BV_SITE") or str(ETC_SITE)
+        if not os.path.isabs(chosen):
+            raise SiteConfigError(f"site file {chosen!r} is not an absolute path (a root hook "
+                                  "never reads a site file relative to its working directory)")
+        return Path(chosen)
     if explicit:
         return Path(explicit)
     env = os.environ.get("BV_SITE")
@@ -416,6 +464,8 @@ def parse_site(text: str, source: Path) -> Site:
     """
     import yaml
 
+    from bluevela.util.term import printable
+
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
         root = yaml.compose(text, Loader=loader)
@@ -423,13 +473,26 @@ def parse_site(text: str, source: Path) -> Site:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else 1
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        problem = getattr(exc, "problem", None) or (str(exc).splitlines() or ["?"])[0]
+        # The file may be anything (`bv --site /etc/shadow ...`): quote none of its content
+        # (a quoted single character, as in "found character '\t'", says nothing).
+        problem = printable(re.sub(r"'[^']{4,}'|\"[^\"]{4,}\"", "'...'", problem))
         msg = f"{source}:{line}: YAML syntax error: {problem}"
         raise SiteConfigError(msg, [msg]) from exc
     if not isinstance(data, dict):
         msg = f"{source}:1: the site file must be a mapping"
         raise SiteConfigError(msg, [msg])
+    if not {"cluster", "node_classes"} & {k for k in data if isinstance(k, str)}:
+        # Some other file that happens to parse as a mapping: say so without echoing its keys.
+        msg = (f"{source}:1: not a bluevela site description (no 'cluster:' or "
+               "'node_classes:' at the top level)")
+        raise SiteConfigError(msg, [msg])
     from pydantic import ValidationError
+
+    def shown(part: object) -> str:
+        """A location part as shown: a key of the file only when it looks like a name."""
+        text = str(part)
+        return text if re.fullmatch(r"[A-Za-z0-9_./\[\]-]{1,64}", text) else "<key>"
 
     try:
         site = validate(Site, data)
@@ -438,8 +501,8 @@ def parse_site(text: str, source: Path) -> Site:
         for err in exc.errors():
             loc = tuple(err["loc"])
             line = _line_of(root, loc) or 1
-            where = ".".join(str(p) for p in loc) or "(top)"
-            message = err["msg"].removeprefix("Value error, ")
+            where = ".".join(shown(p) for p in loc) or "(top)"
+            message = printable(err["msg"].removeprefix("Value error, "))
             problems.append(f"{source}:{line}: {where}: {message}")
         raise SiteConfigError(problems[0], problems) from exc
     _set_source(site, source)
@@ -508,8 +571,9 @@ def _write_cache(cache: Path, key: dict[str, Any], site: Site) -> None:
         logger.debug("site cache not written (%s): %s", cache, exc)
 
 
-def load_site(explicit: str | os.PathLike[str] | None = None) -> Site:
-    """Find, read and validate the site file.
+def load_site(explicit: str | os.PathLike[str] | None = None, *, cwd: bool = True) -> Site:
+    """Find (`find_site_path`; `cwd=False` for root entry points), read and validate the
+    site file.
 
     A validated site is cached (JSON, keyed by the file's path, inode, size and mtime, and the
     model's own version) so the prolog and `bv submit` skip YAML parsing and validation when
@@ -520,7 +584,7 @@ def load_site(explicit: str | os.PathLike[str] | None = None) -> Site:
     """
     import hashlib
 
-    path = find_site_path(explicit)
+    path = find_site_path(explicit, cwd=cwd)
     try:
         st = os.stat(path)
     except OSError as exc:

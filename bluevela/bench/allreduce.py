@@ -193,7 +193,9 @@ def gather_node(params: RunParams) -> Facts:
 
     ngpu = gpu_count(torch)
     if params.gpus and ngpu < params.gpus:
-        return Facts.failed("allreduce", f"node class has {params.gpus} GPUs, torch sees {ngpu}")
+        from bluevela.bench.evaluate import short_of_gpus
+
+        return short_of_gpus("allreduce", params.gpus, ngpu)
     size = default_size(torch, params.thresholds.allreduce_size_bytes)
     env = from_environment()
     if env is not None and env.world > 1:

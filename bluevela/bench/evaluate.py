@@ -7,6 +7,9 @@
   not drained: the floors are the acceptance line).
 - A measurement that could not run is UNKNOWN; one that does not apply (h2d on a CPU node) is OK
   with `applicable=False`.
+- Fewer GPUs than the node class has is CRITICAL (the node cannot run a whole-node job), not
+  "could not run": a GPU measurement that found too few GPUs records how many it saw
+  (`short_of_gpus`, figure `gpus_count`) and is judged against the class's `gpus`.
 """
 
 from __future__ import annotations
@@ -17,13 +20,34 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from bluevela.bench.registry import Check, Measurement
-from bluevela.bench.result import BenchResult, Facts, FigureVerdict, Status, worst
+from bluevela.bench.result import NODE, BenchResult, Facts, Figure, FigureVerdict, Status, worst
 from bluevela.site import BenchThresholds
 
 logger = logging.getLogger(__name__)
 
 #: figure name -> its headline values of past nights, oldest first.
 History = Mapping[str, Sequence[float]]
+
+
+GPUS_FIGURE = "gpus_count"
+
+
+def short_of_gpus(measurement: str, expected: int, seen: int) -> Facts:
+    """Facts of a GPU measurement that found fewer GPUs than the class has: not measured, but
+    the count is a finding (judged CRITICAL by `evaluate`)."""
+    return Facts(measurement, (Figure(GPUS_FIGURE, float(seen), "GPUs", device=NODE),), ran=False,
+                 note=f"node class has {expected} GPUs, {seen} visible")
+
+
+def judge_gpu_count(name: str, facts: Facts, expected: int) -> BenchResult | None:
+    """CRITICAL when `facts` saw fewer than `expected` GPUs; None otherwise."""
+    seen = facts.headline(GPUS_FIGURE)
+    if not expected or seen is None or seen >= expected:
+        return None
+    message = f"{name}: {seen:g} of {expected} GPUs visible"
+    verdict = FigureVerdict(GPUS_FIGURE, seen, "GPUs", Status.CRITICAL, float(expected), False,
+                            message=message)
+    return BenchResult(name, Status.CRITICAL, message, (verdict,), facts=facts)
 
 
 def baseline_of(past: Sequence[float], nights: int) -> float:
@@ -62,10 +86,14 @@ def judge_figure(check: Check, value: float, unit: str, thresholds: BenchThresho
 
 
 def evaluate(measurement: Measurement, facts: Facts, thresholds: BenchThresholds,
-             history: History | None = None) -> BenchResult:
-    """Judge `facts` of `measurement` against the floors in `thresholds` and `history`."""
+             history: History | None = None, *, gpus: int = 0) -> BenchResult:
+    """Judge `facts` of `measurement` against the floors in `thresholds` and `history`, and
+    the GPUs it saw against the class's `gpus` (0: not judged)."""
     history = history or {}
     name = measurement.name
+    short = judge_gpu_count(name, facts, gpus)
+    if short is not None:
+        return short
     if not facts.ran:
         return BenchResult(name, Status.UNKNOWN, f"{name}: could not run: {facts.note}",
                            facts=facts)

@@ -83,5 +83,7 @@ def gather(params: RunParams) -> Facts:
 
     ngpu = gpu_count(torch)
     if params.gpus and ngpu < params.gpus:
-        return Facts.failed("gemm", f"node class has {params.gpus} GPUs, torch sees {ngpu}")
+        from bluevela.bench.evaluate import short_of_gpus
+
+        return short_of_gpus("gemm", params.gpus, ngpu)
     return _gpu(torch, params, ngpu) if ngpu else _cpu(torch, params)

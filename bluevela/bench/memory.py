@@ -25,7 +25,9 @@ UNIT = "GB/s"
 
 def _no_gpus(name: str, params: RunParams, ngpu: int) -> Facts | None:
     if params.gpus and ngpu < params.gpus:
-        return Facts.failed(name, f"node class has {params.gpus} GPUs, torch sees {ngpu}")
+        from bluevela.bench.evaluate import short_of_gpus
+
+        return short_of_gpus(name, params.gpus, ngpu)
     return None
 
 

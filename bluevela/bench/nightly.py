@@ -9,7 +9,8 @@ Phases:
    node-disjoint pairs: first pairs that cover every node, then follow-up pairs that isolate the
    node or link behind a slow pair (`bluevela.bench.pairing`). Nodes that failed phase 2 are
    not paired (they are drained anyway, and would only make their partners look slow).
-4. Drain every culprit with a `bv:` reason through `drain_node` (fleet breaker applies).
+4. Drain every culprit with a `bv: nightly <date>:` reason through `bluevela.nodestate.drain_node`
+   (fleet breaker applies). The healthcheck never resumes such a drain; an operator does.
 5. Write the night's HDF5 record and its HTML report.
 
 Every job goes through the launch machinery: a `BenchJobRequest` whose `materialize()` is the
@@ -51,8 +52,8 @@ from bluevela.bench.store import (
     write_night,
 )
 from bluevela.errors import BenchError, SiteConfigError, SlurmError
-from bluevela.health.drain import DrainOutcome, drain_node
 from bluevela.launch.bench_job import BenchJobRequest, BenchStep
+from bluevela.nodestate import DrainOutcome, drain_node, release_stale_slots
 from bluevela.site import NodeClass, Site
 from bluevela.slurm.client import JobInfo, SlurmClient
 from bluevela.slurm.states import JobState
@@ -406,9 +407,9 @@ def collect_pair(job: Job) -> list[Facts]:
 def judge(facts: Sequence[Facts], site: Site, class_name: str, hist: NodeHistory,
           subjects: Sequence[str]) -> list[BenchResult]:
     """Evaluate each Facts against the class floors and the subjects' history."""
-    thresholds = site.node_class(name=class_name).bench
-    return [evaluate(get(f.measurement), f, thresholds, series(hist, subjects, f.measurement))
-            for f in facts]
+    cls = site.node_class(name=class_name)
+    return [evaluate(get(f.measurement), f, cls.bench, series(hist, subjects, f.measurement),
+                     gpus=cls.gpus) for f in facts]
 
 
 # -- the night ------------------------------------------------------------------------------
@@ -515,7 +516,14 @@ def run_nightly(client: SlurmClient, site: Site, opts: NightlyOptions,
         out.culprits[node] = (f"nightly {night}: pairwise bandwidth slow with "
                               f"{', '.join(partners)} ({details[0] if details else ''})")
 
-    # Phase 3: drain, archive, report.
+    # Phase 3: drain, archive, report. First free the fleet breaker's stale slots (nodes an
+    # operator resumed by hand): the nightly is one process, so it may (bluevela.nodestate).
+    if opts.drain and out.culprits:
+        try:
+            for name in release_stale_slots(client, site):
+                events.note(f"freed stale fleet breaker slot {name}")
+        except SlurmError as exc:
+            events.note(f"could not check the fleet breaker's slots: {exc}")
     for node, why in sorted(out.culprits.items(), key=lambda kv: pairing.natural_key(kv[0])):
         if not opts.drain:
             out.drains.append(DrainOutcome(node, False, why, "--no-drain"))

@@ -78,7 +78,8 @@ def run_local(names: Sequence[str], ctx: LocalContext,
     for name in order:
         facts = gather_safely(name, ctx.params)
         hist = (history or {}).get(name, {})
-        by_name[name] = evaluate(get(name), facts, ctx.params.thresholds, hist)
+        by_name[name] = evaluate(get(name), facts, ctx.params.thresholds, hist,
+                                 gpus=ctx.params.gpus)
     return [by_name[name] for name in names]
 
 

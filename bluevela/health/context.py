@@ -7,12 +7,16 @@
   replayed instead of live NVML.
 - `BV_KMSG`: a text file of kernel log lines (dmesg) searched for NVIDIA XIDs instead of
   `/dev/kmsg`. With a snapshot, the snapshot's own `kmsg` lines are used.
+
+In the prolog and epilog, `SLURM_JOB_GPUS` (the GPU indexes Slurm gave the job on this node)
+narrows the leftover-process check to the job's own GPUs.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +28,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PHASES = ("manual", "prolog", "epilog", "healthcheck")
+_GPU_LIST = re.compile(r"^[0-9]{1,4}(-[0-9]{1,4})?(,[0-9]{1,4}(-[0-9]{1,4})?){0,1023}$")
+
+
+def parse_gpu_list(value: str | None) -> tuple[int, ...] | None:
+    """`SLURM_JOB_GPUS` ("0,1,4-5") -> (0, 1, 4, 5); None when unset or not a plain list
+    (then every GPU of the node is looked at, as before)."""
+    if value is None or not value.strip():
+        return None
+    text = value.strip()
+    if not _GPU_LIST.match(text):
+        logger.warning("SLURM_JOB_GPUS %r is not a list of GPU indexes: ignored", text[:64])
+        return None
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return tuple(sorted(set(out)))
 
 
 @dataclass(frozen=True)
@@ -38,6 +59,9 @@ class ProbeContext:
         kmsg: kernel log text file searched for XIDs (BV_KMSG); None: `/dev/kmsg` when readable.
         state_dir: where baselines (previous IB counters) are kept; None: no baseline.
         phase: who runs the checks (prolog, epilog, healthcheck, manual).
+        job_gpus: the GPU indexes the job was given (SLURM_JOB_GPUS); None: all of them.
+        runner_pid: the process running the checks (set by the runner in each check's
+            child): processes below it are this run's own, not leftovers.
     """
 
     node_class: NodeClass
@@ -47,6 +71,8 @@ class ProbeContext:
     kmsg: Path | None = None
     state_dir: Path | None = None
     phase: str = "manual"
+    job_gpus: tuple[int, ...] | None = None
+    runner_pid: int | None = None
 
     def under_root(self, path: str | os.PathLike[str]) -> Path:
         """`path` (absolute, as on a real node) below the root."""
@@ -63,7 +89,8 @@ class ProbeContext:
         state_dir: Path | None = None,
         phase: str = "manual",
     ) -> ProbeContext:
-        """Roots from `BV_SYSFS_ROOT`, `BV_NVML_SNAPSHOT`, `BV_KMSG` (empty means unset)."""
+        """Roots from `BV_SYSFS_ROOT`, `BV_NVML_SNAPSHOT`, `BV_KMSG` (empty means unset), and
+        the job's GPUs from `SLURM_JOB_GPUS` in the prolog and epilog."""
         env = os.environ if env is None else env
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}")
@@ -78,4 +105,6 @@ class ProbeContext:
             kmsg=Path(kmsg) if kmsg else None,
             state_dir=state_dir,
             phase=phase,
+            job_gpus=(parse_gpu_list(env.get("SLURM_JOB_GPUS"))
+                      if phase in ("prolog", "epilog") else None),
         )

@@ -12,8 +12,12 @@ so replaying a snapshot exercises the same code as a live node. Format (docs/hea
       "cuda_driver_version": 12020,
       "device_count": 8,
       "gpus": [ {GPU}, ... ],
-      "kmsg": ["<kernel log line>", ...] | null,    # NVRM lines only, for XIDs
-      "errors": {"<what>": "<NVML error>"}           # calls that failed outside a GPU
+      "uptime_s": 86400.5,                           # CLOCK_MONOTONIC when recorded
+      "kmsg": ["[  812.345678] <kernel log line>", ...] | null,  # NVRM lines, for XIDs
+      "errors": {"<what>": "<NVML error>"},          # calls that failed outside a GPU
+      "init_error": "Driver Not Loaded",             # only when nvmlInit failed: no gpus
+      "hang": {"call": "nvmlDeviceGetTemperature", "gpu": 3},   # replay blocks there
+      "recheck": {"after_s": 1.0, "gpus": [RECHECK, ...]}       # second readings
     }
 
     GPU = {
@@ -36,6 +40,21 @@ so replaying a snapshot exercises the same code as a live node. Format (docs/hea
 
 A GPU whose handle NVML cannot open (fallen off the bus) is recorded as
 `{"index": i, "error": "..."}` and counts as missing.
+
+Failures of NVML itself are part of the format, so a broken node replays like a live one:
+
+- `init_error`: nvmlInit failed with this NVML message (`Driver Not Loaded`, `RM has detected
+  an NVML/RM version mismatch.`, `NVML Shared Library Not Found`); `gpus` is empty.
+- `hang`: an NVML call that never returned (`call`, and `gpu` when it was a device call). A
+  replay blocks forever at that point, so the runner's timeout ends it exactly as it ends a live
+  call stuck in the driver. Written by hand or by a recorder watching the call (a live recorder
+  that hangs writes nothing).
+- `recheck`: the GPUs whose first reading showed a hardware slowdown or compute processes,
+  read again `after_s` later: `RECHECK = {"index": 5, "clocks_event_reasons": 1,
+  "compute_processes": [...]}`. A slowdown or a process counts only when both readings show it.
+
+Kernel log lines carry the record's time since boot in dmesg's `[seconds]` form; with
+`uptime_s` that dates every XID (the XID window, docs/health.md).
 """
 
 from __future__ import annotations
@@ -49,7 +68,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +91,24 @@ HW_REASONS = 0x8 | 0x40 | 0x80
 SW_THERMAL = 0x20
 
 _XID = re.compile(r"NVRM: Xid \(PCI:([0-9A-Fa-f:.]+)\): (\d+)")
+_STAMP = re.compile(r"^\s*\[\s*([0-9]+(?:\.[0-9]+)?)\]")
+
+
+class NVMLInitError(RuntimeError):
+    """nvmlInit failed: the node's GPU stack cannot start (no driver, version mismatch).
+
+    Attributes:
+        nvml_message: NVML's own text (`Driver Not Loaded`), as the drain reason shows it.
+    """
+
+    def __init__(self, nvml_message: str) -> None:
+        super().__init__(f"NVML init failed: {nvml_message}")
+        self.nvml_message = nvml_message
+
+
+class NVMLMissingError(ImportError):
+    """The Python binding (pynvml, package nvidia-ml-py) is not installed: bluevela's own
+    installation is incomplete, which says nothing about the node."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +149,9 @@ class GPUInfo:
     memory_total_bytes: int | None = None
     memory_used_bytes: int | None = None
     error: str | None = None  # the handle itself could not be opened
+    # The second reading (snapshot `recheck`), None when there was none.
+    clocks_event_reasons_recheck: int | None = None
+    compute_processes_recheck: tuple[ProcessInfo, ...] | None = None
 
     @property
     def label(self) -> str:
@@ -127,6 +167,7 @@ class Xid:
     pci: str
     code: int
     line: str
+    at_s: float | None = None  # the kernel record's time since boot, when the line has one
 
     @property
     def bus(self) -> str:
@@ -144,6 +185,10 @@ class NVMLSnapshot:
     kmsg: tuple[str, ...] | None = None
     source: str = ""
     errors: dict[str, str] = field(default_factory=dict)
+    init_error: str | None = None  # nvmlInit failed with this NVML message
+    hang: dict[str, Any] | None = None  # a call that never returned (replay blocks there)
+    uptime_s: float | None = None  # CLOCK_MONOTONIC when recorded (dates kmsg lines)
+    recheck_after_s: float | None = None
 
 
 def bus_key(pci: str) -> str:
@@ -159,7 +204,9 @@ def parse_xids(lines: list[str] | tuple[str, ...] | None) -> list[Xid]:
     for line in lines or ():
         m = _XID.search(line)
         if m:
-            out.append(Xid(m.group(1), int(m.group(2)), line.strip()))
+            stamp = _STAMP.match(line)
+            out.append(Xid(m.group(1), int(m.group(2)), line.strip(),
+                           float(stamp.group(1)) if stamp else None))
     return out
 
 
@@ -200,15 +247,17 @@ def _opt_str(v: Any) -> str | None:
     return v if isinstance(v, str) else None
 
 
-def parse_gpu(raw: dict[str, Any], position: int) -> GPUInfo:
-    procs_raw = raw.get("compute_processes")
-    procs: tuple[ProcessInfo, ...] | None = None
-    if isinstance(procs_raw, list):
-        procs = tuple(
-            ProcessInfo(int(p["pid"]), _opt_int(p.get("used_memory_bytes")))
-            for p in procs_raw
-            if isinstance(p, dict) and isinstance(p.get("pid"), int)
-        )
+def _procs(raw: Any) -> tuple[ProcessInfo, ...] | None:
+    if not isinstance(raw, list):
+        return None
+    return tuple(ProcessInfo(int(p["pid"]), _opt_int(p.get("used_memory_bytes")))
+                 for p in raw if isinstance(p, dict) and isinstance(p.get("pid"), int))
+
+
+def parse_gpu(raw: dict[str, Any], position: int,
+              recheck: dict[str, Any] | None = None) -> GPUInfo:
+    procs = _procs(raw.get("compute_processes"))
+    again = recheck or {}
     index = raw.get("index")
     return GPUInfo(
         index=index if isinstance(index, int) else position,
@@ -239,6 +288,8 @@ def parse_gpu(raw: dict[str, Any], position: int) -> GPUInfo:
         memory_total_bytes=_opt_int(raw.get("memory_total_bytes")),
         memory_used_bytes=_opt_int(raw.get("memory_used_bytes")),
         error=_opt_str(raw.get("error")),
+        clocks_event_reasons_recheck=_opt_int(again.get("clocks_event_reasons")),
+        compute_processes_recheck=_procs(again.get("compute_processes")),
     )
 
 
@@ -256,14 +307,25 @@ def parse_snapshot(data: Any, source: str = "") -> NVMLSnapshot:
     if not isinstance(gpus_raw, list):
         raise ValueError("NVML snapshot has no 'gpus' list")
     kmsg = data.get("kmsg")
+    raw_recheck = data.get("recheck")
+    recheck: dict[str, Any] = raw_recheck if isinstance(raw_recheck, dict) else {}
+    again = {g["index"]: g for g in recheck.get("gpus") or ()
+             if isinstance(g, dict) and isinstance(g.get("index"), int)}
+    hang = data.get("hang")
+    init_error = data.get("init_error")
     return NVMLSnapshot(
-        gpus=tuple(parse_gpu(g, i) for i, g in enumerate(gpus_raw) if isinstance(g, dict)),
+        gpus=tuple(parse_gpu(g, i, again.get(g.get("index", i)))
+                   for i, g in enumerate(gpus_raw) if isinstance(g, dict)),
         device_count=_opt_int(data.get("device_count")),
         driver_version=_opt_str(data.get("driver_version")),
         nvml_version=_opt_str(data.get("nvml_version")),
         kmsg=tuple(str(x) for x in kmsg) if isinstance(kmsg, list) else None,
         source=source or str(data.get("source") or ""),
         errors={str(k): str(v) for k, v in (data.get("errors") or {}).items()},
+        init_error=str(init_error) if init_error not in (None, "") else None,
+        hang=dict(hang) if isinstance(hang, dict) else ({"call": str(hang)} if hang else None),
+        uptime_s=_opt_float(data.get("uptime_s")),
+        recheck_after_s=_opt_float(recheck.get("after_s")),
     )
 
 
@@ -282,7 +344,8 @@ def load_snapshot(path: Path) -> NVMLSnapshot:
 
 
 def read_kmsg_nvrm(path: str = "/dev/kmsg", max_records: int = 200_000) -> list[str]:
-    """NVRM lines of the kernel ring buffer, read without blocking (root only).
+    """NVRM lines of the kernel ring buffer, read without blocking (root only), each with its
+    record's time since boot in dmesg's form (`[  812.345678] NVRM: Xid ...`).
 
     Raises:
         OSError: /dev/kmsg cannot be opened (not root, dmesg_restrict, no such device).
@@ -300,9 +363,12 @@ def read_kmsg_nvrm(path: str = "/dev/kmsg", max_records: int = 200_000) -> list[
             if not rec:
                 break
             text = rec.decode("utf-8", "replace")
-            _, _, msg = text.partition(";")
+            head, _, msg = text.partition(";")
             if "NVRM" in msg:
-                lines.append(msg.splitlines()[0] if msg else msg)
+                first = msg.splitlines()[0] if msg else msg
+                fields = head.split(",")  # priority,sequence,microseconds,flags
+                usec = fields[2] if len(fields) > 2 and fields[2].isdigit() else None
+                lines.append(f"[{int(usec) / 1e6:12.6f}] {first}" if usec else first)
     finally:
         os.close(fd)
     return lines
@@ -312,24 +378,75 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def gather_live(*, include_kmsg: bool = True) -> dict[str, Any]:
+def _read_kmsg(out: dict[str, Any], errors: dict[str, str]) -> None:
+    kmsg = os.environ.get("BV_KMSG")
+    try:
+        if kmsg:
+            with open(kmsg, encoding="utf-8", errors="replace") as fh:
+                out["kmsg"] = [ln.rstrip("\n") for ln in fh if "NVRM" in ln]
+        else:
+            out["kmsg"] = read_kmsg_nvrm()
+    except OSError as exc:
+        errors["kmsg"] = f"{exc.strerror or exc}"
+
+
+def _header(source: str) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "kind": KIND,
+        "source": source,
+        "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "hostname": socket.gethostname(),
+        "uptime_s": round(time.clock_gettime(time.CLOCK_MONOTONIC), 6),
+    }
+
+
+def _binding_version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as pkg_version
+
+    try:
+        return pkg_version("nvidia-ml-py")
+    except PackageNotFoundError:
+        return "?"
+
+
+def gather_live(*, include_kmsg: bool = True, recheck_s: float = 0.0,
+                raise_init_error: bool = True) -> dict[str, Any]:
     """Record this node's NVML values in the snapshot format.
 
     Every NVML call is guarded: a field NVML does not support (or that fails) is recorded
-    as null, with the error text under the GPU's `errors`.
+    as null, with the error text under the GPU's `errors`. A GPU showing a hardware slowdown
+    or compute processes is read again after `recheck_s` (0: no second reading).
+
+    Args:
+        include_kmsg: also read the kernel log's NVRM lines (`BV_KMSG`, else /dev/kmsg).
+        recheck_s: seconds before the second reading.
+        raise_init_error: raise when nvmlInit fails; False records it as `init_error`.
 
     Raises:
-        ImportError: pynvml (package nvidia-ml-py) is not installed.
-        RuntimeError: nvmlInit failed (no driver, library missing): the message says why.
+        NVMLMissingError: pynvml (package nvidia-ml-py) is not installed.
+        NVMLInitError: nvmlInit failed (no driver, version mismatch) and `raise_init_error`.
     """
-    import pynvml
+    try:
+        import pynvml
+    except ImportError as exc:
+        raise NVMLMissingError("pynvml is not installed (package nvidia-ml-py)") from exc
 
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
-        raise RuntimeError(f"NVML init failed: {exc}") from exc
+        if raise_init_error:
+            raise NVMLInitError(str(exc)) from exc
+        out = _header(f"live NVML via pynvml (nvidia-ml-py {_binding_version()})")
+        errors: dict[str, str] = {}
+        out.update(driver_version=None, nvml_version=None, cuda_driver_version=None,
+                   device_count=None, gpus=[], kmsg=None, errors=errors, init_error=str(exc))
+        if include_kmsg:
+            _read_kmsg(out, errors)
+        return out
     try:
-        return _gather(pynvml, include_kmsg)
+        return _gather(pynvml, include_kmsg, recheck_s)
     finally:
         try:
             pynvml.nvmlShutdown()
@@ -337,7 +454,7 @@ def gather_live(*, include_kmsg: bool = True) -> dict[str, Any]:
             pass
 
 
-def _gather(nv: Any, include_kmsg: bool) -> dict[str, Any]:
+def _gather(nv: Any, include_kmsg: bool, recheck_s: float = 0.0) -> dict[str, Any]:
     errors: dict[str, str] = {}
 
     def call(where: dict[str, str], key: str, fn: Callable[[], Any]) -> Any:
@@ -349,21 +466,10 @@ def _gather(nv: Any, include_kmsg: bool) -> dict[str, Any]:
             where[key] = f"{type(exc).__name__}: {exc}"
         return None
 
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as pkg_version
-
-    try:
-        version = pkg_version("nvidia-ml-py")
-    except PackageNotFoundError:
-        version = "?"
     count = call(errors, "device_count", nv.nvmlDeviceGetCount)
     cuda = call(errors, "cuda_driver_version", nv.nvmlSystemGetCudaDriverVersion)
-    out: dict[str, Any] = {
-        "schema": SCHEMA,
-        "kind": KIND,
-        "source": f"live NVML via pynvml (nvidia-ml-py {version})",
-        "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "hostname": socket.gethostname(),
+    out = _header(f"live NVML via pynvml (nvidia-ml-py {_binding_version()})")
+    out.update({
         "driver_version": _opt(call(errors, "driver_version", nv.nvmlSystemGetDriverVersion), _text),
         "nvml_version": _opt(call(errors, "nvml_version", nv.nvmlSystemGetNVMLVersion), _text),
         "cuda_driver_version": cuda,
@@ -371,18 +477,45 @@ def _gather(nv: Any, include_kmsg: bool) -> dict[str, Any]:
         "gpus": [_gather_gpu(nv, i, call) for i in range(count or 0)],
         "kmsg": None,
         "errors": errors,
-    }
+    })
+    suspects = [g["index"] for g in out["gpus"]
+                if ((g.get("clocks_event_reasons") or 0) & HW_REASONS) or g.get("compute_processes")]
+    if suspects and recheck_s > 0:
+        # One transient reading (a power-brake blip, a process exiting) must not drain a node.
+        time.sleep(recheck_s)
+        out["recheck"] = {"after_s": recheck_s,
+                          "gpus": [_regather_gpu(nv, i, call) for i in suspects]}
     if include_kmsg:
-        kmsg = os.environ.get("BV_KMSG")
-        try:
-            if kmsg:
-                with open(kmsg, encoding="utf-8", errors="replace") as fh:
-                    out["kmsg"] = [ln.rstrip("\n") for ln in fh if "NVRM" in ln]
-            else:
-                out["kmsg"] = read_kmsg_nvrm()
-        except OSError as exc:
-            errors["kmsg"] = f"{exc.strerror or exc}"
+        _read_kmsg(out, errors)
     return out
+
+
+def _reasons_fn(nv: Any) -> Callable[[Any], Any]:
+    fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
+    return fn or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+
+
+def _process_list(procs: Any) -> list[dict[str, Any]] | None:
+    return None if procs is None else [
+        {"pid": int(p.pid), "used_memory_bytes": _mem(getattr(p, "usedGpuMemory", None))}
+        for p in procs
+    ]
+
+
+def _regather_gpu(nv: Any, index: int, call: Callable[..., Any]) -> dict[str, Any]:
+    errs: dict[str, str] = {}
+    try:
+        h = nv.nvmlDeviceGetHandleByIndex(index)
+    except nv.NVMLError as exc:
+        return {"index": index, "error": str(exc)}
+    reasons = _reasons_fn(nv)
+    return {
+        "index": index,
+        "clocks_event_reasons": call(errs, "clocks_event_reasons", lambda: reasons(h)),
+        "compute_processes": _process_list(call(
+            errs, "compute_processes", lambda: nv.nvmlDeviceGetComputeRunningProcesses(h))),
+        "errors": errs,
+    }
 
 
 def _opt(value: Any, fn: Callable[[Any], Any]) -> Any:
@@ -434,7 +567,7 @@ def _gather_gpu(nv: Any, index: int, call: Callable[..., Any]) -> dict[str, Any]
     else:
         g.update(remapped_rows_correctable=None, remapped_rows_uncorrectable=None,
                  remapped_rows_pending=None, remapped_rows_failure=None)
-    reasons_fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+    reasons_fn = _reasons_fn(nv)
     g["clocks_event_reasons"] = get("clocks_event_reasons", lambda: reasons_fn(h))
     g["pcie_link_gen_current"] = get(
         "pcie_link_gen_current", lambda: nv.nvmlDeviceGetCurrPcieLinkGeneration(h))
@@ -447,10 +580,7 @@ def _gather_gpu(nv: Any, index: int, call: Callable[..., Any]) -> dict[str, Any]
     g["pcie_link_width_max"] = get(
         "pcie_link_width_max", lambda: nv.nvmlDeviceGetMaxPcieLinkWidth(h))
     procs = get("compute_processes", lambda: nv.nvmlDeviceGetComputeRunningProcesses(h))
-    g["compute_processes"] = None if procs is None else [
-        {"pid": int(p.pid), "used_memory_bytes": _mem(getattr(p, "usedGpuMemory", None))}
-        for p in procs
-    ]
+    g["compute_processes"] = _process_list(procs)
     mem = get("memory", lambda: nv.nvmlDeviceGetMemoryInfo(h))
     g["memory_total_bytes"] = getattr(mem, "total", None) if mem is not None else None
     g["memory_used_bytes"] = getattr(mem, "used", None) if mem is not None else None
@@ -471,3 +601,50 @@ def write_snapshot(path: Path, data: dict[str, Any]) -> None:
 
     text = json.dumps(data, indent=2, sort_keys=False) + "\n"
     atomic_write(path, text.encode(), 0o644)
+
+
+# -- where the gpu probe reads NVML from ------------------------------------------------------
+
+
+class NVMLSource(Protocol):
+    """Gives one NVML snapshot: the live node, or a recorded file (tests, the dev cluster)."""
+
+    def read(self) -> NVMLSnapshot:
+        """The snapshot; NVML that failed to start is its `init_error`, not an exception.
+
+        Raises:
+            NVMLMissingError: pynvml is not installed. OSError, ValueError: a snapshot file
+                that cannot be read or parsed.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class LiveNVML:
+    """This node's NVML through pynvml."""
+
+    include_kmsg: bool = True
+    recheck_s: float = 0.0
+
+    def read(self) -> NVMLSnapshot:
+        data = gather_live(include_kmsg=self.include_kmsg, recheck_s=self.recheck_s,
+                           raise_init_error=False)
+        return parse_snapshot(data, "live NVML")
+
+
+@dataclass(frozen=True)
+class ReplayNVML:
+    """A recorded snapshot, failures included: a recorded `hang` blocks like the real call."""
+
+    path: Path
+
+    def read(self) -> NVMLSnapshot:
+        snap = load_snapshot(self.path)
+        if snap.hang is not None:
+            where = snap.hang.get("call", "?")
+            if snap.hang.get("gpu") is not None:
+                where = f"{where} on GPU{snap.hang['gpu']}"
+            logger.warning("replaying a hung NVML call (%s) from %s", where, self.path)
+            while True:  # only the caller's timeout (a SIGKILL) ends this, as in the driver
+                time.sleep(3600)
+        return snap

@@ -35,6 +35,8 @@ class Check:
         noisy: a measurement that can be noisy (bandwidth): retried `health.retries` times,
             passing if any try passes.
         doc: one line for `bv health run --help`-style listings.
+        on_timeout: the verdict when the runner kills the check at its timeout
+            `(seconds, node_class) -> CheckResult`; None: UNKNOWN (could not run).
     """
 
     name: str
@@ -42,6 +44,7 @@ class Check:
     evaluate: Evaluator
     noisy: bool = False
     doc: str = ""
+    on_timeout: Callable[[float, NodeClass], CheckResult] | None = None
 
     def run_once(self, ctx: ProbeContext) -> CheckResult:
         """Probe, then evaluate against the context's node class."""
@@ -69,7 +72,8 @@ def unregister(name: str) -> None:
 
 
 def check(
-    name: str, *, probe: Callable[[ProbeContext], Any], noisy: bool = False
+    name: str, *, probe: Callable[[ProbeContext], Any], noisy: bool = False,
+    on_timeout: Callable[[float, NodeClass], CheckResult] | None = None,
 ) -> Callable[[Callable[[Facts, NodeClass], CheckResult]], Callable[[Facts, NodeClass], CheckResult]]:
     """Decorator for an evaluator: registers `Check(name, probe, evaluator)`.
 
@@ -82,7 +86,7 @@ def check(
         evaluate: Callable[[Facts, NodeClass], CheckResult],
     ) -> Callable[[Facts, NodeClass], CheckResult]:
         doc = (evaluate.__doc__ or "").strip().splitlines()
-        register(Check(name, probe, evaluate, noisy, doc[0] if doc else ""))
+        register(Check(name, probe, evaluate, noisy, doc[0] if doc else "", on_timeout))
         return evaluate
 
     return deco

@@ -3,7 +3,9 @@
 Every check runs in a child (`os.fork`) in its own process group; the checks of a run go in
 parallel. A check gets its own timeout and the whole run ends before the tier's hard cap: at
 its deadline a check's whole process group is SIGKILLed (threads cannot be killed; a child can)
-and the check is reported UNKNOWN. A check that raises, or whose child dies, is UNKNOWN too:
+and the check is reported UNKNOWN, unless the check says what a timeout means (`on_timeout`:
+the gpu check only reads NVML, so on a class with GPUs a timeout is a hung NVML call, CRITICAL).
+A check that raises, or whose child dies, is UNKNOWN too:
 could-not-run is never CRITICAL. A noisy check (bandwidth) is tried up to `retries` times in its
 child while it is CRITICAL, and passes if any try passes (OK or WARNING).
 """
@@ -19,7 +21,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -226,6 +228,20 @@ def _parse(ch: _Child, status: int | None) -> CheckResult:
     return CheckResult(ch.name, Status.UNKNOWN, f"check process exited {code} without a result")
 
 
+def _timed_out(chk: Check | None, ctx: ProbeContext, why: str, bound_s: float,
+               waited_s: float) -> CheckResult:
+    """The verdict on a check killed at its deadline: the check's own `on_timeout`, else
+    UNKNOWN (could not run)."""
+    name = chk.name if chk is not None else "?"
+    if chk is not None and chk.on_timeout is not None:
+        try:
+            result = chk.on_timeout(bound_s, ctx.node_class)
+            return CheckResult(name, result.status, result.summary, result.metrics, waited_s)
+        except Exception:  # noqa: BLE001 - a broken verdict must not break the run
+            logger.warning("on_timeout of check %s failed", name, exc_info=True)
+    return CheckResult(name, Status.UNKNOWN, why, duration_s=waited_s)
+
+
 @contextmanager
 def _sigterm_raises() -> Iterator[None]:
     """Slurm kills a hook that overruns PrologEpilogTimeout: take the checks down with us."""
@@ -252,6 +268,8 @@ def run_plan(plan: RunPlan, ctx: ProbeContext) -> HealthReport:
     margin = min(0.25, plan.cap_s * 0.05)
     hard_end = start + plan.cap_s - margin
     registry = all_checks()
+    if ctx.runner_pid is None:  # the checks' children (and theirs) are this run's own
+        ctx = replace(ctx, runner_pid=os.getpid())
     results: dict[str, CheckResult] = {}
     children: list[_Child] = []
     sel = selectors.DefaultSelector()
@@ -289,8 +307,9 @@ def run_plan(plan: RunPlan, ctx: ProbeContext) -> HealthReport:
                     waited = now - ch.started
                     why = (f"killed at the run's {plan.cap_s:g} s cap" if ch.capped
                            else f"timed out after {plan.timeout(ch.name):g} s, killed")
-                    results[ch.name] = CheckResult(ch.name, Status.UNKNOWN, why,
-                                                   duration_s=waited)
+                    results[ch.name] = _timed_out(registry.get(ch.name), ctx, why,
+                                                  round(waited, 1) if ch.capped
+                                                  else plan.timeout(ch.name), waited)
                     logger.warning("check %s %s", ch.name, why)
                 if not pending:
                     break

@@ -3,6 +3,7 @@
 Layout:
     ib_counters.json      last IB counter reading (for "increase since the last run")
     nccl_last_pass.json   time and busbw of the last PASSING nccl check (prolog freshness)
+    nccl_attempts.json    the last nccl attempt and how many since the last pass (back-off)
     last_results.json     the last result of each check (the Prometheus file is rendered from it)
     last_run.json         the last hook run: phase, job, health report, drain
     jobs/<job_id>.json    the prolog's readings of a running job (the epilog's per-job deltas)
@@ -28,6 +29,11 @@ logger = logging.getLogger(__name__)
 
 IB_COUNTERS = "ib_counters.json"
 NCCL_LAST_PASS = "nccl_last_pass.json"
+NCCL_ATTEMPTS = "nccl_attempts.json"
+# A node whose nccl keeps failing (or failing to run) is retried by the prolog after
+# 15 min, 30 min, 1 h, 2 h, 4 h, then every 6 h: not on every job start.
+NCCL_RETRY_BASE_S = 900.0
+NCCL_RETRY_MAX_S = 6 * 3600.0
 LAST_RESULTS = "last_results.json"
 LAST_RUN = "last_run.json"
 JOBS = "jobs"
@@ -78,8 +84,25 @@ def nccl_last_pass(state_dir: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and isinstance(data.get("time"), int | float) else None
 
 
+def nccl_attempts(state_dir: Path) -> dict[str, Any] | None:
+    """{"time": last attempt, "failures": attempts since the last pass} or None."""
+    data = read_json(state_dir / NCCL_ATTEMPTS)
+    if (isinstance(data, dict) and isinstance(data.get("time"), int | float)
+            and isinstance(data.get("failures"), int)):
+        return data
+    return None
+
+
+def nccl_retry_delay_s(failures: int) -> float:
+    """How long the prolog waits after the `failures`-th attempt without a pass."""
+    if failures <= 0:
+        return 0.0
+    return min(NCCL_RETRY_MAX_S, NCCL_RETRY_BASE_S * 2.0 ** min(failures - 1, 30))
+
+
 def nccl_is_stale(state_dir: Path | None, freshness_h: float, now: float | None = None) -> bool:
-    """True when the last passing nccl result is older than `freshness_h` (or there is none).
+    """True when the prolog should run nccl: its last pass is older than `freshness_h` (or
+    there is none), and it is not backing off after attempts that did not pass.
 
     `freshness_h` 0 means "never from the prolog": never stale.
     """
@@ -87,15 +110,35 @@ def nccl_is_stale(state_dir: Path | None, freshness_h: float, now: float | None 
         return False
     if state_dir is None:
         return True
-    last = nccl_last_pass(state_dir)
-    if last is None:
-        return True
     now = time.time() if now is None else now
-    return now - float(last["time"]) > freshness_h * 3600.0
+    last = nccl_last_pass(state_dir)
+    if last is not None and now - float(last["time"]) <= freshness_h * 3600.0:
+        return False
+    tried = nccl_attempts(state_dir)
+    if tried is not None:
+        since = float(tried["time"])
+        fails = int(tried["failures"])
+        if (last is None or since >= float(last["time"])) and now - since < nccl_retry_delay_s(fails):
+            logger.info("nccl backing off: %d attempt(s) without a pass, the last %.0f s ago",
+                        fails, now - since)
+            return False
+    return True
+
+
+def record_nccl_attempt(state_dir: Path, now: float | None = None) -> int:
+    """Count one nccl attempt (made before it runs: a run killed at its timeout counts too);
+    return the attempts since the last pass, this one included."""
+    prev = nccl_attempts(state_dir)
+    failures = (int(prev["failures"]) if prev else 0) + 1
+    write_json(state_dir / NCCL_ATTEMPTS,
+               {"time": time.time() if now is None else now, "failures": failures})
+    return failures
 
 
 def record_nccl_pass(state_dir: Path, metrics: Mapping[str, float], now: float | None = None) -> None:
-    write_json(state_dir / NCCL_LAST_PASS, {"time": time.time() if now is None else now, **metrics})
+    t = time.time() if now is None else now
+    write_json(state_dir / NCCL_LAST_PASS, {"time": t, **metrics})
+    write_json(state_dir / NCCL_ATTEMPTS, {"time": t, "failures": 0})
 
 
 # -- per-job readings -----------------------------------------------------------------------

@@ -10,6 +10,12 @@ SLURM_JOB_STDERR, SLURM_JOB_NAME, SLURM_JOB_EXTRA, SLURM_JOB_CONSTRAINTS) are ne
 here: nothing of theirs can become a shell word or a path. The node name and job id are
 validated (`bluevela.util.fs`) before they name any file; user and partition are kept as data
 (control characters removed, length bounded).
+
+Isolation: slurmd starts its hooks in its own working directory. The shims `cd /` and run
+`python -I -m bluevela.hooks` (no cwd on the import path, PYTHON* variables and user
+site-packages ignored; `isolate` re-executes that way when started otherwise), and the site
+file is only `$BV_SITE` (from hook.env) or /etc/bluevela/site.yaml, never `./site.yaml`.
+A hook.env with fixture keys (`FIXTURE_KEYS`) makes every run log a WARNING line.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import os
 import re
 import socket
 import stat
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +35,11 @@ from bluevela.util.fs import safe_job_id, safe_node_name
 logger = logging.getLogger(__name__)
 
 HOOK_ENV = Path("/etc/bluevela/hook.env")
+# Keys that make the checks read recorded fixtures instead of this node's hardware (the dev
+# cluster and tests set them): a production hook that has one says so in every run's log.
+# A future fixture key is named BV_FAKE_* or BV_FIXTURE_* (or added here).
+FIXTURE_KEYS = ("BV_SYSFS_ROOT", "BV_NVML_SNAPSHOT", "BV_KMSG")
+FIXTURE_PREFIXES = ("BV_FAKE_", "BV_FIXTURE_")
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _KEY = re.compile(r"^(BV_[A-Z0-9_]+|SLURM_CONF)$")
 MAX_HOOK_ENV = 64 << 10
@@ -100,6 +111,44 @@ def load_hook_env(environ: MutableMapping[str, str] | None = None) -> dict[str, 
     return values
 
 
+def fixture_warning(environ: Mapping[str, str] | None = None) -> str | None:
+    """The warning line for a hook whose environment points the checks at fixtures, or None.
+
+    `BV_NODE_CLASS` only counts alongside a fixture root: on its own it is a legitimate
+    per-node override.
+    """
+    env = os.environ if environ is None else environ
+    redirects = [k for k in FIXTURE_KEYS if env.get(k)]
+    redirects += sorted(k for k in env if k.startswith(FIXTURE_PREFIXES) and env.get(k))
+    if not redirects:
+        return None
+    shown = ", ".join(f"{k}={_data(env.get(k), 200)}" for k in redirects)
+    if env.get("BV_NODE_CLASS"):
+        shown += f", BV_NODE_CLASS={_data(env.get('BV_NODE_CLASS'), 64)}"
+    return (f"FIXTURES IN USE: {shown}: the checks read recorded files, not this node's "
+            "hardware (remove these keys from hook.env on a production node)")
+
+
+def isolate(module: str) -> None:
+    """Make `python -m <module>` (a root entry point) independent of where it was started.
+
+    slurmd starts its hooks in its own working directory; with `-m`, Python puts that
+    directory first on the import path, and PYTHONPATH/PYTHONSTARTUP/user site-packages would
+    be honoured too. The shims run `python -I -m ...` from `/`; this re-executes the same way
+    when started otherwise (an old shim, by hand). What this interpreter imported before
+    getting here (the package's `__init__`) is already done: the shims are the real fix.
+    """
+    import sys
+
+    os.chdir("/")
+    if sys.flags.isolated or not sys.executable:
+        return
+    orig = list(getattr(sys, "orig_argv", []))
+    flags = orig[1:orig.index("-m")] if "-m" in orig else []
+    argv = [sys.executable, "-I", *(f for f in flags if f != "-I"), "-m", module, *sys.argv[1:]]
+    os.execv(sys.executable, argv)
+
+
 def _data(value: str | None, limit: int = 128) -> str:
     """A value kept only as data: printable characters, bounded length."""
     if not value:
@@ -150,6 +199,7 @@ class HookContext:
         job_id: validated, None for the healthcheck.
         user, partition: data only.
         nodelist: the job's nodes (each a validated name); () when unparsable.
+        job_gpus: the GPU indexes the job was given here (SLURM_JOB_GPUS); None: unknown.
     """
 
     phase: str
@@ -163,6 +213,7 @@ class HookContext:
     exit_code: int | None = None
     exit_signal: int | None = None
     derived_exit_code: int | None = None
+    job_gpus: tuple[int, ...] | None = None
 
     @classmethod
     def from_env(cls, phase: str, env: MutableMapping[str, str] | None = None) -> HookContext:
@@ -196,7 +247,14 @@ class HookContext:
             exit_code=exit_code,
             exit_signal=exit_signal,
             derived_exit_code=derived,
+            job_gpus=_job_gpus(env.get("SLURM_JOB_GPUS")) if phase != "healthcheck" else None,
         )
+
+
+def _job_gpus(value: str | None) -> tuple[int, ...] | None:
+    from bluevela.health.context import parse_gpu_list
+
+    return parse_gpu_list(value)
 
 
 def _nodelist(expr: str | None) -> tuple[str, ...]:

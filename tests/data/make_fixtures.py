@@ -226,6 +226,48 @@ def add_xid(root: Path, nvml: dict[str, Any], state: Path) -> None:
                         "GPU has fallen off the bus.")
 
 
+def nvml_init_fails(message: str, *kmsg: str) -> Callable[[Path, dict[str, Any], Path], None]:
+    """nvmlInit failed: what `gather_live` records then (no GPUs, NVML's message)."""
+
+    def change(root: Path, nvml: dict[str, Any], state: Path) -> None:
+        nvml.update(driver_version=None, nvml_version=None, cuda_driver_version=None,
+                    device_count=None, gpus=[], kmsg=list(kmsg), errors={},
+                    init_error=message, source="fixture: tests/data/make_fixtures.py "
+                    "(the healthy node with nvmlInit failing as recorded by gather_live)")
+
+    return change
+
+
+def set_top(**values: Any) -> Callable[[Path, dict[str, Any], Path], None]:
+    def change(root: Path, nvml: dict[str, Any], state: Path) -> None:
+        nvml.update(values)
+
+    return change
+
+
+def recheck(after_s: float, *gpus: dict[str, Any]) -> Callable[[Path, dict[str, Any], Path], None]:
+    """The second reading of some GPUs `after_s` later (what gather_live adds)."""
+
+    def change(root: Path, nvml: dict[str, Any], state: Path) -> None:
+        nvml["recheck"] = {"after_s": after_s, "gpus": [dict(g, errors={}) for g in gpus]}
+
+    return change
+
+
+XID79 = ("NVRM: Xid (PCI:0000:5d:00): 79, pid='<unknown>', name=<unknown>, "
+         "GPU has fallen off the bus.")
+
+
+def stamped_xid(at_s: float, uptime_s: float) -> Callable[[Path, dict[str, Any], Path], None]:
+    """An XID 79 record at `at_s` s after boot, the snapshot read at `uptime_s`."""
+
+    def change(root: Path, nvml: dict[str, Any], state: Path) -> None:
+        nvml["uptime_s"] = uptime_s
+        nvml["kmsg"] = [f"[{1.804211:12.6f}] {nvml['kmsg'][0]}", f"[{at_s:12.6f}] {XID79}"]
+
+    return change
+
+
 FAILURES: dict[str, tuple[str, list[Callable[[Path, dict[str, Any], Path], None]]]] = {
     "h100-ib-port-down": ("mlx5_3/1 administratively down: state DOWN, phys_state Disabled",
                           [set_port("mlx5_3/1", state="1: DOWN", phys_state="3: Disabled",
@@ -249,9 +291,50 @@ FAILURES: dict[str, tuple[str, list[Callable[[Path, dict[str, Any], Path], None]
                                            power_w=412.5)]),
     "h100-gpu-pcie-x8": ("GPU1 PCIe link x8 of x16", [set_gpu(1, pcie_link_width_current=8)]),
     "h100-gpu-xid79": ("XID 79 (fallen off the bus) on 5d:00 in the kernel log", [add_xid]),
-    "h100-gpu-leftover-process": ("GPU0 still held by pid 48213 (a previous job's process)",
+    "h100-gpu-leftover-process": ("GPU0 still held by pid 48213 (a previous job's process), "
+                                  "in both readings 1 s apart",
                                   [set_gpu(0, compute_processes=[
-                                      {"pid": 48213, "used_memory_bytes": 78_102_183_936}])]),
+                                      {"pid": 48213, "used_memory_bytes": 78_102_183_936}]),
+                                   recheck(1.0, {"index": 0, "clocks_event_reasons": 1,
+                                                 "compute_processes": [
+                                                     {"pid": 48213,
+                                                      "used_memory_bytes": 78_102_183_936}]})]),
+    # Issue 9, item 2: NVML that cannot start, or hangs (synthetic; the NVML messages are
+    # pynvml's texts for NVML_ERROR_DRIVER_NOT_LOADED / NVML_ERROR_LIB_RM_VERSION_MISMATCH).
+    "h100-gpu-nvml-driver-not-loaded": ("nvmlInit fails: Driver Not Loaded (nvidia.ko not loaded)",
+                                        [nvml_init_fails("Driver Not Loaded")]),
+    "h100-gpu-nvml-version-mismatch": (
+        "nvmlInit fails: user-space NVML 535.154.05 against kernel module 535.129.03",
+        [nvml_init_fails(
+            "RM has detected an NVML/RM version mismatch.",
+            "NVRM: API mismatch: the client has the version 535.154.05, but NVRM: this kernel "
+            "module has the version 535.129.03.  Please NVRM: make sure that this kernel module "
+            "and all NVIDIA driver NVRM: components have the same version.")]),
+    "h100-gpu-nvml-hang": ("nvmlDeviceGetTemperature on GPU3 never returns (replay blocks)",
+                           [set_top(hang={"call": "nvmlDeviceGetTemperature", "gpu": 3})]),
+    # Issue 9, item 4: one reading must not drain; old XIDs expire; an unreadable log is UNKNOWN.
+    "h100-gpu-hw-slowdown-transient": ("GPU6 HW power brake (0x80) in the first reading only, "
+                                       "gone 1 s later",
+                                       [set_gpu(6, clocks_event_reasons=0x80),
+                                        recheck(1.0, {"index": 6, "clocks_event_reasons": 0x1,
+                                                      "compute_processes": []})]),
+    "h100-gpu-hw-slowdown-persistent": ("GPU6 HW power brake (0x80) in both readings 1 s apart",
+                                        [set_gpu(6, clocks_event_reasons=0x80),
+                                         recheck(1.0, {"index": 6, "clocks_event_reasons": 0x80,
+                                                       "compute_processes": []})]),
+    "h100-gpu-process-exiting": ("GPU2 pid 51007 in the first reading, gone 1 s later",
+                                 [set_gpu(2, compute_processes=[
+                                     {"pid": 51007, "used_memory_bytes": 1_048_576}]),
+                                  recheck(1.0, {"index": 2, "clocks_event_reasons": 1,
+                                                "compute_processes": []})]),
+    "h100-gpu-xid79-recent": ("XID 79 on 5d:00 logged 388 s before the reading (in the window)",
+                              [stamped_xid(86012.345678, 86400.5)]),
+    "h100-gpu-xid79-expired": ("XID 79 on 5d:00 logged 23 h before the reading, outside the 1 h "
+                               "window (the GPU was reset since): healthy",
+                               [stamped_xid(3601.25, 86400.5)]),
+    "h100-gpu-kmsg-unreadable": ("no kernel log could be read (kmsg null, errors.kmsg EPERM)",
+                                 [set_top(kmsg=None,
+                                          errors={"kmsg": "Operation not permitted"})]),
 }
 
 

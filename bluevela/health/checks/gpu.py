@@ -1,32 +1,45 @@
 """`gpu`: NVML values (live through pynvml, or a replayed snapshot) and XIDs.
 
-CRITICAL: fewer GPUs than the class has, a different model, volatile uncorrected ECC errors
-over the ceiling, a row remap pending or failed, retired pages over NVIDIA's RMA ceiling,
-temperature over the class's maximum, a hardware slowdown (HW slowdown / HW thermal / HW power
-brake), a PCIe link narrower than its maximum width, leftover compute processes at prolog or
-healthcheck time, or a fatal XID (48 DBE, 64 row-remap failure, 79 fallen off the bus, 95
-uncontained ECC) in the kernel log.
+CRITICAL: on a class with GPUs, NVML that cannot start (`NVML: Driver Not Loaded`, a
+driver/library version mismatch) or an NVML call that hangs (`NVML timed out after 3 s`, the
+runner's timeout); fewer GPUs than the class has, a different model, volatile uncorrected ECC
+errors over the ceiling, a row remap pending or failed, retired pages over NVIDIA's RMA
+ceiling, temperature over the class's maximum, a hardware slowdown (HW slowdown / HW thermal /
+HW power brake) seen in two readings `gpu.recheck_s` apart, a PCIe link narrower than its
+maximum width, a compute process on the job's GPUs (prolog; every GPU at healthcheck) that is
+not ours and is still there at the second reading, or a fatal XID (`XID_TABLE`) within
+`gpu.xid_window_s`.
 WARNING: more GPUs than expected, aggregate (lifetime) uncorrected ECC over the ceiling,
-retired pages pending, software thermal slowdown, a PCIe link whose maximum generation is
-below the GPU's, persistence mode off, any other XID.
+retired pages pending, software thermal slowdown, a hardware slowdown gone at the second
+reading, a PCIe link whose maximum generation is below the GPU's, persistence mode off, any
+other XID in the window.
+UNKNOWN (could not run, says nothing about the node): pynvml missing (bluevela's own
+installation, logged as an installation error), a snapshot file that cannot be read, a kernel
+log that cannot be read (the XID part; the rest is still judged and a CRITICAL wins).
 A PCIe link running below its maximum generation is normal when the GPU idles (power saving),
-so the current generation is only reported. NVML unavailable is UNKNOWN (could not run).
+so the current generation is only reported.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bluevela.health.nvml import (
     HW_REASONS,
     SW_THERMAL,
     GPUInfo,
+    LiveNVML,
+    NVMLMissingError,
     NVMLSnapshot,
+    NVMLSource,
+    ProcessInfo,
+    ReplayNVML,
     Xid,
-    load_snapshot,
-    parse_snapshot,
     parse_xids,
     reason_names,
 )
@@ -39,7 +52,38 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FATAL_XIDS = frozenset({48, 64, 79, 95})
+
+@dataclass(frozen=True)
+class XidKind:
+    """What an XID means and what to do (NVIDIA's XID catalog, docs.nvidia.com/deploy/xid-errors)."""
+
+    status: Status
+    what: str
+    action: str
+
+
+_C, _W = Status.CRITICAL, Status.WARNING
+XID_TABLE: dict[int, XidKind] = {
+    13: XidKind(_W, "graphics engine exception", "usually the application; watch for repeats"),
+    31: XidKind(_W, "GPU memory page fault", "usually the application; watch for repeats"),
+    43: XidKind(_W, "GPU stopped processing", "usually the application; watch for repeats"),
+    45: XidKind(_W, "preemptive cleanup after earlier errors", "see the XID before it"),
+    48: XidKind(_C, "double-bit ECC error", "reset the GPU; RMA if it recurs"),
+    63: XidKind(_W, "ECC page retirement/row remap recorded", "reset the GPU when idle"),
+    64: XidKind(_C, "ECC page retirement/row remap failed", "reset the GPU; RMA if it recurs"),
+    74: XidKind(_C, "NVLink error", "reset the GPU, check NVLink/NVSwitch; RMA if it recurs"),
+    79: XidKind(_C, "fallen off the bus", "reboot the node, check PCIe/power; RMA if it recurs"),
+    92: XidKind(_W, "high single-bit ECC error rate", "reset the GPU when idle"),
+    94: XidKind(_W, "contained ECC error", "reset the GPU when idle"),
+    95: XidKind(_C, "uncontained ECC error", "reset the GPU"),
+    119: XidKind(_C, "GSP RPC timeout", "reset the GPU; reboot if it recurs"),
+    120: XidKind(_C, "GSP error", "reset the GPU; reboot if it recurs"),
+    123: XidKind(_C, "SPI PMU RPC write failure", "reset the GPU; RMA if it recurs"),
+    140: XidKind(_C, "unrecovered ECC error", "reset the GPU"),
+    143: XidKind(_C, "GPU initialization failure", "reboot the node; RMA if it recurs"),
+    154: XidKind(_C, "GPU recovery action changed", "do the recovery action the log line names"),
+}
+FATAL_XIDS = frozenset(code for code, kind in XID_TABLE.items() if kind.status is Status.CRITICAL)
 # Processes are leftovers only where no job of ours should be running.
 PROCESS_PHASES = frozenset({"prolog", "healthcheck"})
 
@@ -50,8 +94,12 @@ class GPUFacts:
     xids: tuple[Xid, ...] = ()
     xid_source: str | None = None  # None: no kernel log could be read
     phase: str = "manual"
-    error: str | None = None  # NVML could not be used at all
+    error: str | None = None  # NVML could not be used at all (our side: UNKNOWN)
     skipped: bool = False  # the class has no GPUs and no snapshot was given
+    init_error: str | None = None  # nvmlInit failed: NVML's message (the node's side)
+    uptime_s: float | None = None  # time since boot at the reading (dates the XIDs)
+    job_gpus: tuple[int, ...] | None = None  # the job's GPUs; None: every GPU
+    own_pids: frozenset[int] = frozenset()  # compute processes that are this hook's own
 
 
 def _kmsg_lines(ctx: ProbeContext, snap: NVMLSnapshot | None) -> tuple[list[str] | None, str | None]:
@@ -69,27 +117,79 @@ def _kmsg_lines(ctx: ProbeContext, snap: NVMLSnapshot | None) -> tuple[list[str]
     return None, None
 
 
+def nvml_source(ctx: ProbeContext) -> NVMLSource:
+    """Where NVML is read from: the snapshot file (BV_NVML_SNAPSHOT) or the live node."""
+    if ctx.nvml_snapshot is not None:
+        return ReplayNVML(ctx.nvml_snapshot)
+    return LiveNVML(include_kmsg=ctx.kmsg is None, recheck_s=ctx.node_class.gpu.recheck_s)
+
+
+def _parent_pid(root: Path, pid: int) -> int | None:
+    try:
+        with open(root / "proc" / str(pid) / "stat", encoding="utf-8", errors="replace") as fh:
+            text = fh.read(4096)
+    except OSError:
+        return None
+    fields = text.rpartition(")")[2].split()  # the command name may hold spaces and ')'
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+
+def own_processes(ctx: ProbeContext, pids: set[int]) -> frozenset[int]:
+    """The `pids` that descend from this hook run (the runner, or this process when run
+    directly): the nccl check's own workers are not leftovers. Read from `<root>/proc`."""
+    ours = {os.getpid()} | ({ctx.runner_pid} if ctx.runner_pid else set())
+    root = ctx.under_root("/")
+    found = set()
+    for pid in pids:
+        cur: int | None = pid
+        for _ in range(64):
+            if cur is None or cur <= 1:
+                break
+            if cur in ours:
+                found.add(pid)
+                break
+            cur = _parent_pid(root, cur)
+    return frozenset(found)
+
+
 def probe_gpu(ctx: ProbeContext) -> GPUFacts:
     """NVML values from the snapshot (BV_NVML_SNAPSHOT) or live NVML, then XIDs."""
     if ctx.nvml_snapshot is None and ctx.node_class.gpus == 0:
         return GPUFacts(None, phase=ctx.phase, skipped=True)
-    snap: NVMLSnapshot | None = None
+    live = ctx.nvml_snapshot is None
     try:
-        if ctx.nvml_snapshot is not None:
-            snap = load_snapshot(ctx.nvml_snapshot)
-        else:
-            from bluevela.health.nvml import gather_live
-
-            snap = parse_snapshot(gather_live(include_kmsg=ctx.kmsg is None), "live NVML")
-    except ImportError:
-        return GPUFacts(None, phase=ctx.phase, error="pynvml is not installed (nvidia-ml-py)")
-    except (OSError, ValueError, RuntimeError) as exc:
+        snap = nvml_source(ctx).read()
+    except (NVMLMissingError, ImportError) as exc:
+        logger.error("installation error: %s: the gpu check cannot run (install nvidia-ml-py "
+                     "where bluevela is installed)", exc)
+        return GPUFacts(None, phase=ctx.phase,
+                        error=f"bluevela installation error: {exc}")
+    except (OSError, ValueError) as exc:
         return GPUFacts(None, phase=ctx.phase, error=f"{type(exc).__name__}: {exc}")
     lines, source = _kmsg_lines(ctx, snap)
-    return GPUFacts(snap, tuple(parse_xids(lines)), source, ctx.phase)
+    uptime = snap.uptime_s
+    if uptime is None and live:
+        uptime = time.clock_gettime(time.CLOCK_MONOTONIC)
+    pids = {p.pid for g in snap.gpus
+            for p in (*(g.compute_processes or ()), *(g.compute_processes_recheck or ()))}
+    return GPUFacts(snap, tuple(parse_xids(lines)), source, ctx.phase,
+                    init_error=snap.init_error, uptime_s=uptime, job_gpus=ctx.job_gpus,
+                    own_pids=own_processes(ctx, pids) if pids else frozenset())
 
 
-def _gpu_problems(g: GPUInfo, cls: NodeClass, phase: str) -> list[tuple[Status, str]]:
+def _leftovers(g: GPUInfo, facts: GPUFacts) -> tuple[list[ProcessInfo], list[ProcessInfo]]:
+    """(still there at the second reading, gone by then) processes of `g` that are not ours,
+    on the job's GPUs only."""
+    if facts.job_gpus is not None and g.index not in facts.job_gpus:
+        return [], []
+    first = [p for p in g.compute_processes or () if p.pid not in facts.own_pids]
+    if not first or g.compute_processes_recheck is None:  # one reading decides
+        return first, []
+    again = {p.pid for p in g.compute_processes_recheck}
+    return [p for p in first if p.pid in again], [p for p in first if p.pid not in again]
+
+
+def _gpu_problems(g: GPUInfo, cls: NodeClass, facts: GPUFacts) -> list[tuple[Status, str]]:
     t = cls.gpu
     p: list[tuple[Status, str]] = []
     lab = g.label
@@ -112,28 +212,87 @@ def _gpu_problems(g: GPUInfo, cls: NodeClass, phase: str) -> list[tuple[Status, 
         p.append((Status.WARNING, f"{lab} page retirement pending"))
     if g.temperature_c is not None and g.temperature_c > t.max_temp_c:
         p.append((Status.CRITICAL, f"{lab} {g.temperature_c:g} C > {t.max_temp_c:g} C"))
-    reasons = g.clocks_event_reasons or 0
-    if reasons & HW_REASONS:
-        p.append((Status.CRITICAL, f"{lab} throttled: {','.join(reason_names(reasons & HW_REASONS))}"))
-    elif reasons & SW_THERMAL:
-        p.append((Status.WARNING, f"{lab} throttled: sw_thermal_slowdown"))
+    p += _throttle_problems(g, facts)
     cw, mw = g.pcie_link_width_current, g.pcie_link_width_max
     if cw is not None and mw is not None and cw < mw:
         p.append((Status.CRITICAL, f"{lab} PCIe x{cw} (max x{mw})"))
     lg, gg = g.pcie_link_gen_max, g.pcie_link_gen_gpu_max
     if lg is not None and gg is not None and lg < gg:
         p.append((Status.WARNING, f"{lab} PCIe link max Gen{lg} < GPU Gen{gg}"))
-    if phase in PROCESS_PHASES and not t.allow_leftover_processes and g.compute_processes:
-        pids = ",".join(str(x.pid) for x in g.compute_processes[:4])
-        p.append((Status.CRITICAL, f"{lab} {len(g.compute_processes)} leftover process(es) "
-                  f"(pid {pids})"))
+    if facts.phase in PROCESS_PHASES and not t.allow_leftover_processes:
+        left, gone = _leftovers(g, facts)
+        if left:
+            pids = ",".join(str(x.pid) for x in left[:4])
+            again = (f", still there after {_secs(facts)}" if g.compute_processes_recheck is not None
+                     else "")
+            p.append((Status.CRITICAL, f"{lab} {len(left)} leftover process(es) (pid {pids}"
+                      f"{again})"))
+        elif gone:  # a previous job's process winding down: reported, not drained
+            pids = ",".join(str(x.pid) for x in gone[:4])
+            p.append((Status.WARNING, f"{lab} process(es) {pids} exited within {_secs(facts)}"))
     if t.require_persistence_mode and g.persistence_mode is False:
         p.append((Status.WARNING, f"{lab} persistence mode off"))
     return p
 
 
-def _metrics(gpus: list[GPUInfo], xids: tuple[Xid, ...]) -> dict[str, float]:
-    m: dict[str, float] = {"gpus_count": len(gpus), "xid_count": len(xids)}
+def _secs(facts: GPUFacts) -> str:
+    after = facts.snapshot.recheck_after_s if facts.snapshot is not None else None
+    return f"{after:g} s" if after is not None else "a second reading"
+
+
+def _confirmed_hw(g: GPUInfo) -> int:
+    """HW slowdown bits that both readings show (the one reading when there is no second)."""
+    hw = (g.clocks_event_reasons or 0) & HW_REASONS
+    if g.clocks_event_reasons_recheck is None:
+        return hw
+    return hw & g.clocks_event_reasons_recheck
+
+
+def _throttle_problems(g: GPUInfo, facts: GPUFacts) -> list[tuple[Status, str]]:
+    reasons = g.clocks_event_reasons or 0
+    hw = reasons & HW_REASONS
+    confirmed = _confirmed_hw(g)
+    if confirmed:
+        how = f" (in 2 readings {_secs(facts)} apart)" if g.clocks_event_reasons_recheck is not None else ""
+        return [(Status.CRITICAL, f"{g.label} throttled: {','.join(reason_names(confirmed))}{how}")]
+    if hw:
+        return [(Status.WARNING, f"{g.label} transient {','.join(reason_names(hw))} "
+                 f"(gone after {_secs(facts)})")]
+    if reasons & SW_THERMAL:
+        return [(Status.WARNING, f"{g.label} throttled: sw_thermal_slowdown")]
+    return []
+
+
+def _xid_problems(facts: GPUFacts, usable: list[GPUInfo], window_s: float
+                  ) -> tuple[list[tuple[Status, str]], int, int]:
+    """Problems of the XIDs within the window; (problems, counted, older ones ignored)."""
+    if facts.xid_source is None:
+        return [(Status.UNKNOWN, "kernel log unreadable: XIDs not checked")], 0, 0
+    by_bus = {g.bus: g for g in usable if g.bus}
+    problems: list[tuple[Status, str]] = []
+    seen: set[tuple[str, int]] = set()
+    counted = old = 0
+    for x in facts.xids:
+        if (window_s > 0 and x.at_s is not None and facts.uptime_s is not None
+                and facts.uptime_s - x.at_s > window_s):
+            old += 1
+            continue
+        counted += 1
+        if (x.bus, x.code) in seen:
+            continue
+        seen.add((x.bus, x.code))
+        gpu = by_bus.get(x.bus)
+        where = f"{gpu.label} (PCI {x.pci})" if gpu else f"PCI {x.pci}"
+        kind = XID_TABLE.get(x.code)
+        if kind is None:
+            problems.append((Status.WARNING, f"XID {x.code} on {where}"))
+        else:
+            problems.append((kind.status, f"XID {x.code} on {where}: {kind.what}; {kind.action}"))
+    return problems, counted, old
+
+
+def _metrics(gpus: list[GPUInfo], xids: int, facts: GPUFacts) -> dict[str, float]:
+    m: dict[str, float] = {"gpus_count": len(gpus), "xid_count": xids}
 
     def vals(attr: str) -> list[float]:
         return [float(v) for g in gpus if (v := getattr(g, attr)) is not None]
@@ -158,16 +317,29 @@ def _metrics(gpus: list[GPUInfo], xids: tuple[Xid, ...]) -> dict[str, float]:
     m["remapped_rows_failure_count"] = sum(1 for g in gpus if g.remapped_rows_failure)
     m["retired_pages_total"] = sum((g.retired_pages_sbe or 0) + (g.retired_pages_dbe or 0)
                                    for g in gpus)
-    m["throttle_hw_count"] = sum(1 for g in gpus if (g.clocks_event_reasons or 0) & HW_REASONS)
-    m["processes_count"] = sum(len(g.compute_processes or ()) for g in gpus)
+    m["throttle_hw_count"] = sum(1 for g in gpus if _confirmed_hw(g))
+    m["processes_count"] = sum(len(_leftovers(g, facts)[0]) for g in gpus)
     return m
 
 
-@check("gpu", probe=probe_gpu)
+def gpu_timed_out(seconds: float, cls: NodeClass) -> CheckResult:
+    """The runner killed the gpu check at its timeout: NVML hung (a probe only reads NVML and
+    the kernel log). On a class with GPUs the node cannot run a job: CRITICAL."""
+    if cls.gpus > 0:
+        return CheckResult("gpu", Status.CRITICAL, f"NVML timed out after {seconds:g} s")
+    return CheckResult("gpu", Status.UNKNOWN, f"timed out after {seconds:g} s, killed")
+
+
+@check("gpu", probe=probe_gpu, on_timeout=gpu_timed_out)
 def evaluate_gpu(facts: GPUFacts, cls: NodeClass) -> CheckResult:
     """GPU count and model, ECC, row remapping, temperature, throttling, PCIe, processes, XIDs."""
     if facts.skipped:
         return CheckResult("gpu", Status.OK, "no GPUs expected", {"gpus_count": 0})
+    if facts.init_error is not None:
+        if cls.gpus > 0:  # the node's GPU stack is broken: no job can use a GPU here
+            return CheckResult("gpu", Status.CRITICAL, f"NVML: {facts.init_error}",
+                               {"gpus_count": 0})
+        return CheckResult("gpu", Status.UNKNOWN, f"NVML: {facts.init_error}")
     if facts.error or facts.snapshot is None:
         return CheckResult("gpu", Status.UNKNOWN, f"NVML unavailable: {facts.error}")
     snap = facts.snapshot
@@ -180,17 +352,11 @@ def evaluate_gpu(facts: GPUFacts, cls: NodeClass) -> CheckResult:
     elif len(usable) > cls.gpus:
         problems.append((Status.WARNING, f"{len(usable)} GPUs visible, class has {cls.gpus}"))
     for g in usable:
-        problems += _gpu_problems(g, cls, facts.phase)
-    by_bus = {g.bus: g.label for g in usable if g.bus}
-    seen: set[tuple[str, int]] = set()
-    for x in facts.xids:
-        if (x.bus, x.code) in seen:
-            continue
-        seen.add((x.bus, x.code))
-        where = by_bus.get(x.bus, f"PCI {x.pci}")
-        status = Status.CRITICAL if x.code in FATAL_XIDS else Status.WARNING
-        problems.append((status, f"XID {x.code} on {where}"))
-    metrics = _metrics(usable, facts.xids)
+        problems += _gpu_problems(g, cls, facts)
+    xid_problems, counted, old = _xid_problems(facts, usable, cls.gpu.xid_window_s)
+    problems += xid_problems
+    metrics = _metrics(usable, counted, facts)
+    metrics["xid_outside_window_count"] = old
     status, summary = summarize(problems)
     if summary is None:
         model = usable[0].name if usable else "GPU"

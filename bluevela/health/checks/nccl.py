@@ -6,7 +6,10 @@ process (torch is imported there only); the ranks meet through a FileStore in a 
 temporary directory. The time of one all_reduce is the mean over `iters` after `warmup`,
 taken from the slowest rank. algbw = size / time (GB = 1e9 B); busbw = algbw * 2(n-1)/n,
 compared with the class's `min_busbw_gbs` at its `size_bytes`. A single rank has no bus
-bandwidth (the factor is 0): UNKNOWN. Registered as noisy: the runner retries it.
+bandwidth (the factor is 0): not applicable (OK). Registered as noisy: the runner retries it.
+Every attempt is recorded in the state dir (`nccl_attempts.json`), every pass too: the prolog
+reruns nccl when its last pass is older than `health.nccl_freshness_h`, and backs off
+exponentially (15 min doubling, capped at 6 h) while attempts do not pass.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 NVIDIA_CTL = Path("/dev/nvidiactl")
 WORKER_TIMEOUT_S = 900.0  # the runner's own timeout normally ends a hung run first
+_ATTEMPT_RECORDED_BY: int | None = None  # the check's child that counted its attempt
 
 
 @dataclass(frozen=True)
@@ -104,8 +108,19 @@ def measure(backend: str, ranks: int, size_bytes: int, iters: int, warmup: int,
 
 
 def probe_nccl(ctx: ProbeContext) -> NCCLFacts:
-    """One measurement at the class's size (GPUs: NCCL over all of them; else gloo)."""
+    """One measurement at the class's size (GPUs: NCCL over all of them; else gloo).
+
+    The attempt is recorded in the state dir before it runs (a run killed at its timeout
+    counts too): the prolog backs off a node whose nccl does not pass (`state.nccl_is_stale`).
+    """
+    global _ATTEMPT_RECORDED_BY
     cls, t = ctx.node_class, ctx.node_class.nccl
+    if ctx.state_dir is not None and _ATTEMPT_RECORDED_BY != os.getpid():
+        from bluevela.health.state import record_nccl_attempt
+
+        # One attempt per run of the check: its retries run in the same child process.
+        _ATTEMPT_RECORDED_BY = os.getpid()
+        record_nccl_attempt(ctx.state_dir)
     if cls.gpus > 0:
         backend, ranks = "nccl", cls.gpus
         if not NVIDIA_CTL.exists():
