@@ -104,3 +104,79 @@ def test_prometheus_text(tmp_path: Path) -> None:
     path = write_prom(tmp_path / "metrics", merged)
     assert path == tmp_path / "metrics" / PROM_FILE and path.read_text() == text
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temp left
+
+
+# -- node state: who may change it, and which site settings it relies on --------------------
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _site_text(**health: str) -> str:
+    """The repo's site.yaml with some `health:` keys replaced (YAML flow values)."""
+    import yaml
+
+    data = yaml.safe_load((REPO / "site.yaml").read_text())
+    for key, value in health.items():
+        data["health"][key] = yaml.safe_load(value)
+    return yaml.safe_dump(data)
+
+
+@pytest.mark.parametrize("prefix", ["", "bv", " bv:", "b v:", ":", "12:", "bv: "])
+def test_drain_prefix_must_be_distinctive(prefix: str, tmp_path: Path) -> None:
+    """`drain_prefix: ""` made every operator's drain count as ours (resumed, counted by the
+    breaker); a prefix must be non-empty, contain a letter, end with ':', no whitespace."""
+    from bluevela.errors import SiteConfigError
+    from bluevela.site import parse_site
+
+    with pytest.raises(SiteConfigError, match="drain_prefix"):
+        parse_site(_site_text(drain_prefix=repr(prefix)), tmp_path / "site.yaml")
+    ok = parse_site(_site_text(drain_prefix="'site-bv:'"), tmp_path / "site.yaml")
+    assert ok.health.drain_prefix == "site-bv:"
+
+
+def test_unknown_check_in_a_tier_is_a_validation_error(tmp_path: Path) -> None:
+    """A typo in a tier (`ibb`) used to validate, and the hooks then ran without that check."""
+    from bluevela.errors import SiteConfigError
+    from bluevela.site import parse_site
+
+    tiers = ("{quick: {checks: [gpu, ibb, node], cap_s: 5, check_timeout_s: 3}, "
+             "full: {checks: [gpu, ib, node, nccl], cap_s: 180, check_timeout_s: 120}}")
+    with pytest.raises(SiteConfigError, match=r"unknown check\(s\) 'ibb' \(known: gpu, ib,") as e:
+        parse_site(_site_text(tiers=tiers), tmp_path / "site.yaml")
+    assert "health.tiers.quick.checks" in str(e.value)
+
+
+def test_nightly_drain_is_not_resumed_by_passing_health_checks() -> None:
+    """The hourly healthcheck resumed `bv: nightly <date>: ...` drains once gpu/ib/node/nccl
+    passed, without re-measuring what the nightly found."""
+    from bluevela.nodestate import passes_for_resume
+    from bluevela.site import load_site
+
+    site = load_site(REPO / "site.yaml")
+    ok = {"gpu": 0, "ib": 0, "node": 0, "nccl": 0}
+    reason = "bv: nightly 2026-11-25: gemm 512.0 TFLOP/s < floor 700"
+    passes, why = passes_for_resume(site, reason, ok)
+    assert not passes and "nightly" in why and "bv health resume" in why
+    assert passes_for_resume(site, "bv: ib: mlx5_3/1 state DOWN", ok)[0]
+
+
+def test_checks_never_import_the_node_state_module() -> None:
+    """Checks judge; hooks, the nightly and `bv health resume` act. No module under
+    bluevela/health/checks imports bluevela.nodestate (directly or through what it imports)."""
+    import ast
+    import subprocess
+    import sys
+
+    for path in (REPO / "bluevela" / "health" / "checks").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert not name.startswith("bluevela.nodestate"), f"{path} imports {name}"
+                assert "drain" not in name, f"{path} imports {name}"
+    code = ("import sys, bluevela.health.checks, bluevela.health.runner; "
+            "print('bluevela.nodestate' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=REPO).stdout.strip()
+    assert out == "False"

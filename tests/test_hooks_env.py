@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from bluevela.errors import UnsafeValueError
-from bluevela.health.drain import check_of_reason, passes_for_resume
 from bluevela.health.result import CheckResult, HealthReport, Status
 from bluevela.hooks.env import (
     HookContext,
@@ -19,6 +18,7 @@ from bluevela.hooks.env import (
     read_hook_env,
 )
 from bluevela.hooks.telemetry import job_telemetry, reading_of
+from bluevela.nodestate import check_of_reason, passes_for_resume
 from bluevela.site import Site, load_site
 
 REPO = Path(__file__).resolve().parent.parent

@@ -134,8 +134,8 @@ def latest_reports(spool: Path) -> dict[str, dict[str, Any]]:
 
 def node_overview(site: Site, client: SlurmClient) -> list[NodeHealth]:
     """Every node's Slurm state and drain reason with its last bluevela report."""
-    from bluevela.health.drain import is_ours
     from bluevela.health.state import LAST_RUN, read_json
+    from bluevela.nodestate import is_ours
 
     last = latest_reports(site.path("spool"))
     # This node's own last hook run (the healthcheck spools nothing) when it is newer.
@@ -172,7 +172,7 @@ def resume_nodes(site: Site, client: SlurmClient, nodes: Sequence[str], *,
     names must pass). For another node (from a login node) the re-check is the node's own:
     its healthcheck, and the prolog before its next job, drain it again if it still fails.
     """
-    from bluevela.health.drain import is_ours, passes_for_resume, resume_node
+    from bluevela.nodestate import is_ours, passes_for_resume, resume_node
 
     here = socket.gethostname().split(".")[0]
     out: list[ResumeOutcome] = []

@@ -8,7 +8,10 @@
   CRITICAL: drain with the precise reason; always exit 0 (a non-zero exit would drain with
   Slurm's vague "Epilog error").
 - healthcheck: full tier on an idle node; drain on CRITICAL; resume a node only when its drain
-  reason is ours (`bv:`) and the check it names passes again. Operators' drains are never touched.
+  reason is ours (`bv:`) and the check it names passes again. Operators' drains are never touched,
+  nor nightly drains (the healthcheck does not re-measure what the nightly found).
+
+Drains, resumes and the fleet breaker live in `bluevela.nodestate` (the checks never import it).
 
 Failing open: an error of the hook itself (bad site.yaml, a bug) logs one line and exits 0 -
 a broken installation must not drain the fleet; the checks themselves never raise (a check
@@ -151,11 +154,13 @@ def _drain_if_critical(site: Site, node: str, report: HealthReport) -> DrainResu
     detail = report.drain_detail()
     if detail is None:
         return DrainResult()
-    from bluevela.health.drain import drain_node, hook_client, make_reason
+    from bluevela.nodestate import HOOK_JITTER_S, drain_node, hook_client, make_reason
 
     reason = make_reason(site, detail)
     try:
-        out = drain_node(hook_client(site), site, node, detail)
+        # Every node of a big job runs its prolog at the same moment: the jitter spreads
+        # their calls to slurmctld, and the breaker's slots hold whatever the timing.
+        out = drain_node(hook_client(site), site, node, detail, jitter_s=HOOK_JITTER_S)
     except BluevelaError as exc:
         logger.error("could not drain %s (%s): %s", node, reason, exc)
         return DrainResult(True, False, reason, error=str(exc))
@@ -244,7 +249,7 @@ def epilog(site: Site, hctx: HookContext) -> HookOutcome:
 
 
 def healthcheck(site: Site, hctx: HookContext) -> HookOutcome:
-    from bluevela.health.drain import hook_client, is_ours, passes_for_resume
+    from bluevela.nodestate import hook_client, resume_if_passing
 
     state = _state_dir(site)
     report = _run(site, hctx, state, "full")
@@ -253,21 +258,11 @@ def healthcheck(site: Site, hctx: HookContext) -> HookOutcome:
     resumed, note = False, None
     if not drain.attempted:
         try:
-            client = hook_client(site)
-            found = client.nodes([hctx.node])
-            info = found[0] if found else None
-            if info is not None and info.drained and is_ours(site, info.reason):
-                ok, note = passes_for_resume(site, info.reason,
-                                             {c.name: int(c.status) for c in report.checks})
-                if ok:
-                    client.resume(hctx.node, timeout_s=site.health.drain_timeout_s)
-                    resumed = True
-                    logger.warning("resumed %s (was: %s): %s", hctx.node, info.reason, note)
-                else:
-                    logger.warning("%s stays drained (%s): %s", hctx.node, info.reason, note)
-            elif info is not None and info.drained:
-                note = f"drained by an operator ({info.reason}): left alone"
-                logger.info("%s %s", hctx.node, note)
+            # Resumes only our drains whose named check passes again (never a nightly's or
+            # an operator's), and frees the breaker slot(s) of the node.
+            check = resume_if_passing(hook_client(site), site, hctx.node,
+                                      {c.name: int(c.status) for c in report.checks})
+            resumed, note = check.resumed, check.note
         except BluevelaError as exc:
             note = f"could not query/resume: {exc}"
             logger.error("%s", note)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bluevela.errors import SlurmError, SlurmUnreachable
-from bluevela.slurm.client import JobInfo, NodeInfo
+from bluevela.slurm.client import AttemptRecord, JobInfo, NodeInfo, ReservationInfo
 from bluevela.slurm.states import JobState
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,9 @@ _UNREACHABLE = re.compile(
     re.IGNORECASE,
 )
 _BUSY = re.compile(r"Resource temporarily unavailable|queue is full|EAGAIN", re.IGNORECASE)
+_DUPLICATE = re.compile(r"Duplicate reservation name", re.IGNORECASE)
+_NO_RESERVATION = re.compile(r"Requested reservation is invalid|Invalid reservation",
+                             re.IGNORECASE)
 
 
 def _num(value: Any) -> int | None:
@@ -307,6 +310,62 @@ class CliSlurmClient:
     def resume(self, node: str, *, timeout_s: float = 5.0) -> None:
         self._run(["scontrol", "update", f"NodeName={node}", "State=RESUME"],
                   retry=False, timeout=timeout_s)
+
+    def reservations(self, *, timeout_s: float = 5.0) -> list[ReservationInfo]:
+        out = self._run(["scontrol", "show", "reservation", "-o"], retry=False,
+                        timeout=timeout_s)
+        found = (parse_reservation_line(line) for line in out.splitlines())
+        return [r for r in found if r is not None]
+
+    def create_reservation(self, name: str, node: str, *, start_in_s: int, duration_min: int,
+                           flags: tuple[str, ...], timeout_s: float = 5.0) -> bool:
+        argv = ["scontrol", "create", "reservation", f"ReservationName={name}",
+                f"Nodes={node}", f"StartTime=now+{int(start_in_s)}",
+                f"Duration={int(duration_min)}", "Users=root"]
+        if flags:
+            argv.append(f"Flags={','.join(flags)}")
+        proc = self._run_once(argv, timeout=timeout_s)
+        if proc.returncode == 0:
+            return True
+        err = proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}"
+        if _DUPLICATE.search(err):
+            return False
+        if _UNREACHABLE.search(err):
+            raise SlurmUnreachable(f"scontrol create reservation: {err.splitlines()[-1]}")
+        raise SlurmError(f"scontrol create reservation {name} failed: {err.splitlines()[-1]}")
+
+    def delete_reservation(self, name: str, *, timeout_s: float = 5.0) -> bool:
+        proc = self._run_once(["scontrol", "delete", f"ReservationName={name}"],
+                              timeout=timeout_s)
+        if proc.returncode == 0:
+            return True
+        err = proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}"
+        if _NO_RESERVATION.search(err):
+            return False
+        if _UNREACHABLE.search(err):
+            raise SlurmUnreachable(f"scontrol delete reservation: {err.splitlines()[-1]}")
+        raise SlurmError(f"scontrol delete reservation {name} failed: {err.splitlines()[-1]}")
+
+
+def parse_reservation_line(line: str) -> ReservationInfo | None:
+    """One `scontrol show reservation -o` line (`Key=Value` words) to ReservationInfo."""
+    fields: dict[str, str] = {}
+    for word in line.split():
+        key, sep, value = word.partition("=")
+        if sep:
+            fields[key] = value
+    name = fields.get("ReservationName")
+    if not name:
+        return None
+    start: float | None = None
+    raw = fields.get("StartTime", "")
+    try:
+        # scontrol prints local time without a zone; mktime reads it back the same way.
+        start = time.mktime(time.strptime(raw, "%Y-%m-%dT%H:%M:%S"))
+    except (ValueError, OverflowError):
+        start = None
+    flags = tuple(f for f in fields.get("Flags", "").split(",") if f and f != "(null)")
+    return ReservationInfo(name, _expand_nodes(fields.get("Nodes", "")), start, flags)
 
 
 def _long_state(t: str) -> str:

@@ -69,6 +69,16 @@ class NodeInfo:
         return "DRAIN" in self.state.upper()
 
 
+@dataclass(frozen=True)
+class ReservationInfo:
+    """One reservation, as much of it as the fleet breaker's slots need."""
+
+    name: str
+    nodes: tuple[str, ...]
+    start_time: float | None  # unix seconds
+    flags: tuple[str, ...] = ()
+
+
 class SlurmClient(Protocol):
     """Everything bluevela asks of Slurm."""
 
@@ -95,6 +105,20 @@ class SlurmClient(Protocol):
     def drain(self, node: str, reason: str, *, timeout_s: float = 5.0) -> None: ...
 
     def resume(self, node: str, *, timeout_s: float = 5.0) -> None: ...
+
+    def reservations(self, *, timeout_s: float = 5.0) -> list[ReservationInfo]:
+        """Every reservation slurmctld knows (one RPC)."""
+        ...
+
+    def create_reservation(self, name: str, node: str, *, start_in_s: int, duration_min: int,
+                           flags: tuple[str, ...], timeout_s: float = 5.0) -> bool:
+        """Create reservation `name` on `node`; False when a reservation of that name exists
+        (slurmctld refuses a duplicate name: an atomic compare-and-set). One RPC."""
+        ...
+
+    def delete_reservation(self, name: str, *, timeout_s: float = 5.0) -> bool:
+        """Delete reservation `name`; False when there is none of that name. One RPC."""
+        ...
 
 
 def get_client(*, retry_s: float | None = None) -> SlurmClient:

@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from bluevela.slurm.cli_client import CliSlurmClient
-from bluevela.slurm.client import JobInfo, NodeInfo
+from bluevela.slurm.client import JobInfo, NodeInfo, ReservationInfo
 from bluevela.slurm.states import JobState
 
 logger = logging.getLogger(__name__)
@@ -84,3 +84,15 @@ class PySlurmClient:
 
     def resume(self, node: str, *, timeout_s: float = 5.0) -> None:
         self._cli.resume(node, timeout_s=timeout_s)
+
+    def reservations(self, *, timeout_s: float = 5.0) -> list[ReservationInfo]:
+        return self._cli.reservations(timeout_s=timeout_s)
+
+    def create_reservation(self, name: str, node: str, *, start_in_s: int, duration_min: int,
+                           flags: tuple[str, ...], timeout_s: float = 5.0) -> bool:
+        return self._cli.create_reservation(name, node, start_in_s=start_in_s,
+                                            duration_min=duration_min, flags=flags,
+                                            timeout_s=timeout_s)
+
+    def delete_reservation(self, name: str, *, timeout_s: float = 5.0) -> bool:
+        return self._cli.delete_reservation(name, timeout_s=timeout_s)
