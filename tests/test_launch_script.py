@@ -126,3 +126,18 @@ def test_materialize_is_deterministic() -> None:
 def test_class_without_a_site_is_refused() -> None:
     with pytest.raises(LaunchError, match="--class h100 needs a site file"):
         build_request(None, "t.py", node_class="h100")
+
+
+@pytest.mark.parametrize(("value", "rendered"), [
+    ("x\\", "'x\\\\'"),  # shlex.quote gave 'x\' : sbatch reads \' as a quote, then "Unmatched '"
+    ("it's", "'it\\'s'"),
+    ("back\\slash it's", "'back\\\\slash it\\'s'"),
+    ("#not-a-comment", "'#not-a-comment'"),
+    ("plain-1.2_x", "plain-1.2_x"),
+    ("", "''"),
+])
+def test_sbatch_values_are_quoted_for_sbatchs_own_parser(value: str, rendered: str) -> None:
+    """`#SBATCH` lines are read by sbatch (backslash escapes even inside quotes), not by bash.
+    tests/test_sbatch_quoting_cluster.py checks the same values through real sbatch."""
+    lines = build_request(SITE, "t.py", job_name=value).materialize().splitlines()
+    assert f"#SBATCH --job-name={rendered}" in lines

@@ -12,6 +12,7 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from bluevela.bench.result import Status
+from bluevela.util.term import printable, rich_text
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ class PlainEvents:
 class RichEvents:
     """A progress bar per phase, and the notable lines printed above them."""
 
-    def __init__(self) -> None:
+    def __init__(self, console: Any = None) -> None:
+        """`console`: where to draw (default: a rich Console on stderr)."""
         from rich.console import Console
         from rich.progress import (
             BarColumn,
@@ -63,10 +65,12 @@ class RichEvents:
             TimeElapsedColumn,
         )
 
-        self._console = Console(stderr=True)
+        self._console = console or Console(stderr=True)
         self._progress: Any = Progress(
             SpinnerColumn(), TextColumn("[bold]{task.description:<12}"), BarColumn(),
-            MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[last]}"),
+            MofNCompleteColumn(), TimeElapsedColumn(),
+            # node names and job states: data, never markup
+            TextColumn("{task.fields[last]}", markup=False),
             console=self._console, transient=False,
         )
         self._tasks: dict[str, Any] = {}
@@ -88,16 +92,17 @@ class RichEvents:
         self._progress.update(task, total=total + more)
 
     def job(self, name: str, subject: str, job_id: int, state: str) -> None:
-        self._progress.update(self._tasks[name], last=f"{subject}: job {job_id} {state}")
+        self._progress.update(self._tasks[name], last=printable(f"{subject}: job {job_id} {state}"))
 
     def done(self, name: str, subject: str, status: Status, message: str) -> None:
         color = {Status.OK: "green", Status.WARNING: "yellow", Status.CRITICAL: "red",
                  Status.UNKNOWN: "grey50"}[status]
         self._progress.advance(self._tasks[name])
-        self._progress.update(self._tasks[name], last=f"{subject}: {status.name}")
+        self._progress.update(self._tasks[name], last=printable(f"{subject}: {status.name}"))
         if status is not Status.OK:
-            self._progress.console.print(f"[{color}]{status.name}[/] {subject}: {message}",
-                                         markup=True, highlight=False)
+            line = rich_text(status.name, style=color)
+            line.append_text(rich_text(f" {subject}: {message}"))
+            self._progress.console.print(line, highlight=False)
 
     def note(self, message: str) -> None:
-        self._progress.console.print(message, markup=False, highlight=False)
+        self._progress.console.print(rich_text(message), highlight=False)

@@ -18,6 +18,7 @@ import click
 
 from bluevela import __version__
 from bluevela.errors import BluevelaError, SiteConfigError
+from bluevela.util.term import printable
 
 if TYPE_CHECKING:
     from bluevela.site import Site
@@ -116,8 +117,14 @@ def main(argv: list[str] | None = None) -> Any:
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    except click.UsageError as exc:
+        # One line, like every other error; the usage block is one `--help` away.
+        where = exc.ctx.command_path if exc.ctx is not None else "bv"
+        click.echo(f"{where}: error: {printable(exc.format_message())} "
+                   f"(see '{where} --help')", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
-        exc.show()
+        click.echo(f"bv: error: {printable(exc.format_message())}", err=True)
         sys.exit(exc.exit_code)
     except click.Abort:
         click.echo("bv: aborted", err=True)

@@ -114,7 +114,10 @@ def resume(obj: State, node_names: tuple[str, ...], as_json: bool) -> None:
 
     from bluevela.health.api import resume_nodes
 
-    names = [n for expr in node_names for n in hostlist.expand_hostlist(expr)]
+    try:
+        names = [n for expr in node_names for n in hostlist.expand_hostlist(expr)]
+    except hostlist.BadHostlist as exc:
+        raise click.BadParameter(f"not a hostlist: {exc}", param_hint="NODES") from exc
     outcomes = resume_nodes(obj.site(), obj.client(retry_s=10), names)
     if as_json:
         emit_json([o.to_dict() for o in outcomes])

@@ -1,4 +1,8 @@
-"""Progress for `--wait`: a live rich line on a terminal, plain lines on state changes otherwise."""
+"""Progress for `--wait`: a live rich line on a terminal, plain lines on state changes otherwise.
+
+The line holds Slurm's values (state, reason, node names): shown as data (`rich_text`), never
+parsed as markup.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +13,15 @@ from typing import Any
 import click
 
 from bluevela.slurm.client import JobInfo
+from bluevela.util.term import printable, rich_text
 
 
 class Follower:
-    def __init__(self, job_id: int, *, live: bool) -> None:
+    def __init__(self, job_id: int, *, live: bool, console: Any = None) -> None:
+        """`console`: the rich Console for the live line (default: one on stderr)."""
         self.job_id = job_id
         self.live = live
+        self._console = console
         self._last: tuple[str, tuple[str, ...]] | None = None
         self._start = time.monotonic()
         self._live: Any = None
@@ -24,7 +31,8 @@ class Follower:
             from rich.console import Console
             from rich.live import Live
 
-            self._live = Live(console=Console(stderr=True), refresh_per_second=4, transient=True)
+            self._live = Live(console=self._console or Console(stderr=True),
+                              refresh_per_second=4, transient=True)
             self._live.__enter__()
         return self
 
@@ -36,16 +44,16 @@ class Follower:
     def update(self, info: JobInfo) -> None:
         elapsed = time.monotonic() - self._start
         key = (info.state_name, info.nodes)
-        line = (f"job {self.job_id}: {info.state_name}"
-                + (f" on {','.join(info.nodes)}" if info.nodes else "")
-                + (f" ({info.reason})" if info.reason else "")
-                + (f" restarts={info.restarts}" if info.restarts else ""))
+        line = printable(f"job {self.job_id}: {info.state_name}"
+                         + (f" on {','.join(info.nodes)}" if info.nodes else "")
+                         + (f" ({info.reason})" if info.reason else "")
+                         + (f" restarts={info.restarts}" if info.restarts else ""))
         if self._live is not None:
             from rich.spinner import Spinner
 
-            self._live.update(Spinner("dots", text=f"{line}  [{elapsed:.0f}s]"))
+            self._live.update(Spinner("dots", text=rich_text(f"{line}  [{elapsed:.0f}s]")))
             if key != self._last:
-                self._live.console.print(line)
+                self._live.console.print(rich_text(line))
         elif key != self._last:
             click.echo(f"[{elapsed:6.1f}s] {line}", err=True)
         self._last = key

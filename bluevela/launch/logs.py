@@ -1,24 +1,117 @@
-"""Reading a job's output file, optionally following it until the job ends."""
+"""Reading a job's output file, optionally following it until the job ends.
+
+The output path is the job owner's choice. Run as root (an operator's `bv logs 1234`), opening
+it naively would follow the owner's symlink or hard link to /etc/shadow and print it. So as root
+the file is opened with the owner's credentials (effective uid, gid and groups switched for the
+`open` only, as OpenSSH does for a user's files): the kernel then grants exactly what the owner
+could read themselves, whatever links sit in the path. On top of that, a final component that is
+a symlink is refused (O_NOFOLLOW), and anything but a regular file (a directory, a FIFO that
+would block us, a device) is refused after opening it non-blocking. Run as anyone else, the
+kernel already limits the read to what that user may read.
+"""
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import stat
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from bluevela.errors import SlurmError
-from bluevela.slurm.client import SlurmClient
+from bluevela.slurm.client import JobInfo, SlurmClient
+from bluevela.util.term import printable
+
+logger = logging.getLogger(__name__)
 
 
 def log_path(client: SlurmClient, job_id: int) -> Path:
-    info = client.job(job_id)
+    return _path_of(client.job(job_id))
+
+
+def _path_of(info: JobInfo) -> Path:
     if not info.stdout:
-        raise SlurmError(f"Slurm reports no output file for job {job_id}")
+        raise SlurmError(f"Slurm reports no output file for job {info.job_id}")
     path = Path(info.stdout)
     if not path.is_absolute() and info.work_dir:
         path = Path(info.work_dir) / path
     return path
+
+
+@contextmanager
+def as_owner(user: str) -> Iterator[None]:
+    """Run the body with `user`'s effective uid, gid and groups when we are root (else as is).
+
+    Raises:
+        SlurmError: root, and `user` is not a known account here (nothing is opened).
+    """
+    if os.geteuid() != 0:
+        yield
+        return
+    import pwd
+
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        raise SlurmError(f"job owner {printable(user)!r} is not a user on this host; not "
+                         "opening its output file as root") from None
+    if pw.pw_uid == 0:
+        yield
+        return
+    saved_groups, saved_egid = os.getgroups(), os.getegid()
+    os.setgroups(os.getgrouplist(pw.pw_name, pw.pw_gid))
+    os.setegid(pw.pw_gid)
+    os.seteuid(pw.pw_uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(saved_egid)
+        os.setgroups(saved_groups)
+
+
+def open_log(path: Path, owner: str) -> int | None:
+    """A read-only descriptor of the job's output file; None while it does not exist yet.
+
+    Raises:
+        SlurmError: a symlink (as root), not a regular file, or not readable by the owner.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    if os.geteuid() == 0:
+        flags |= os.O_NOFOLLOW
+    shown = printable(path)
+    try:
+        with as_owner(owner):
+            fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SlurmError(f"{shown}: is a symbolic link; bv logs does not follow a job's "
+                             "links as root") from None
+        if exc.errno == errno.EACCES and os.geteuid() == 0:
+            raise SlurmError(f"{shown}: the job's owner {printable(owner)!r} cannot read it, so "
+                             "neither does bv logs") from None
+        raise SlurmError(f"{shown}: cannot open: {exc.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise SlurmError(f"{shown}: is {kind}, not a job's output file")
+    return fd
+
+
+def _read_from(fd: int, pos: int) -> tuple[bytes, int]:
+    chunks = []
+    while True:
+        data = os.pread(fd, 1 << 20, pos)
+        if not data:
+            return b"".join(chunks), pos
+        chunks.append(data)
+        pos += len(data)
 
 
 def stream_log(
@@ -26,29 +119,33 @@ def stream_log(
     sleep: Callable[[float], None] = time.sleep,
 ) -> Iterator[str]:
     """Yield the output file's text; with `follow`, keep yielding until the job is terminal."""
-    path = log_path(client, job_id)
+    info = client.job(job_id)
+    path = _path_of(info)
+    fd: int | None = None
     pos = 0
-    while True:
-        try:
-            with open(path, "rb") as f:
-                f.seek(pos)
-                data = f.read()
-                pos = f.tell()
-        except FileNotFoundError:
-            data = b""
+    try:
+        while True:
+            if fd is None:
+                fd = open_log(path, info.user)
+                if fd is None and not follow:
+                    raise SlurmError(f"{printable(path)}: no such file (job not started yet?)")
+            if fd is not None:
+                data, pos = _read_from(fd, pos)
+                if data:
+                    yield data.decode("utf-8", errors="replace")
             if not follow:
-                raise SlurmError(f"{path}: no such file (job not started yet?)") from None
-        if data:
-            yield data.decode("utf-8", errors="replace")
-        if not follow:
-            return
-        if client.job(job_id).state.is_terminal():
-            # One last read after the end: the final lines may land after the state change.
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    f.seek(pos)
-                    rest = f.read()
-                if rest:
-                    yield rest.decode("utf-8", errors="replace")
-            return
-        sleep(poll_s)
+                return
+            if client.job(job_id).state.is_terminal():
+                # One last read after the end: the final lines may land after the state change.
+                if fd is None:
+                    fd = open_log(path, info.user)
+                if fd is not None:
+                    rest, pos = _read_from(fd, pos)
+                    if rest:
+                        yield rest.decode("utf-8", errors="replace")
+                return
+            sleep(poll_s)
+    finally:
+        if fd is not None:
+            os.close(fd)
+

@@ -31,9 +31,26 @@ def _plain(name: str, value: str) -> str:
     return value
 
 
+_SBATCH_BARE = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
+
+
+def sbatch_quote(value: str) -> str:
+    """`value` as sbatch's own `#SBATCH` parser reads it back, byte for byte.
+
+    That parser (sbatch/opt.c `_get_argument`) is not a shell: a backslash escapes the next
+    character even inside single quotes, an unquoted `#` ends the line, whitespace ends the
+    word. So `shlex.quote` is wrong there (`'x\\'` leaves a quote open). Plain words stay bare;
+    anything else is single-quoted with every backslash and single quote backslash-escaped.
+    Newlines and control characters were refused earlier (`_plain`).
+    """
+    if _SBATCH_BARE.fullmatch(value):
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def sbatch_lines(options: dict[str, str | None]) -> list[str]:
-    """`#SBATCH` lines, sorted, every value quoted (sbatch's own parser honours shell quotes)."""
-    return [f"#SBATCH --{key}" if value is None else f"#SBATCH --{key}={shlex.quote(value)}"
+    """`#SBATCH` lines, sorted, every value quoted for sbatch's parser (`sbatch_quote`)."""
+    return [f"#SBATCH --{key}" if value is None else f"#SBATCH --{key}={sbatch_quote(value)}"
             for key, value in sorted(options.items())]
 
 
