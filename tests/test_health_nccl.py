@@ -11,7 +11,16 @@ from bluevela.health.checks.nccl import NCCLFacts, bus_bandwidth, evaluate_nccl,
 from bluevela.health.context import ProbeContext
 from bluevela.health.registry import get_check
 from bluevela.health.result import Status
-from bluevela.health.runner import plan_tier, run_plan
+from bluevela.health.runner import plan_prolog, plan_tier, run_plan
+from bluevela.health.state import (
+    NCCL_RETRY_BASE_S,
+    NCCL_RETRY_MAX_S,
+    nccl_attempts,
+    nccl_is_stale,
+    nccl_retry_delay_s,
+    record_nccl_attempt,
+    record_nccl_pass,
+)
 from bluevela.site import NodeClass, Site, load_site
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,3 +88,35 @@ def test_full_tier_on_the_cpu_class(site: Site, cpu: NodeClass, tmp_path: Path) 
     r = rep.checks[0]
     assert r.status is Status.OK, r
     assert r.metrics["busbw_gbs"] >= cpu.nccl.min_busbw_gbs and r.metrics["tries_count"] == 1
+
+
+def test_nccl_attempts_back_off(site: Site, tmp_path: Path) -> None:
+    """Issue 9 item 2: a node whose nccl cannot run is retried with back-off, not on every job
+    start (old main recorded passes only: every prolog reran it). The attempt that cannot run
+    here is real: the h100 class on this GPU-less machine, through the forked runner."""
+    if Path("/dev/nvidiactl").exists():
+        pytest.skip("this machine has an NVIDIA GPU")
+    h100 = site.node_class(name="h100")
+    ctx = ProbeContext(h100, "h100", state_dir=tmp_path, phase="prolog")
+    plan = plan_prolog(site, nccl_is_stale(tmp_path, site.health.nccl_freshness_h))
+    assert "nccl" in plan.checks  # never passed, never tried
+    rep = run_plan(plan_tier(site, "full", ["nccl"]), ctx)
+    assert rep.checks[0].status is Status.UNKNOWN
+    tried = nccl_attempts(tmp_path)
+    assert tried is not None and tried["failures"] == 1  # one attempt, its retries included
+    t = float(tried["time"])
+    assert not nccl_is_stale(tmp_path, 6.0, now=t + 60)  # backing off
+    assert plan_prolog(site, nccl_is_stale(tmp_path, 6.0, now=t + 60)).checks == ("gpu", "ib", "node")
+    assert nccl_is_stale(tmp_path, 6.0, now=t + NCCL_RETRY_BASE_S + 1)
+    # Each further attempt without a pass doubles the wait, capped at 6 h.
+    for n in range(2, 9):
+        record_nccl_attempt(tmp_path, now=t)
+        delay = nccl_retry_delay_s(n)
+        assert delay == min(NCCL_RETRY_MAX_S, NCCL_RETRY_BASE_S * 2 ** (n - 1))
+        assert not nccl_is_stale(tmp_path, 6.0, now=t + delay - 1)
+        assert nccl_is_stale(tmp_path, 6.0, now=t + delay + 1)
+    assert nccl_retry_delay_s(8) == NCCL_RETRY_MAX_S
+    # A pass resets the count; once stale again it runs at once.
+    record_nccl_pass(tmp_path, {"busbw_gbs": 1.0}, now=t + 10)
+    assert nccl_attempts(tmp_path)["failures"] == 0  # type: ignore[index]
+    assert nccl_is_stale(tmp_path, 6.0, now=t + 10 + 6 * 3600 + 1)

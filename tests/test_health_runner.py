@@ -207,3 +207,20 @@ def test_a_check_named_twice_runs_once(ctx: ProbeContext, register_tmp: Callable
     name = register_tmp("t_twice", lambda c: 2)
     rep = run_checks([name, name], ctx, timeout_s=5, cap_s=10)
     assert [r.name for r in rep.checks] == [name]
+
+
+def test_on_timeout_gives_the_checks_own_verdict(ctx: ProbeContext) -> None:
+    """A check may say what its timeout means (the gpu check: a hung NVML call); the others
+    stay UNKNOWN."""
+    def verdict(seconds: float, cls: Any) -> CheckResult:
+        return CheckResult("t_says", Status.CRITICAL, f"stuck after {seconds:g} s")
+
+    check("t_says", probe=lambda c: time.sleep(60), on_timeout=verdict)(
+        lambda facts, cls: CheckResult("t_says", Status.OK, "never"))
+    try:
+        rep = run_checks(["t_says"], ctx, timeout_s=0.5, cap_s=3.0)
+    finally:
+        unregister("t_says")
+    r = rep.checks[0]
+    assert (r.status, r.summary) == (Status.CRITICAL, "stuck after 0.5 s")
+    assert 0.4 < r.duration_s < 2.0

@@ -1,0 +1,218 @@
+"""Issue 9, items 2 and 4: a broken GPU stack fails closed, and a healthy node is not drained
+by a single reading, an old XID, another job's GPU or our own nccl workers.
+
+Every probe reads a recorded-format snapshot (tests/data/health/, written by make_fixtures.py
+or recorded live with `gather_live`) or this machine's real NVML and /proc; the hang goes
+through the real forked runner and its timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bluevela.bench.evaluate import GPUS_FIGURE, evaluate, short_of_gpus
+from bluevela.bench.registry import get as get_measurement
+from bluevela.bench.result import Facts
+from bluevela.bench.result import Status as BenchStatus
+from bluevela.health.checks.gpu import XID_TABLE, evaluate_gpu, probe_gpu
+from bluevela.health.context import ProbeContext, parse_gpu_list
+from bluevela.health.nvml import load_snapshot
+from bluevela.health.registry import get_check
+from bluevela.health.result import Status
+from bluevela.health.runner import plan_tier, run_checks, run_plan
+from bluevela.hooks.env import HookContext
+from bluevela.site import NodeClass, Site, load_site
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "data" / "health"
+
+
+@pytest.fixture(scope="module")
+def site() -> Site:
+    return load_site(REPO / "site.yaml")
+
+
+@pytest.fixture(scope="module")
+def h100(site: Site) -> NodeClass:
+    return site.node_class(name="h100")
+
+
+def ctx_on(cls: NodeClass, fixture: str, phase: str = "prolog",
+           job_gpus: tuple[int, ...] | None = None, name: str = "h100") -> ProbeContext:
+    fx = FIXTURES / fixture
+    return ProbeContext(cls, name, root=fx / "root", nvml_snapshot=fx / "nvml.json",
+                        phase=phase, job_gpus=job_gpus)
+
+
+# -- item 2: NVML that cannot start -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("fixture", "reason"), [
+    ("h100-gpu-nvml-driver-not-loaded", "NVML: Driver Not Loaded"),
+    ("h100-gpu-nvml-version-mismatch", "NVML: RM has detected an NVML/RM version mismatch."),
+])
+def test_nvml_init_failure_is_critical_with_nvmls_words(h100: NodeClass, fixture: str,
+                                                        reason: str) -> None:
+    """Old main: UNKNOWN "NVML unavailable" live, so the prolog admitted the job."""
+    r = get_check("gpu").run_once(ctx_on(h100, fixture))
+    assert r.status is Status.CRITICAL and r.summary == reason
+
+
+def test_real_recording_without_a_driver_is_critical(h100: NodeClass, site: Site) -> None:
+    """nvml-real-no-driver.json was recorded by gather_live on this VM (no NVIDIA driver)."""
+    fx = FIXTURES / "nvml-real-no-driver.json"
+    assert load_snapshot(fx).init_error == "NVML Shared Library Not Found"
+    r = get_check("gpu").run_once(ProbeContext(h100, "h100", nvml_snapshot=fx, phase="prolog"))
+    assert (r.status, r.summary) == (Status.CRITICAL, "NVML: NVML Shared Library Not Found")
+    # A class without GPUs is not judged on NVML: could not run, never CRITICAL.
+    cpu = site.node_class(name="cpu")
+    r = get_check("gpu").run_once(ProbeContext(cpu, "cpu", nvml_snapshot=fx))
+    assert r.status is Status.UNKNOWN
+
+
+@pytest.mark.skipif(Path("/dev/nvidiactl").exists(), reason="this machine has an NVIDIA driver")
+def test_live_nvml_without_a_driver_is_critical(h100: NodeClass) -> None:
+    pytest.importorskip("pynvml")
+    r = evaluate_gpu(probe_gpu(ProbeContext(h100, "h100", phase="prolog")), h100)
+    assert r.status is Status.CRITICAL and r.summary.startswith("NVML: "), r
+
+
+def test_pynvml_missing_is_unknown_and_logged_as_installation_error(
+        h100: NodeClass, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
+    with caplog.at_level(logging.ERROR, logger="bluevela.health.checks.gpu"):
+        r = evaluate_gpu(probe_gpu(ProbeContext(h100, "h100", phase="prolog")), h100)
+    assert r.status is Status.UNKNOWN
+    assert "bluevela installation error" in r.summary and "nvidia-ml-py" in r.summary
+    assert any("installation error" in rec.getMessage() for rec in caplog.records)
+
+
+def test_nvml_hang_is_critical_through_the_runner_timeout(h100: NodeClass, site: Site) -> None:
+    """The replayed hang blocks in the check's forked child until the quick tier's 3 s timeout
+    kills it. Old main: the replay did not hang, and a timeout was UNKNOWN."""
+    plan = plan_tier(site, "quick", ["gpu", "node"])
+    t0 = time.monotonic()
+    report = run_plan(plan, ctx_on(h100, "h100-gpu-nvml-hang"))
+    took = time.monotonic() - t0
+    gpu = report.result("gpu")
+    assert gpu is not None and gpu.status is Status.CRITICAL
+    assert gpu.summary == "NVML timed out after 3 s"
+    assert report.drain_detail() == "gpu: NVML timed out after 3 s"
+    assert report.result("node").status is Status.OK  # type: ignore[union-attr]
+    assert 2.9 <= took < 5.0, took
+
+
+def test_a_timeout_on_a_class_without_gpus_stays_unknown(site: Site) -> None:
+    cpu = site.node_class(name="cpu")
+    rep = run_checks(["gpu"], ctx_on(cpu, "h100-gpu-nvml-hang", name="cpu"), timeout_s=0.5,
+                     cap_s=2.0)
+    assert rep.checks[0].status is Status.UNKNOWN
+
+
+# -- item 2: the nightly ------------------------------------------------------------------------
+
+
+def test_nightly_fewer_gpus_than_the_class_is_critical(h100: NodeClass) -> None:
+    """Old main: "could not run" (UNKNOWN), so the nightly did not drain a node missing a GPU."""
+    for name in ("gemm", "hbm", "h2d", "d2h", "allreduce"):
+        facts = Facts.from_dict(json.loads(json.dumps(short_of_gpus(name, 8, 7).to_dict())))
+        r = evaluate(get_measurement(name), facts, h100.bench, gpus=h100.gpus)
+        assert r.status is BenchStatus.CRITICAL, r
+        assert r.message == f"{name}: 7 of 8 GPUs visible"
+        assert [v.name for v in r.failed_figures] == [GPUS_FIGURE]
+    # A measurement that could not run for another reason is still UNKNOWN.
+    r = evaluate(get_measurement("gemm"), Facts.failed("gemm", "CUDA error"), h100.bench, gpus=8)
+    assert r.status is BenchStatus.UNKNOWN
+
+
+# -- item 4: the leftover-process check ---------------------------------------------------------
+
+
+def test_leftovers_only_on_the_jobs_gpus(h100: NodeClass) -> None:
+    """GPU0 is held by another job's process: a job given GPUs 1-2 is not refused. Old main
+    looked at every GPU of the node."""
+    gpu = get_check("gpu")
+    assert gpu.run_once(ctx_on(h100, "h100-gpu-leftover-process", job_gpus=(1, 2))).status is Status.OK
+    r = gpu.run_once(ctx_on(h100, "h100-gpu-leftover-process", job_gpus=(0, 1)))
+    assert r.status is Status.CRITICAL and "GPU0 1 leftover process(es) (pid 48213" in r.summary
+
+
+def test_job_gpus_from_slurm(h100: NodeClass) -> None:
+    assert parse_gpu_list("0,1,4-5") == (0, 1, 4, 5)
+    assert parse_gpu_list("") is None and parse_gpu_list("$(id)") is None
+    env = {"SLURM_JOB_GPUS": "2,3", "SLURM_JOB_ID": "7", "SLURMD_NODENAME": "node1"}
+    assert ProbeContext.from_env(h100, "h100", env=env, phase="prolog").job_gpus == (2, 3)
+    assert ProbeContext.from_env(h100, "h100", env=env, phase="healthcheck").job_gpus is None
+    assert HookContext.from_env("prolog", dict(env)).job_gpus == (2, 3)
+
+
+def _snapshot_with_procs(tmp_path: Path, pid: int) -> Path:
+    snap = json.loads((FIXTURES / "h100-healthy" / "nvml.json").read_text())
+    snap["gpus"][0]["compute_processes"] = [{"pid": pid, "used_memory_bytes": 1 << 30}]
+    snap["recheck"] = {"after_s": 1.0, "gpus": [
+        {"index": 0, "clocks_event_reasons": 1,
+         "compute_processes": [{"pid": pid, "used_memory_bytes": 1 << 30}], "errors": {}}]}
+    path = tmp_path / f"nvml-{pid}.json"
+    path.write_text(json.dumps(snap))
+    return path
+
+
+def test_our_own_processes_are_not_leftovers(h100: NodeClass, tmp_path: Path) -> None:
+    """A process below this hook run (the nccl check's workers) is ours, read from the real
+    /proc; pid 1 is not. Old main drained the node for its own nccl workers."""
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ours = ProbeContext(h100, "h100", root=Path("/"), phase="healthcheck",
+                            nvml_snapshot=_snapshot_with_procs(tmp_path, worker.pid))
+        rep = run_checks(["gpu"], ours, timeout_s=5.0, cap_s=6.0)  # via the forked runner
+        assert rep.checks[0].status is Status.OK, rep.checks[0]
+        other = ProbeContext(h100, "h100", root=Path("/"), phase="healthcheck",
+                             nvml_snapshot=_snapshot_with_procs(tmp_path, 1))
+        r = get_check("gpu").run_once(other)
+        assert r.status is Status.CRITICAL and "leftover process(es) (pid 1," in r.summary
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+# -- item 4: XIDs -------------------------------------------------------------------------------
+
+
+def test_xid_table_covers_the_codes_issue_11_names() -> None:
+    for code in (48, 63, 64, 74, 79, 92, 94, 95, 119, 120, 123, 140, 143, 154):
+        kind = XID_TABLE[code]
+        assert kind.what and kind.action, code
+    assert XID_TABLE[79].status is Status.CRITICAL and XID_TABLE[63].status is Status.WARNING
+
+
+def test_xid_window(h100: NodeClass) -> None:
+    """The same XID 79 line 388 s before the reading drains, 23 h before it does not (old main
+    matched the whole ring buffer: sticky until reboot)."""
+    gpu = get_check("gpu")
+    recent = gpu.run_once(ctx_on(h100, "h100-gpu-xid79-recent"))
+    assert recent.status is Status.CRITICAL and "XID 79 on GPU3 (PCI 0000:5d:00)" in recent.summary
+    old = gpu.run_once(ctx_on(h100, "h100-gpu-xid79-expired"))
+    assert old.status is Status.OK, old
+    assert old.metrics["xid_count"] == 0 and old.metrics["xid_outside_window_count"] == 1
+    # xid_window_s 0: every record since boot counts.
+    from dataclasses import replace
+
+    whole = replace(h100, gpu=replace(h100.gpu, xid_window_s=0.0))
+    assert gpu.run_once(ctx_on(whole, "h100-gpu-xid79-expired")).status is Status.CRITICAL
+
+
+def test_unreadable_kernel_log_is_unknown_not_ok(h100: NodeClass, tmp_path: Path) -> None:
+    r = get_check("gpu").run_once(ctx_on(h100, "h100-gpu-kmsg-unreadable"))
+    assert r.status is Status.UNKNOWN and "kernel log unreadable" in r.summary
+    # BV_KMSG naming a file that cannot be read: the same.
+    ctx = ProbeContext(h100, "h100", root=FIXTURES / "h100-healthy" / "root",
+                       nvml_snapshot=FIXTURES / "h100-healthy" / "nvml.json",
+                       kmsg=tmp_path / "absent-dmesg.txt")
+    assert get_check("gpu").run_once(ctx).status is Status.UNKNOWN
