@@ -1,0 +1,767 @@
+"""The in-job supervisor: what a `bv submit` batch script `exec`s on the job's first node.
+
+    python3 -m bluevela.launch.supervisor --nodes=N [--spare-nodes=S] [--min-nodes=M]
+        [--hang-timeout=T] [--rdzv-port=P] -- torchrun --nproc-per-node=K ... script args
+
+It runs one training STEP at a time: ``srun`` starts one *node agent* per node (this module's
+``agent`` subcommand), each agent runs ``torchrun`` and keeps a TCP connection to the
+supervisor (hello, a ping every second, its exit status). The supervisor adds torchrun's
+rendezvous flags per step (c10d on the step's first node). What it does (docs/resilience.md,
+"What bv does inside the job"):
+
+- Per attempt, one banner line in the job output before the step starts, and an end line
+  when the attempt ends for a reason it knows (`banner()`, `end_line()`).
+- SIGUSR1 (Slurm's ``--signal=B:USR1@N`` before the time limit, or an operator's
+  ``scancel --batch --signal=USR1``): every agent sends SIGUSR1 to its torchrun WORKERS (never
+  the torchrun agent, which dies of signals it does not handle); when the step has ended the
+  supervisor runs ``scontrol requeue`` on its own job (same id, restart count + 1).
+- SIGTERM (scancel, ``scontrol requeue``, preemption): Slurm signals every process of the job
+  itself; the supervisor forwards SIGUSR1 as well and lets Slurm finish, never requeueing.
+- A lost node (its agent's connection closed, or silent for ``--node-timeout``): the step is
+  aborted at once (agents on healthy nodes kill their torchrun, the hung ``srun`` is killed
+  locally) and a new step starts in the SAME allocation without the lost node: on a spare node
+  (``--spare-nodes``: any job kind), or on fewer nodes (``--min-nodes``: data parallel only).
+  Neither waits for SlurmdTimeout nor for the requeue hold (cred_expire). With no node to
+  spare, the job is requeued through Slurm.
+- Hang watchdog (``--hang-timeout``): ranks call `bluevela.runtime.progress(step)` (UDP beats);
+  when a rank that reported falls silent, or no rank reports, for that long, the step is
+  aborted and the job requeued; the end line names the rank and node that stopped first.
+
+A rank failure on nodes that are all alive ends the job with that exit status (torchrun's
+``--max-restarts`` is the in-place retry for those): a bug must not loop through requeues.
+
+Standard library only (it must not import torch): it runs as the job's main process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bluevela.runtime.heartbeat import ENV_ADDR as HEARTBEAT_ENV
+from bluevela.runtime.heartbeat import parse_beat
+
+logger = logging.getLogger(__name__)
+
+BANNER_PREFIX = "==== bv attempt "
+BANNER_RE = re.compile(r"^==== bv attempt (\d+) job (\S+) nodes (\S+) previous: (.*) ====$")
+END_RE = re.compile(r"^==== bv attempt (\d+) ended: (.*) ====$")
+SUPERVISOR_ENV = "BV_SUPERVISOR"
+ATTEMPT_ENV = "BV_ATTEMPT"
+PING_S = 1.0
+TICK_S = 0.2
+
+
+# --------------------------------------------------------------------------------------------
+# Pure pieces (unit-tested)
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def banner(attempt: int, job: str, nodes: Sequence[str], previous: str) -> str:
+    """The per-attempt banner `bv logs --attempt N` splits on (N: 1-based, file order)."""
+    return f"{BANNER_PREFIX}{attempt} job {job} nodes {compress(nodes)} previous: {one_line(previous)} ===="
+
+
+def end_line(attempt: int, cause: str) -> str:
+    return f"{BANNER_PREFIX}{attempt} ended: {one_line(cause)} ===="
+
+
+def compress(nodes: Sequence[str]) -> str:
+    try:
+        import hostlist
+
+        return str(hostlist.collect_hostlist(list(nodes)))
+    except Exception:  # noqa: BLE001 - a display nicety only
+        return ",".join(nodes)
+
+
+def expand(nodelist: str) -> list[str]:
+    import hostlist
+
+    return list(hostlist.expand_hostlist(nodelist))
+
+
+@dataclass(frozen=True)
+class History:
+    """What earlier attempts left in the job output."""
+
+    attempts: int = 0  # banners seen
+    last_end: str | None = None  # the end line's cause after the last banner, if any
+
+
+def read_history(lines: Iterable[bytes]) -> History:
+    attempts, last_end = 0, None
+    for raw in lines:
+        if not raw.startswith(b"==== bv attempt "):
+            continue
+        text = raw.decode("utf-8", "replace").rstrip("\r\n")
+        if BANNER_RE.match(text):
+            attempts, last_end = attempts + 1, None
+        elif (m := END_RE.match(text)) is not None:
+            last_end = m.group(2)
+    return History(attempts, last_end)
+
+
+def history_of_stdout() -> History | None:
+    """Scan our own stdout (the job's --output file, opened for append) for earlier banners."""
+    try:
+        path = os.readlink("/proc/self/fd/1")
+        if not path.startswith("/") or not Path(path).is_file():
+            return None
+        with open(path, "rb") as fh:
+            return read_history(fh)
+    except OSError:
+        return None
+
+
+def previous_cause(history: History | None) -> str:
+    if history is None or history.attempts == 0:
+        return "none"
+    if history.last_end is not None:
+        return history.last_end
+    return ("ended without a bv end line (Slurm ended the allocation: node failure of the "
+            "batch node, time limit or cancel)")
+
+
+def choose_nodes(alloc: Sequence[str], excluded: Iterable[str], want: int,
+                 min_nodes: int) -> list[str] | None:
+    """The nodes of the next step: `want` healthy ones in allocation order, else at least
+    `min_nodes` (elastic shrink), else None (nothing to run on inside this allocation)."""
+    bad = set(excluded)
+    healthy = [n for n in alloc if n not in bad]
+    if len(healthy) >= want:
+        return healthy[:want]
+    if len(healthy) >= min_nodes:
+        return healthy
+    return None
+
+
+def torchrun_step_argv(base: Sequence[str], nodes: Sequence[str], port: int,
+                       rdzv_id: str) -> list[str]:
+    """torchrun's argv for one step: rendezvous flags inserted after the program word."""
+    return [base[0], f"--nnodes={len(nodes)}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={nodes[0]}:{port}", f"--rdzv-id={rdzv_id}", *base[1:]]
+
+
+@dataclass
+class RankBeat:
+    node: str
+    step: int
+    first: float
+    last: float
+
+
+@dataclass(frozen=True)
+class Hang:
+    rank: int | None
+    node: str | None
+    step: int | None
+    silent_s: float
+
+    def describe(self) -> str:
+        if self.rank is None:
+            return f"hang: no rank reported progress for {self.silent_s:.0f} s"
+        return (f"hang: rank {self.rank} on {self.node} stopped first (silent {self.silent_s:.0f} s, "
+                f"last step {self.step})")
+
+
+def find_hang(beats: dict[int, RankBeat], started: float, now: float,
+              timeout: float) -> Hang | None:
+    """A hang when a rank that reported is silent for `timeout`, or no rank reported for
+    `timeout` since the step started. Names the rank whose last beat is oldest."""
+    if timeout <= 0:
+        return None
+    if not beats:
+        return Hang(None, None, None, now - started) if now - started >= timeout else None
+    rank, beat = min(beats.items(), key=lambda kv: (kv[1].last, kv[1].step, kv[0]))
+    if now - beat.last >= timeout:
+        return Hang(rank, beat.node, beat.step, now - beat.last)
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Wire: one JSON object per line over TCP
+
+
+class Conn:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+        self.node: str | None = None
+        self.last_seen = time.monotonic()
+        self.exit_rc: int | None = None
+        self.closed = False
+
+    def send(self, msg: dict[str, object]) -> None:
+        try:
+            self.sock.sendall(json.dumps(msg).encode() + b"\n")
+        except OSError:
+            pass
+
+    def read(self) -> list[dict[str, object]] | None:
+        """Messages now readable; None on EOF/error."""
+        try:
+            data = self.sock.recv(65536)
+        except BlockingIOError:
+            return []
+        except OSError:
+            return None
+        if not data:
+            return None
+        self.buf += data
+        self.last_seen = time.monotonic()
+        out: list[dict[str, object]] = []
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(msg, dict):
+                out.append(msg)
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+# --------------------------------------------------------------------------------------------
+# Supervisor
+
+
+@dataclass
+class Options:
+    nodes: int
+    spare_nodes: int = 0
+    min_nodes: int | None = None
+    hang_timeout: float = 0.0
+    node_timeout: float = 10.0
+    connect_timeout: float = 120.0
+    settle_s: float = 2.0
+    abort_grace_s: float = 5.0
+    rdzv_port: int = 29500
+    max_relaunches: int = 8
+    torchrun: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    kind: str  # ok | failed | lost | hang | signal | terminated
+    rc: int
+    cause: str
+    lost: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class StepState:
+    nodes: list[str]
+    started: float
+    conns: list[Conn] = field(default_factory=list)
+    beats: dict[int, RankBeat] = field(default_factory=dict)
+    lost: dict[str, str] = field(default_factory=dict)
+    first_failure: tuple[str, int] | None = None  # (node, rc) of the first non-zero exit
+    srun_rc: int | None = None
+    srun_exit_at: float | None = None
+
+    def by_node(self) -> dict[str, Conn]:
+        return {c.node: c for c in self.conns if c.node is not None}
+
+    def exits(self) -> dict[str, int]:
+        return {n: c.exit_rc for n, c in self.by_node().items() if c.exit_rc is not None}
+
+    def unaccounted(self) -> list[str]:
+        """Step nodes that neither reported an exit nor are lost."""
+        exits = self.exits()
+        return [n for n in self.nodes if n not in exits and n not in self.lost]
+
+
+def _say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _log(line: str) -> None:
+    sys.stderr.write(f"bv supervisor: {line}\n")
+    sys.stderr.flush()
+
+
+class Supervisor:
+    def __init__(self, opts: Options, env: dict[str, str] | None = None) -> None:
+        self.opts = opts
+        self.env = dict(os.environ if env is None else env)
+        self.job = self.env.get("SLURM_JOB_ID", "0")
+        nodelist = self.env.get("SLURM_JOB_NODELIST") or self.env.get("SLURM_NODELIST") or ""
+        self.alloc = expand(nodelist) if nodelist else [socket.gethostname()]
+        self.excluded: dict[str, str] = {}
+        self.signal_seen: int | None = None  # SIGUSR1 or SIGTERM, once received
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        self.host = socket.gethostname()
+        self.listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listen.bind(("0.0.0.0", 0))
+        self.listen.listen(256)
+        self.listen.setblocking(False)
+        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.udp.bind(("0.0.0.0", 0))
+        self.udp.setblocking(False)
+        self.conns: list[Conn] = []
+
+    # -- signals ---------------------------------------------------------------------------
+    def install_signals(self) -> None:
+        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)  # the wakeup fd carries the number
+
+    def _drain_signals(self) -> list[int]:
+        try:
+            return list(os.read(self.wake_r, 1024))
+        except BlockingIOError:
+            return []
+
+    # -- attempts --------------------------------------------------------------------------
+    def run(self) -> int:
+        self.install_signals()
+        history = history_of_stdout()
+        attempt = (history.attempts if history else int(self.env.get("SLURM_RESTART_COUNT") or 0))
+        cause = previous_cause(history) if history else (
+            "none" if attempt == 0 else "requeued by Slurm")
+        want = self.opts.nodes
+        min_nodes = self.opts.min_nodes if self.opts.min_nodes is not None else want
+        launch = 0
+        while True:
+            launch += 1
+            attempt += 1
+            nodes = choose_nodes(self.alloc, self.excluded, want, min_nodes)
+            if nodes is None:
+                return self.requeue(attempt - 1, f"{cause}; no healthy node left to relaunch on "
+                                    f"in this allocation (need {min_nodes}), requeued by bv")
+            _say(banner(attempt, self.job, nodes, cause))
+            result = self.run_step(attempt, launch, nodes)
+            if result.kind == "ok":
+                _say(end_line(attempt, "exit 0"))
+                return 0
+            if result.kind == "failed":
+                _say(end_line(attempt, result.cause))
+                return result.rc or 1
+            if result.kind == "terminated":
+                _say(end_line(attempt, result.cause))
+                return result.rc
+            if result.kind in ("signal", "hang"):
+                return self.requeue(attempt, result.cause)
+            # A lost node: relaunch in this allocation without it, if the job allows.
+            self.excluded.update(result.lost)
+            nxt = choose_nodes(self.alloc, self.excluded, want, min_nodes)
+            if nxt is None or launch > self.opts.max_relaunches:
+                why = ("no spare node (--spare-nodes) and no shrink (--min-nodes)"
+                       if nxt is None else f"{self.opts.max_relaunches} relaunches done")
+                return self.requeue(attempt, f"{result.cause}; {why}: requeued by bv")
+            spare = [n for n in nxt if n not in nodes]
+            how = (f"relaunching on {compress(nxt)} (spare {compress(spare)})" if spare
+                   else f"relaunching on {len(nxt)} of {want} nodes ({compress(nxt)})")
+            cause = f"{result.cause}; {how}"
+            _say(end_line(attempt, cause))
+
+    def requeue(self, attempt: int, cause: str) -> int:
+        if attempt:
+            _say(end_line(attempt, cause))
+        else:
+            _log(cause)
+        proc = subprocess.run(["scontrol", "requeue", self.job], capture_output=True,
+                              text=True, check=False, timeout=60)
+        if proc.returncode != 0:
+            _log(f"scontrol requeue {self.job} failed: {one_line(proc.stderr or proc.stdout)}")
+            return 1
+        # Slurm now ends this allocation (SIGTERM, then SIGKILL): wait for it rather than exit
+        # first (an early exit could end the job before the requeue takes effect).
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            for sig in self._drain_signals():
+                if sig in (signal.SIGTERM, signal.SIGINT):
+                    return 0
+            select.select([self.wake_r], [], [], 1.0)
+        return 0
+
+    # -- one step --------------------------------------------------------------------------
+    def srun_argv(self, nodes: Sequence[str], launch: int) -> list[str]:
+        port = self.opts.rdzv_port + launch - 1
+        rdzv_id = self.job if launch == 1 else f"{self.job}-{launch}"
+        agent = [sys.executable, "-m", "bluevela.launch.supervisor", "agent", "--"]
+        return [
+            "srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
+            f"--nodelist={','.join(nodes)}", "--export=ALL",
+            *(["--overlap"] if launch > 1 else []),
+            *agent, *torchrun_step_argv(self.opts.torchrun, nodes, port, rdzv_id),
+        ]
+
+    def run_step(self, attempt: int, launch: int, nodes: list[str]) -> StepResult:
+        env = dict(self.env)
+        env[SUPERVISOR_ENV] = f"{self.host}:{self.listen.getsockname()[1]}"
+        env[HEARTBEAT_ENV] = f"{self.host}:{self.udp.getsockname()[1]}"
+        env[ATTEMPT_ENV] = str(attempt)
+        st = StepState(nodes=list(nodes), started=time.monotonic())
+        self.conns = st.conns
+        srun = subprocess.Popen(self.srun_argv(nodes, launch), env=env, stdin=subprocess.DEVNULL)
+        try:
+            while True:
+                self._pump(st, srun)
+                now = time.monotonic()
+                srun_settled = (st.srun_exit_at is not None
+                                and now - st.srun_exit_at >= self.opts.settle_s)
+                if self.signal_seen is not None:
+                    # Checkpoint requested: wait for the step to end (Slurm's time limit and
+                    # KillWait bound this).
+                    if not st.unaccounted() or srun_settled:
+                        self._reap(srun, 2.0)
+                        return self._signal_result(st.exits(), st.srun_rc)
+                    continue
+                if st.lost or st.first_failure is not None:
+                    return self._end_step(st, srun, None)
+                if not st.unaccounted():
+                    self._reap(srun, 10.0)
+                    return StepResult("ok", 0, "exit 0")
+                if srun_settled:
+                    if st.srun_rc == 0 and not st.by_node():
+                        return StepResult("ok", 0, "exit 0")
+                    rc = st.srun_rc or 1
+                    return StepResult("failed", rc, f"srun exited {st.srun_rc} before every "
+                                      "node agent reported")
+                hang = find_hang(st.beats, st.started, now, self.opts.hang_timeout)
+                if hang is not None:
+                    return self._end_step(st, srun, hang)
+        finally:
+            for conn in st.conns:
+                conn.close()
+            if srun.poll() is None:
+                srun.kill()
+                srun.wait()
+
+    def _pump(self, st: StepState, srun: subprocess.Popen[bytes]) -> None:
+        """One round: signals, new agents, agent messages, beats, srun, node timeouts."""
+        socks: list[socket.socket | int] = [self.listen, self.udp, self.wake_r]
+        socks += [c.sock for c in st.conns if not c.closed]
+        readable, _, _ = select.select(socks, [], [], TICK_S)
+        now = time.monotonic()
+        for sig in self._drain_signals():
+            self._on_signal(sig)
+        if self.listen in readable:
+            self._accept()
+        if self.udp in readable:
+            self._read_beats(st.beats, now)
+        for conn in [c for c in st.conns if not c.closed and c.sock in readable]:
+            msgs = conn.read()
+            if msgs is None:
+                conn.close()
+                if conn.exit_rc is None and conn.node is not None:
+                    st.lost.setdefault(conn.node, "its agent's connection closed: the node or "
+                                       "its processes died")
+                continue
+            for msg in msgs:
+                self._on_msg(conn, msg)
+                if (msg.get("t") == "exit" and conn.exit_rc not in (None, 0)
+                        and st.first_failure is None and conn.node is not None):
+                    st.first_failure = (conn.node, conn.exit_rc or 1)
+        if st.srun_rc is None and (rc := srun.poll()) is not None:
+            st.srun_rc, st.srun_exit_at = rc, now
+        by_node = st.by_node()
+        for node in st.unaccounted():
+            agent = by_node.get(node)
+            if agent is None:
+                if now - st.started > self.opts.connect_timeout:
+                    st.lost[node] = f"its agent never connected in {self.opts.connect_timeout:.0f} s"
+            elif now - agent.last_seen > self.opts.node_timeout:
+                st.lost[node] = f"silent for {now - agent.last_seen:.0f} s (no agent ping)"
+
+    def _end_step(self, st: StepState, srun: subprocess.Popen[bytes],
+                  hang: Hang | None) -> StepResult:
+        """End the step now: agents kill their torchrun; then every node has either answered
+        (it is alive) or is lost (connection closed, or silent for --node-timeout); the hung
+        srun (it would wait for a dead node until SlurmdTimeout) is killed here."""
+        for conn in st.conns:
+            if not conn.closed and conn.exit_rc is None:
+                conn.send({"t": "abort"})
+        deadline = time.monotonic() + self.opts.node_timeout + self.opts.abort_grace_s
+        while st.unaccounted() and time.monotonic() < deadline:
+            self._pump(st, srun)
+        for node in st.unaccounted():
+            st.lost[node] = "did not answer the abort"
+        self._reap(srun, 0.5)
+        lost_text = "; ".join(f"{n} lost ({why})" for n, why in st.lost.items())
+        if hang is not None:
+            return StepResult("hang", 1, hang.describe() + (f"; {lost_text}" if lost_text else ""),
+                              dict(st.lost))
+        if st.lost:
+            return StepResult("lost", 1, lost_text, dict(st.lost))
+        node, rc = st.first_failure or ("?", 1)
+        return StepResult("failed", rc, f"exit {rc} (rank failure on {node}; every node "
+                          "answered, so no relaunch: torchrun --max-restarts retries in place)")
+
+    def _signal_result(self, exits: dict[str, int], srun_rc: int | None) -> StepResult:
+        codes = sorted(set(exits.values())) or [srun_rc if srun_rc is not None else -1]
+        name = signal.Signals(self.signal_seen or signal.SIGUSR1).name
+        if self.signal_seen == signal.SIGUSR1:
+            return StepResult("signal", 0, f"checkpoint signal {name} from Slurm, workers "
+                              f"exited {','.join(map(str, codes))}, requeued by bv")
+        return StepResult("terminated", 128 + int(self.signal_seen or 15),
+                          f"{name} from Slurm (scancel, operator requeue or preemption): "
+                          f"workers asked to checkpoint, exited {','.join(map(str, codes))}")
+
+    def _on_signal(self, sig: int) -> None:
+        if sig not in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            return
+        first = self.signal_seen is None
+        if first or sig != signal.SIGUSR1:
+            self.signal_seen = signal.SIGTERM if sig == signal.SIGINT else sig
+        if first:
+            _log(f"{signal.Signals(sig).name} received: asking every worker to checkpoint")
+            for conn in self.conns:
+                if not conn.closed:
+                    conn.send({"t": "usr1"})
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listen.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.setblocking(False)
+            self.conns.append(Conn(sock))
+
+    def _read_beats(self, beats: dict[int, RankBeat], now: float) -> None:
+        while True:
+            try:
+                data = self.udp.recv(2048)
+            except (BlockingIOError, InterruptedError):
+                return
+            beat = parse_beat(data)
+            if beat is None:
+                continue
+            old = beats.get(beat.rank)
+            beats[beat.rank] = RankBeat(beat.node, beat.step, old.first if old else now, now)
+
+    def _on_msg(self, conn: Conn, msg: dict[str, object]) -> None:
+        kind = msg.get("t")
+        if kind == "hello":
+            conn.node = str(msg.get("node"))
+            if self.signal_seen is not None:
+                conn.send({"t": "usr1"})
+        elif kind == "exit":
+            rc = msg.get("rc")
+            conn.exit_rc = rc if isinstance(rc, int) else 1
+
+    @staticmethod
+    def _reap(srun: subprocess.Popen[bytes], wait_s: float) -> None:
+        try:
+            srun.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            srun.kill()
+            srun.wait()
+
+
+# --------------------------------------------------------------------------------------------
+# Node agent (the srun task on each node)
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 1 and int(fields[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+def _has_local_rank(pid: int) -> bool:
+    try:
+        return b"\0LOCAL_RANK=" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+
+
+def descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        for child in _children(frontier.pop()):
+            found.append(child)
+            frontier.append(child)
+    return found
+
+
+def worker_pids(torchrun_pid: int) -> list[int]:
+    """torchrun's workers: descendants that have LOCAL_RANK in their environment while their
+    parent does not (the torchrun agent sets it for its workers only; a worker's own children,
+    e.g. data loaders, inherit it and are skipped)."""
+    found: list[int] = []
+    frontier = [torchrun_pid]
+    while frontier:
+        parent = frontier.pop()
+        for child in _children(parent):
+            if _has_local_rank(child) and not _has_local_rank(parent):
+                found.append(child)
+            else:
+                frontier.append(child)
+    return sorted(found)
+
+
+def agent_main(argv: Sequence[str]) -> int:
+    addr = os.environ.get(SUPERVISOR_ENV, "")
+    host, _, port = addr.rpartition(":")
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    sock: socket.socket | None = None
+    deadline = time.monotonic() + 30
+    while sock is None:
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=5)
+        except (OSError, ValueError) as exc:
+            if time.monotonic() > deadline:
+                _log(f"agent on {node}: cannot reach the supervisor at {addr!r}: {exc}")
+                return 1
+            time.sleep(0.2)
+    conn = Conn(sock)
+    conn.send({"t": "hello", "node": node, "pid": os.getpid()})
+    sock.setblocking(False)
+    signal.signal(signal.SIGUSR1, lambda *_: None)  # srun may forward one: handled below
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    os.set_blocking(wake_r, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    # SIGTERM: Slurm signals torchrun and the workers directly (proctrack); stay to report.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    proc = subprocess.Popen(list(argv), start_new_session=True)
+    signalled: set[int] = set()
+    want_usr1 = False
+    aborting_at: float | None = None
+    last_ping = 0.0
+    while True:
+        ready, _, _ = select.select([sock.fileno(), wake_r], [], [], TICK_S)
+        if wake_r in ready:
+            try:
+                if signal.SIGUSR1 in os.read(wake_r, 1024):
+                    want_usr1 = True
+            except BlockingIOError:
+                pass
+        if sock.fileno() in ready:
+            msgs = conn.read()
+            if msgs is None:  # the supervisor is gone: do not leave training running
+                for pid in descendants(proc.pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                _kill_group(proc, signal.SIGKILL)
+                proc.wait()
+                return 1
+            for msg in msgs:
+                if msg.get("t") == "usr1":
+                    want_usr1 = True
+                elif msg.get("t") == "abort" and aborting_at is None:
+                    aborting_at = time.monotonic()
+                    _kill_group(proc, signal.SIGTERM)
+        if want_usr1:
+            for pid in worker_pids(proc.pid):
+                if pid not in signalled:
+                    try:
+                        os.kill(pid, signal.SIGUSR1)
+                        signalled.add(pid)
+                    except ProcessLookupError:
+                        pass
+        if aborting_at is not None and time.monotonic() - aborting_at > 2.0:
+            # The workers may sit in sessions of their own: kill them by pid, then the group.
+            for pid in descendants(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            _kill_group(proc, signal.SIGKILL)
+        rc = proc.poll()
+        if rc is not None:
+            code = rc if rc >= 0 else 128 - rc
+            conn.send({"t": "exit", "rc": code, "node": node, "signalled": len(signalled)})
+            conn.close()
+            return code
+        if time.monotonic() - last_ping >= PING_S:
+            conn.send({"t": "ping"})
+            last_ping = time.monotonic()
+
+
+def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    except OSError as exc:
+        if exc.errno != errno.ESRCH:
+            raise
+
+
+# --------------------------------------------------------------------------------------------
+# Entry
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bluevela.launch.supervisor",
+                                     description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--nodes", type=int, required=True, help="training nodes per step")
+    parser.add_argument("--spare-nodes", type=int, default=0)
+    parser.add_argument("--min-nodes", type=int, default=None)
+    parser.add_argument("--hang-timeout", type=float, default=0.0)
+    parser.add_argument("--node-timeout", type=float, default=10.0)
+    parser.add_argument("--rdzv-port", type=int, default=29500)
+    parser.add_argument("torchrun", nargs=argparse.REMAINDER)
+    args = parser.parse_args(list(argv))
+    if args.torchrun and args.torchrun[0] == "--":
+        args.torchrun = args.torchrun[1:]
+    if not args.torchrun:
+        parser.error("no torchrun command after --")
+    if args.nodes < 1 or args.spare_nodes < 0:
+        parser.error("--nodes must be >= 1 and --spare-nodes >= 0")
+    if args.min_nodes is not None and not 1 <= args.min_nodes <= args.nodes:
+        parser.error("--min-nodes must be between 1 and --nodes")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["agent"]:
+        rest = args_list[1:]
+        return agent_main(rest[1:] if rest[:1] == ["--"] else rest)
+    args = parse_args(args_list)
+    opts = Options(nodes=args.nodes, spare_nodes=args.spare_nodes, min_nodes=args.min_nodes,
+                   hang_timeout=args.hang_timeout, node_timeout=args.node_timeout,
+                   rdzv_port=args.rdzv_port, torchrun=list(args.torchrun))
+    logging.basicConfig(level=logging.INFO, format="bv supervisor: %(message)s")
+    return Supervisor(opts).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
