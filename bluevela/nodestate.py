@@ -50,8 +50,10 @@ SLOT_START_IN_S = 3650 * 86400  # the slot reservation starts ten years after it
 SLOT_DURATION_MIN = 1
 SLOT_FLAGS = ("IGNORE_JOBS", "OVERLAP")
 # A slot younger than this whose node is not (yet) drained may be a drain in flight: nobody
-# frees it. The holder itself gives up when more than half of it passed before its drain.
+# frees it. The holder itself gives up (frees its slots, does not drain) when taking them took
+# longer than MAX_TAKE_S, well inside the grace.
 SLOT_GRACE_S = 120.0
+MAX_TAKE_S = 60.0
 MAX_CREATE_TRIES = 3  # create attempts per partition (random free slots) before giving up
 HOOK_JITTER_S = 2.0  # hooks wait up to this long before their first Slurm call
 NO_PARTITION = "_none"  # slots of nodes in no partition (counted over all nodes)
@@ -389,8 +391,8 @@ def drain_node(client: SlurmClient, site: Site, node: str, detail: str, *,
             else:
                 return give_back(f"{budget.why(site)}; the free slot(s) went to other nodes "
                                  "draining at the same moment")
-        if clock() - t0 > SLOT_GRACE_S / 2:
-            return give_back(f"taking the breaker slots took over {SLOT_GRACE_S / 2:.0f} s")
+        if clock() - t0 > MAX_TAKE_S:
+            return give_back(f"taking the breaker slots took over {MAX_TAKE_S:.0f} s")
         c.drain(node, reason)
     except SlurmError:
         for name in taken:
