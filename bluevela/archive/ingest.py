@@ -13,12 +13,19 @@ Order of work, and why it survives kill -9 at any point:
   7. compact (merge crowded levels).
 A kill before 5 leaves the spool as it was; between 5 and 6 the next ingest finds the reports
 archived and only moves them; during 7 the old segments stay live until the new manifest.
+
+Ownership (docs/archive.md): one user ingests, the owner of the spool and the archive, which
+nobody else may write. `check_ownership` says so in one line before anything is created, so a
+root ingest never leaves root-owned files (`.lock`, segments) that lock the owner out, and a
+spool others could write is never worked in by root.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import stat
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -28,14 +35,16 @@ from typing import TYPE_CHECKING, Any
 from bluevela.archive import schema as S
 from bluevela.archive.spool import (
     ReportError,
+    SpoolDir,
     load_report,
     mark_done,
     prune_done,
     quarantine,
     scan_spool,
 )
-from bluevela.archive.store import Archive, Writer, open_h5
+from bluevela.archive.store import LOCK, MANIFEST, SEGMENTS, Archive, Writer, open_h5
 from bluevela.errors import ArchiveError
+from bluevela.util.fs import owner_problem, user_name
 
 if TYPE_CHECKING:
     import numpy as np
@@ -112,25 +121,26 @@ def ingest(
             (ENOSPC...). Reports not yet durable in the archive are then still in the spool.
     """
     t0 = time.perf_counter()
+    check_ownership(archive_dir, spool)
     archive = Archive(archive_dir)
     archive.check()
     if job_id is not None and wait_s > 0:
         _wait_for_job(spool, job_id, wait_s)
     result = IngestResult()
-    with archive.writer(lock_wait_s) as w:
+    with archive.writer(lock_wait_s) as w, SpoolDir(spool) as sd:
         now = time.time() if now is None else now
-        scan = scan_spool(spool, job_id)
+        scan = scan_spool(sd, job_id)
         for name, reason in scan.refused:
-            quarantine(spool, name, reason)
+            quarantine(sd, name, reason)
             result.quarantined.append((name, reason))
         by_job: dict[int, list[tuple[Any, dict[str, Any]]]] = defaultdict(list)
         for entry in scan.entries:
             try:
-                report = load_report(spool, entry)
+                report = load_report(sd, entry)
             except FileNotFoundError:
                 continue
             except ReportError as exc:
-                quarantine(spool, entry.name, str(exc))
+                quarantine(sd, entry.name, str(exc))
                 result.quarantined.append((entry.name, str(exc)))
                 continue
             by_job[entry.job_id].append((entry, report))
@@ -138,7 +148,7 @@ def ingest(
                      spool)
         done_names = _archive(w, by_job, result, now=now, timeout_s=timeout_s,
                               prolog_only_timeout_s=prolog_only_timeout_s, spool=spool)
-        mark_done(spool, done_names, delete=delete)
+        mark_done(sd, done_names, delete=delete)
         logger.debug("moved %d spool file(s) out of %s", len(done_names), spool)
         if compact:
             try:
@@ -146,7 +156,7 @@ def ingest(
             except ArchiveError as exc:
                 logger.warning("compaction skipped (the ingest itself is durable): %s", exc)
         if done_retention_s > 0 and not delete and job_id is None:
-            prune_done(spool, done_retention_s)  # the timer's job: done/ may hold many files
+            prune_done(sd, done_retention_s)  # the timer's job: done/ may hold many files
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -214,6 +224,7 @@ def store_reports(archive_dir: Path, reports: list[dict[str, Any]], *,
     every job is written now, incomplete ones marked with their missing nodes.
     """
     t0 = time.perf_counter()
+    check_ownership(archive_dir, None)
     archive = Archive(archive_dir)
     archive.check()
     result = IngestResult()
@@ -229,6 +240,47 @@ def store_reports(archive_dir: Path, reports: list[dict[str, Any]], *,
             result.compactions = w.compact()
     result.seconds = time.perf_counter() - t0
     return result
+
+
+OWNERSHIP_HINT = ("one user ingests: the owner of the spool and the archive, which nobody else "
+                  "may write (docs/archive.md, Ownership); run ingest as that user, or chown "
+                  "both to the user that runs it")
+
+
+def check_ownership(archive_dir: Path, spool: Path | None) -> None:
+    """Refuse, in one line and before creating anything, to ingest as anyone but the owner of
+    the archive and the spool, or into directories others may write.
+
+    The archive's `.lock`, `MANIFEST.json` and `segments/` must be ours too: a root ingest in
+    an archive of SlurmUser's once left a root-owned 0600 `.lock`, and every EpilogSlurmctld
+    ingest failed after it. A missing directory is left to the checks that follow (they say
+    "does not exist").
+
+    Raises:
+        ArchiveError: with the directory, its owner and who runs the ingest.
+    """
+    me = os.geteuid()
+    dirs = [("archive", archive_dir)] + ([("spool", spool)] if spool is not None else [])
+    for what, path in dirs:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            continue  # a symlink or a file: Archive.check / SpoolDir refuse it
+        problem = owner_problem(st, me)
+        if problem:
+            raise ArchiveError(f"ingest as {user_name(me)}: the {what} {path} is {problem}; "
+                               f"{OWNERSHIP_HINT}")
+    for name in (LOCK, MANIFEST, SEGMENTS):
+        path = archive_dir / name
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid != me:
+            raise ArchiveError(f"ingest as {user_name(me)}: {path} is owned by "
+                               f"{user_name(st.st_uid)}; {OWNERSHIP_HINT}")
 
 
 def _wait_for_job(spool: Path, job_id: int, wait_s: float) -> None:

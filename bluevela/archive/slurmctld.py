@@ -1,8 +1,13 @@
 """`python -m bluevela.archive.slurmctld`: ingest one finished job (what EpilogSlurmctld runs).
 
-`prolog_epilog/epilog_slurmctld` (a POSIX sh shim) execs this with SLURM_JOB_ID in the
-environment. Settings come from `/etc/bluevela/hook.env` (the same root-owned, BV_*-only file
-the node hooks read: BV_SITE, BV_SPOOL_DIR, BV_ARCHIVE_DIR), then site.yaml.
+`prolog_epilog/epilog_slurmctld` (a POSIX sh shim) execs `python -I -m` this from `/` with
+SLURM_JOB_ID in the environment. Settings come from `/etc/bluevela/hook.env` (the same
+root-owned, BV_*-only file the node hooks read: BV_SITE, BV_SPOOL_DIR, BV_ARCHIVE_DIR), then
+the site file ($BV_SITE or /etc/bluevela/site.yaml, never the working directory's).
+
+It runs as SlurmUser, and ingest runs only as the owner of the spool and the archive
+(docs/archive.md, "Ownership"): with SlurmUser not that owner, every run fails with one line
+saying so (slurmctld logs it) and the timer ingest, run as the owner, archives the job.
 
 The node epilogs of the job may still be running when slurmctld starts this, so it first waits
 up to `BV_ARCHIVE_WAIT_S` (default 30 s) for every node's epilog report; a job still
@@ -58,10 +63,13 @@ def _dirs(env: MutableMapping[str, str]) -> tuple[Path, Path]:
         return Path(spool), Path(archive)
     from bluevela.site import load_site
 
-    site = load_site()
+    site = load_site(cwd=False)  # $BV_SITE (hook.env) or /etc/bluevela: never ./site.yaml
     return Path(spool) if spool else site.path("spool"), Path(archive) if archive else \
         site.path("archive")
 
 
 if __name__ == "__main__":
+    from bluevela.hooks.env import isolate
+
+    isolate("bluevela.archive.slurmctld")  # python -I, from /: see bluevela.hooks.env
     sys.exit(main())

@@ -20,6 +20,11 @@ non-regular files, names that are not `<job>.<node>.<phase>.json`); `load_report
 without following a symlink and validates it; `quarantine` moves a refused or malformed entry
 to `<spool>/quarantine/` next to a `.reason` file; `mark_done` moves ingested reports to
 `<spool>/done/` once the archive holding them is durable.
+
+Every read, move and unlink in the spool is relative to directory file descriptors opened
+with O_DIRECTORY|O_NOFOLLOW (`SpoolDir`, `util.fs.open_dir`): a `done/` or `quarantine/`
+swapped for a symlink between a check and a move never sends a file outside the spool, and
+`done/`/`quarantine/` must belong to the ingest user (docs/archive.md, "Ownership").
 """
 
 from __future__ import annotations
@@ -32,15 +37,18 @@ import os
 import re
 import stat
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from bluevela.errors import ArchiveError, UnsafeValueError
 from bluevela.util.fs import (
-    atomic_write,
+    atomic_write_at,
     ensure_dir,
-    fsync_dir,
+    open_dir,
+    owner_problem,
     safe_job_id,
     safe_node_name,
 )
@@ -86,8 +94,12 @@ def write_report(spool: Path, report: dict[str, Any]) -> Path:
     ensure_dir(spool, 0o755)
     body = {"schema": SCHEMA, "kind": "node_report", **report}
     data = json.dumps(body, sort_keys=True, default=str).encode()
+    fd = open_dir(spool)
+    try:
+        atomic_write_at(fd, name, data, 0o644)
+    finally:
+        os.close(fd)
     path = spool / name
-    atomic_write(path, data, 0o644)
     logger.debug("spooled %s (%d bytes)", path, len(data))
     return path
 
@@ -142,7 +154,69 @@ def check_spool_dir(spool: Path) -> None:
         raise ArchiveError(f"spool {spool} is not a directory")
 
 
-def scan_spool(spool: Path, job_id: int | None = None) -> SpoolScan:
+class SpoolDir:
+    """The spool, opened once (O_DIRECTORY|O_NOFOLLOW): what ingest reads, moves and unlinks
+    is named relative to this fd and to the fds of its `done/` and `quarantine/`.
+
+    Raises:
+        ArchiveError: the spool is missing, a symlink, not a directory or unreadable.
+    """
+
+    def __init__(self, path: Path) -> None:
+        check_spool_dir(path)
+        self.path = Path(path)
+        try:
+            self.fd = open_dir(path)
+        except (OSError, UnsafeValueError) as exc:
+            raise ArchiveError(f"cannot open spool directory {path}: "
+                               f"{getattr(exc, 'strerror', None) or exc}") from exc
+
+    def subdir(self, name: str, mode: int | None) -> int:
+        """Open (create with `mode` if missing and `mode` is given) `done/` or `quarantine/`:
+        never through a symlink, and only when it belongs to us and nobody else may write it.
+
+        Raises:
+            FileNotFoundError: missing, and `mode` is None.
+            ArchiveError: a symlink, not a directory, someone else's, or not creatable.
+        """
+        try:
+            fd = open_dir(name, self.fd, create=mode)
+        except FileNotFoundError:
+            if mode is None:
+                raise
+            raise ArchiveError(f"cannot create {self.path / name}") from None
+        except (OSError, UnsafeValueError) as exc:
+            raise ArchiveError(f"{self.path / name}: "
+                               f"{getattr(exc, 'strerror', None) or exc}") from exc
+        problem = owner_problem(os.fstat(fd))
+        if problem:
+            os.close(fd)
+            raise ArchiveError(f"{self.path / name} is {problem}; refusing to move reports "
+                               "into it (docs/archive.md, Ownership)")
+        return fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> SpoolDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextmanager
+def _opened(spool: Path | SpoolDir) -> Iterator[SpoolDir]:
+    if isinstance(spool, SpoolDir):
+        yield spool
+    else:
+        with SpoolDir(spool) as sd:
+            yield sd
+
+
+def scan_spool(spool: Path | SpoolDir, job_id: int | None = None) -> SpoolScan:
     """List the spool's report files; refuse symlinks, non-regular files and odd names.
 
     Writers' temporary files (`.<name>.<pid>.tmp`) are skipped; those older than an hour
@@ -155,12 +229,16 @@ def scan_spool(spool: Path, job_id: int | None = None) -> SpoolScan:
     Raises:
         ArchiveError: the spool is missing, not a directory, a symlink or unreadable.
     """
-    check_spool_dir(spool)
+    with _opened(spool) as sd:
+        return _scan(sd, job_id)
+
+
+def _scan(sd: SpoolDir, job_id: int | None) -> SpoolScan:
     scan = SpoolScan()
     prefix = f"{job_id}." if job_id is not None else ""
     now = time.time()
     try:
-        with os.scandir(spool) as it:
+        with os.scandir(sd.fd) as it:
             for de in it:
                 name = de.name
                 if name in (DONE_DIR, QUARANTINE_DIR) and de.is_dir(follow_symlinks=False):
@@ -169,7 +247,7 @@ def scan_spool(spool: Path, job_id: int | None = None) -> SpoolScan:
                     continue
                 if name.startswith("."):
                     if _TEMP_RE.match(name) and de.is_file(follow_symlinks=False):
-                        _remove_stale_temp(de, now)
+                        _remove_stale_temp(sd, de, now)
                     continue
                 if de.is_symlink():
                     scan.refused.append((name, "a symlink (never followed)"))
@@ -184,21 +262,21 @@ def scan_spool(spool: Path, job_id: int | None = None) -> SpoolScan:
                     continue
                 scan.entries.append(SpoolEntry(name, job, node, phase))
     except OSError as exc:
-        raise ArchiveError(f"cannot read spool directory {spool}: {exc.strerror}") from exc
+        raise ArchiveError(f"cannot read spool directory {sd.path}: {exc.strerror}") from exc
     scan.entries.sort(key=lambda e: (e.job_id, e.node, e.phase))
     return scan
 
 
-def _remove_stale_temp(de: os.DirEntry[str], now: float) -> None:
+def _remove_stale_temp(sd: SpoolDir, de: os.DirEntry[str], now: float) -> None:
     try:
         if now - de.stat(follow_symlinks=False).st_mtime > STALE_TEMP_S:
-            os.unlink(de.path)
-            logger.info("removed a dead writer's temporary file %s", de.path)
+            os.unlink(de.name, dir_fd=sd.fd)
+            logger.info("removed a dead writer's temporary file %s", sd.path / de.name)
     except OSError:
         pass
 
 
-def load_report(spool: Path, entry: SpoolEntry) -> dict[str, Any]:
+def load_report(spool: Path | SpoolDir, entry: SpoolEntry) -> dict[str, Any]:
     """Read and validate one spooled report (never through a symlink).
 
     Raises:
@@ -206,7 +284,10 @@ def load_report(spool: Path, entry: SpoolEntry) -> dict[str, Any]:
         FileNotFoundError: the file vanished since the scan.
     """
     try:
-        raw = _read(os.path.join(spool, entry.name), MAX_REPORT_BYTES + 1)
+        if isinstance(spool, SpoolDir):
+            raw = _read(entry.name, MAX_REPORT_BYTES + 1, spool.fd)
+        else:
+            raw = _read(os.path.join(spool, entry.name), MAX_REPORT_BYTES + 1)
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -222,10 +303,11 @@ def load_report(spool: Path, entry: SpoolEntry) -> dict[str, Any]:
     return validate_report(obj, entry)
 
 
-def _read(path: str, limit: int) -> bytes:
+def _read(path: str, limit: int, dir_fd: int | None = None) -> bytes:
     """A regular file's bytes, never through a symlink (`util.fs.read_no_follow` without
     pathlib: this runs once per report, 20,000 times for a large job)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                 dir_fd=dir_fd)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ReportError("not a regular file")
@@ -448,87 +530,108 @@ def _health(value: Any, nonnumeric: dict[str, Any]) -> dict[str, Any] | None:
     return out
 
 
-def _unique_target(directory: Path, name: str) -> Path:
-    target = directory / name
-    n = 1
-    while os.path.lexists(target):
-        target = directory / f"{name}.{n}"
+def _unique_name(dir_fd: int, name: str) -> str:
+    target, n = name, 1
+    while True:
+        try:
+            os.stat(target, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return target
+        target = f"{name}.{n}"
         n += 1
-    return target
 
 
-def quarantine(spool: Path, name: str, reason: str) -> Path | None:
+def quarantine(spool: Path | SpoolDir, name: str, reason: str) -> Path | None:
     """Move a spool entry to `<spool>/quarantine/` with a `<name>.reason` file beside it.
 
-    The entry is renamed, never opened or followed (a symlink moves as a link). Returns the new
-    path, or None when the entry vanished meanwhile.
+    The entry is renamed, never opened or followed (a symlink moves as a link), relative to the
+    fds of the spool and of `quarantine/`. Returns the new path, or None when the entry
+    vanished meanwhile.
 
     Raises:
-        ArchiveError: the quarantine directory cannot be made or written.
+        ArchiveError: the quarantine directory cannot be made, is not ours, or not writable.
     """
-    qdir = spool / QUARANTINE_DIR
-    try:
-        ensure_dir(qdir, 0o700)
-        target = _unique_target(qdir, name)
+    with _opened(spool) as sd:
+        qdir = sd.path / QUARANTINE_DIR
+        qfd = sd.subdir(QUARANTINE_DIR, 0o700)
         try:
-            os.rename(spool / name, target)
-        except FileNotFoundError:
-            return None
-        text = f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {reason}\n"
-        atomic_write(target.with_name(target.name + ".reason"), text.encode(), 0o600)
-        fsync_dir(spool)
-    except (OSError, UnsafeValueError) as exc:
-        raise ArchiveError(f"cannot quarantine {name!r} in {qdir}: {exc}") from exc
+            target = _unique_name(qfd, name)
+            try:
+                os.rename(name, target, src_dir_fd=sd.fd, dst_dir_fd=qfd)
+            except FileNotFoundError:
+                return None
+            text = f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {reason}\n"
+            atomic_write_at(qfd, target + ".reason", text.encode(), 0o600)
+            os.fsync(sd.fd)
+        except OSError as exc:
+            raise ArchiveError(f"cannot quarantine {name!r} in {qdir}: "
+                               f"{exc.strerror or exc}") from exc
+        finally:
+            os.close(qfd)
     logger.warning("quarantined spool entry %r: %s", name, reason)
-    return target
+    return qdir / target
 
 
-def mark_done(spool: Path, names: list[str], *, delete: bool = False) -> int:
+def mark_done(spool: Path | SpoolDir, names: list[str], *, delete: bool = False) -> int:
     """Move ingested reports to `<spool>/done/` (or delete them); return how many moved.
 
     Call only after the archive holding them is durable. A name that vanished is skipped.
+    Moves and unlinks are relative to the fds of the spool and of `done/`.
 
     Raises:
-        ArchiveError: the done directory cannot be made, or a move failed.
+        ArchiveError: the done directory cannot be made or is not ours, or a move failed.
     """
     if not names:
         return 0
-    done = spool / DONE_DIR
     moved = 0
-    try:
-        if not delete:
-            ensure_dir(done, 0o755)
-        src_dir, done_dir = str(spool), str(done)
-        for name in names:
-            try:
-                if delete:
-                    os.unlink(os.path.join(src_dir, name))
-                else:
-                    os.replace(os.path.join(src_dir, name), os.path.join(done_dir, name))
-                moved += 1
-            except FileNotFoundError:
-                continue
-        if not delete:
-            fsync_dir(done)
-        fsync_dir(spool)
-    except (OSError, UnsafeValueError) as exc:
-        raise ArchiveError(f"cannot move ingested reports out of {spool}: {exc}") from exc
+    with _opened(spool) as sd:
+        dfd = -1 if delete else sd.subdir(DONE_DIR, 0o755)
+        try:
+            for name in names:
+                try:
+                    if delete:
+                        os.unlink(name, dir_fd=sd.fd)
+                    else:
+                        os.replace(name, name, src_dir_fd=sd.fd, dst_dir_fd=dfd)
+                    moved += 1
+                except FileNotFoundError:
+                    continue
+            if not delete:
+                os.fsync(dfd)
+            os.fsync(sd.fd)
+        except OSError as exc:
+            raise ArchiveError(f"cannot move ingested reports out of {sd.path}: "
+                               f"{exc.strerror or exc}") from exc
+        finally:
+            if dfd >= 0:
+                os.close(dfd)
     return moved
 
 
-def prune_done(spool: Path, max_age_s: float) -> int:
+def prune_done(spool: Path | SpoolDir, max_age_s: float) -> int:
     """Delete reports in `<spool>/done/` older than `max_age_s`; return how many."""
-    done = spool / DONE_DIR
-    if max_age_s <= 0 or not done.is_dir() or done.is_symlink():
+    if max_age_s <= 0:
         return 0
     cutoff = time.time() - max_age_s
     removed = 0
-    with os.scandir(done) as it:
-        for de in it:
-            try:
-                if de.is_file(follow_symlinks=False) and de.stat(follow_symlinks=False).st_mtime < cutoff:
-                    os.unlink(de.path)
-                    removed += 1
-            except OSError:
-                continue
+    with _opened(spool) as sd:
+        try:
+            dfd = sd.subdir(DONE_DIR, None)
+        except FileNotFoundError:
+            return 0
+        except ArchiveError as exc:
+            logger.warning("done/ not pruned: %s", exc)
+            return 0
+        try:
+            with os.scandir(dfd) as it:
+                for de in it:
+                    try:
+                        if de.is_file(follow_symlinks=False) and \
+                                de.stat(follow_symlinks=False).st_mtime < cutoff:
+                            os.unlink(de.name, dir_fd=dfd)
+                            removed += 1
+                    except OSError:
+                        continue
+        finally:
+            os.close(dfd)
     return removed

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bluevela.errors import BluevelaError
-from bluevela.hooks.env import HookContext, load_hook_env
+from bluevela.hooks.env import HookContext, fixture_warning, load_hook_env
 
 if TYPE_CHECKING:
     from bluevela.health.result import HealthReport
@@ -90,12 +90,19 @@ def run_hook(phase: str) -> int:
     try:
         load_hook_env()
         _setup_logging(phase)
+        fixtures = fixture_warning()
+        if fixtures:
+            logger.warning("%s", fixtures)
         hctx = HookContext.from_env(phase)
+        from bluevela.hooks.lock import hook_lock
         from bluevela.site import load_site
 
-        site = load_site()
-        outcome = {"prolog": prolog, "epilog": epilog, "healthcheck": healthcheck}[phase](site, hctx)
-        return outcome.exit_code
+        site = load_site(cwd=False)  # $BV_SITE (hook.env) or /etc/bluevela: never ./site.yaml
+        with hook_lock(site.path("state"), phase, hctx.job_id) as run:
+            if not run:
+                return 0  # a healthcheck while another hook runs: skipped (hooks/lock.py)
+            hook = {"prolog": prolog, "epilog": epilog, "healthcheck": healthcheck}[phase]
+            return hook(site, hctx).exit_code
     except Exception as exc:  # noqa: BLE001 - fail open: see the module docstring
         logging.getLogger(__name__).debug("hook failure", exc_info=True)
         print(f"bluevela {phase}: hook error, nothing checked, exit 0: "

@@ -7,6 +7,7 @@ renamed into place, and the directory is fsynced too (what Slurm does for its ow
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -84,6 +85,94 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
         os.unlink(tmp)
         raise
     fsync_dir(directory)
+
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_dir(name: str | os.PathLike[str], dir_fd: int | None = None, *,
+             create: int | None = None) -> int:
+    """Open a directory without following a symlink at its last component; return the fd.
+
+    Every later move or unlink relative to the fd (`os.rename(..., src_dir_fd=, dst_dir_fd=)`,
+    `os.unlink(..., dir_fd=)`) stays in that directory even if its name is swapped for a
+    symlink meanwhile.
+
+    Args:
+        name: the directory (relative to `dir_fd` when given).
+        dir_fd: a directory fd `name` is relative to.
+        create: mkdir it first with this mode when missing.
+
+    Raises:
+        UnsafeValueError: it is a symlink or not a directory.
+        OSError: it cannot be created or opened (FileNotFoundError when missing).
+    """
+    if create is not None:
+        try:
+            os.mkdir(name, create, dir_fd=dir_fd)
+        except FileExistsError:
+            pass
+    try:
+        return os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafeValueError(f"{os.fspath(name)} is a symlink or not a directory; "
+                                   "refusing to follow it") from exc
+        raise
+
+
+def owner_problem(st: os.stat_result, uid: int | None = None) -> str | None:
+    """Why a directory with `st` is not private to `uid` (default: us), or None when it is:
+    it must be owned by `uid` and not writable by group or others."""
+    uid = os.geteuid() if uid is None else uid
+    if st.st_uid != uid:
+        return f"owned by {user_name(st.st_uid)}, not {user_name(uid)}"
+    if st.st_mode & 0o022:
+        return f"mode {stat.S_IMODE(st.st_mode):04o} is group/other-writable"
+    return None
+
+
+def user_name(uid: int) -> str:
+    """`name (uid N)`, or `uid N` when the uid has no passwd entry."""
+    import pwd
+
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def atomic_write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
+    """`atomic_write` relative to an open directory (see `open_dir`): temp file created with
+    O_EXCL|O_NOFOLLOW, fsync, rename, fsync of the directory, all through `dir_fd`.
+
+    Raises:
+        OSError: on any I/O failure; the target is then untouched and the temp file removed.
+    """
+    tmp = f".{name}.{os.getpid()}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        os.unlink(tmp, dir_fd=dir_fd)  # a stale temp of a dead writer with our pid
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, flags, mode, dir_fd=dir_fd)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    os.close(fd)
+    try:
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    os.fsync(dir_fd)
 
 
 def read_no_follow(path: Path, limit: int = 64 << 20) -> bytes:
