@@ -20,3 +20,44 @@ class FakeClock:
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
         self.now += seconds
+
+
+class _RecordedEvent:
+    def __init__(self, cuda: RecordingCuda) -> None:
+        self._cuda = cuda
+        self.at_ms = float("nan")
+
+    def record(self) -> None:
+        self._cuda.calls.append("record")
+        self.at_ms = self._cuda.clock_ms
+
+    def synchronize(self) -> None:
+        self._cuda.calls.append("event-sync")
+
+    def elapsed_time(self, end: _RecordedEvent) -> float:
+        return end.at_ms - self.at_ms
+
+
+class RecordingCuda:
+    """Stands in for `torch` in a CUDA timing loop where no GPU can be had: records the order
+    of event records, launches and synchronisations (`calls`); each `launch()` advances a
+    virtual device clock by the next of `kernel_ms` (cycled). It measures nothing: tests use it
+    to show that two timing loops make the same calls in the same order."""
+
+    def __init__(self, kernel_ms: tuple[float, ...] = (1.0,)) -> None:
+        self.calls: list[str] = []
+        self.clock_ms = 0.0
+        self._kernel_ms = kernel_ms
+        self._n = 0
+        self.cuda = self  # `torch.cuda.Event`, `torch.cuda.synchronize`
+
+    def Event(self, enable_timing: bool = False) -> _RecordedEvent:  # noqa: N802 (torch's name)
+        return _RecordedEvent(self)
+
+    def synchronize(self) -> None:
+        self.calls.append("sync")
+
+    def launch(self) -> None:
+        self.calls.append("launch")
+        self.clock_ms += self._kernel_ms[self._n % len(self._kernel_ms)]
+        self._n += 1

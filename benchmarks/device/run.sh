@@ -7,8 +7,10 @@
 #   nvml-<gpu>.json      bv health snapshot of the real GPU (the fixture of record)
 #   health-quick.json    bv health run --tier quick --json (live NVML)
 #   health-full.json     bv health run --tier full --json
-#   bench.json           bv bench run gemm hbm h2d d2h --json
-#   reference.json       bare torch references from the same run (benchmarks/device/reference.py)
+#   bench.json           bv bench run gemm hbm h2d d2h --json (the CLI end to end, once)
+#   interleave.json      bv's measurements and the bare-torch reference (reference.py, same
+#                        timing method) alternated A B A B ... on the same warm GPU in one
+#                        process; ratio bv/reference per figure: median, min-max, IQR over pairs
 #   timings.json         quick-tier wall times, process start included, vs python -c pass
 #   pytest-gpu.txt       the GPU-marked tests
 #   log.txt              nvidia-smi -q and the commands' stderr
@@ -58,7 +60,9 @@ PYEOF
 echo "== full";      bv health run --tier full --json >"$OUT/health-full.json" 2>>"$log"; echo "rc=$?"
 if [ "${1:-all}" != health ]; then
 echo "== bench";     bv bench run gemm hbm h2d d2h --json >"$OUT/bench.json" 2>>"$log"; echo "rc=$?"
-echo "== reference"; "$PY" benchmarks/device/reference.py >"$OUT/reference.json" 2>>"$log"; echo "rc=$?"
+echo "== interleaved bv / reference (${PAIRS:=7} pairs)"
+"$PY" benchmarks/device/interleave.py --pairs "$PAIRS" >"$OUT/interleave.json" 2>>"$log"; echo "rc=$?"
+grep -E '^(gemm|hbm|h2d|d2h)' "$log" | tail -n 8
 fi
 echo "== gpu tests"; "$PY" -m pytest -q -m gpu -p no:cacheprovider tests >"$OUT/pytest-gpu.txt" 2>&1; echo "rc=$?"
 tail -n 3 "$OUT/pytest-gpu.txt"
@@ -68,11 +72,11 @@ o = pathlib.Path(sys.argv[1])
 def load(n):
     try: return json.loads((o / n).read_text())
     except Exception as e: return {"error": str(e)}
-q, f, b, r = load("health-quick.json"), load("health-full.json"), load("bench.json"), load("reference.json")
+q, f, b, r = load("health-quick.json"), load("health-full.json"), load("bench.json"), load("interleave.json")
 for doc, label in ((q, "quick"), (f, "full")):
     for c in doc.get("checks", []):
         print(f"{label:5} {c['name']:5} {c['status']:8} {c['summary']}")
 print("bench:", json.dumps(b)[:1500])
-print("reference:", json.dumps(r))
+print("bv / reference:", json.dumps(r.get("summary", r)))
 PYEOF
 exit 0
