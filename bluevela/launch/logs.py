@@ -105,7 +105,7 @@ def open_log(path: Path, owner: str) -> int | None:
 
 
 def _read_from(fd: int, pos: int) -> tuple[bytes, int]:
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         data = os.pread(fd, 1 << 20, pos)
         if not data:
