@@ -116,8 +116,15 @@ class DevCluster:
         raise AssertionError(f"nodes not idle after {timeout}s: {out}")
 
     def resume_all(self) -> None:
+        """Resume every node and free the fleet breaker's slots (bluevela.nodestate): a slot
+        left by a test would hold the next test's drains."""
         for n in self.nodes:
             self.run(["scontrol", "update", f"NodeName={n}", "State=RESUME"], check=False)
+        out = self.run(["scontrol", "show", "reservation", "-o"], check=False).stdout
+        for line in out.splitlines():
+            name = line.split()[0].partition("=")[2] if line.startswith("ReservationName=") else ""
+            if name.startswith("bv-drain-"):
+                self.run(["scontrol", "delete", f"ReservationName={name}"], check=False)
 
 
 def _parse_env(text: str) -> dict[str, str]:

@@ -174,3 +174,18 @@ def test_healthy_cpu_nodes_pass_their_own_hooks(cluster: DevCluster) -> None:
     assert json.loads(epilog.read_text())["telemetry"]["job_wall_s"] > 0
     prom = cluster.node_dir(node) / "metrics" / "bluevela.prom"
     assert 'bluevela_check_status{check="node"} 0' in prom.read_text()
+
+
+def test_nightly_drain_is_not_resumed_by_the_healthcheck(cluster: DevCluster) -> None:
+    """The hourly healthcheck resumed a nightly drain (`bv: nightly <date>: ...`) once
+    gpu/ib/node/nccl passed, without re-measuring what the nightly found. Now it stays until
+    an operator resumes it (`bv health resume`), which also frees its breaker slot."""
+    point_at(cluster, "node2", "h100-healthy")
+    reason = "bv: nightly 2026-11-25: gemm 512 TFLOP/s < floor 700"
+    cluster.run(["scontrol", "update", "NodeName=node2", "State=DRAIN", f"Reason={reason}"])
+    hc = run_in_node(cluster, "node2", "healthcheck")
+    assert hc.returncode == 0 and "a nightly drain" in hc.stderr, hc.stderr
+    assert node_state(cluster, "node2") == ("drained", reason)
+    p = cluster.bv("health", "resume", "node2")
+    assert "node2: resumed" in p.stdout
+    assert node_state(cluster, "node2") == ("idle", "")

@@ -188,7 +188,12 @@ def resume_nodes(site: Site, client: SlurmClient, nodes: Sequence[str], *,
             out.append(ResumeOutcome(node, False, True, "not known to Slurm"))
             continue
         if not info.drained:
-            out.append(ResumeOutcome(node, False, False, f"not drained (state {info.state})"))
+            # An operator resumed it with scontrol: give back its fleet breaker slot, if any.
+            try:
+                note = resume_node(client, site, node).why_not or "not drained"
+            except SlurmError as exc:
+                note = f"not drained; could not check its breaker slots: {exc}"
+            out.append(ResumeOutcome(node, False, False, f"{note} (state {info.state})"))
             continue
         if not is_ours(site, info.reason):
             out.append(ResumeOutcome(
