@@ -62,6 +62,7 @@ END_RE = re.compile(r"^==== bv attempt (\d+) ended: (.*) ====$")
 SUPERVISOR_ENV = "BV_SUPERVISOR"
 ATTEMPT_ENV = "BV_ATTEMPT"
 PING_S = 1.0
+USR1_UNCAUGHT_S = 30.0  # then a worker without a SIGUSR1 handler gets it anyway (and dies)
 TICK_S = 0.2
 
 
@@ -163,36 +164,44 @@ def torchrun_step_argv(base: Sequence[str], nodes: Sequence[str], port: int,
 class RankBeat:
     node: str
     step: int
-    first: float
-    last: float
+    last_progress: float  # monotonic time of its last progress() call (receive time - age)
+    in_collective: bool = False
+    where: str = "?"
 
 
 @dataclass(frozen=True)
 class Hang:
     rank: int | None
-    node: str | None
-    step: int | None
+    beat: RankBeat | None
     silent_s: float
+    waiting: int = 0  # other ranks waiting inside a collective
 
     def describe(self) -> str:
-        if self.rank is None:
+        if self.rank is None or self.beat is None:
             return f"hang: no rank reported progress for {self.silent_s:.0f} s"
-        return (f"hang: rank {self.rank} on {self.node} stopped first (silent {self.silent_s:.0f} s, "
-                f"last step {self.step})")
+        b = self.beat
+        state = "in a collective" if b.in_collective else "not in a collective"
+        others = f"; {self.waiting} other rank(s) wait in a collective" if self.waiting else ""
+        return (f"hang: rank {self.rank} on {b.node} stopped first (no progress for "
+                f"{self.silent_s:.0f} s, last step {b.step}, at {b.where}, {state}){others}")
 
 
 def find_hang(beats: dict[int, RankBeat], started: float, now: float,
               timeout: float) -> Hang | None:
-    """A hang when a rank that reported is silent for `timeout`, or no rank reported for
-    `timeout` since the step started. Names the rank whose last beat is oldest."""
+    """A hang when a rank that reported is without progress for `timeout`, or no rank reported
+    for `timeout` since the step started. The rank named as stopped first: one NOT waiting in
+    a collective (its peers wait for it there), then the oldest progress, lowest step, rank."""
     if timeout <= 0:
         return None
     if not beats:
-        return Hang(None, None, None, now - started) if now - started >= timeout else None
-    rank, beat = min(beats.items(), key=lambda kv: (kv[1].last, kv[1].step, kv[0]))
-    if now - beat.last >= timeout:
-        return Hang(rank, beat.node, beat.step, now - beat.last)
-    return None
+        return Hang(None, None, now - started) if now - started >= timeout else None
+    oldest = min(b.last_progress for b in beats.values())
+    if now - oldest < timeout:
+        return None
+    rank, beat = min(beats.items(), key=lambda kv: (kv[1].in_collective, kv[1].last_progress,
+                                                     kv[1].step, kv[0]))
+    waiting = sum(1 for r, b in beats.items() if r != rank and b.in_collective)
+    return Hang(rank, beat, now - beat.last_progress, waiting)
 
 
 # --------------------------------------------------------------------------------------------
@@ -557,8 +566,8 @@ class Supervisor:
             beat = parse_beat(data)
             if beat is None:
                 continue
-            old = beats.get(beat.rank)
-            beats[beat.rank] = RankBeat(beat.node, beat.step, old.first if old else now, now)
+            beats[beat.rank] = RankBeat(beat.node, beat.step, now - beat.age_s,
+                                        beat.in_collective, beat.where)
 
     def _on_msg(self, conn: Conn, msg: dict[str, object]) -> None:
         kind = msg.get("t")
@@ -604,6 +613,17 @@ def _has_local_rank(pid: int) -> bool:
         return b"\0LOCAL_RANK=" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return False
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler installed for `sig` (SigCgt in /proc/PID/status)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def descendants(pid: int) -> list[int]:
@@ -660,6 +680,7 @@ def agent_main(argv: Sequence[str]) -> int:
     proc = subprocess.Popen(list(argv), start_new_session=True)
     signalled: set[int] = set()
     want_usr1 = False
+    usr1_at: float | None = None
     aborting_at: float | None = None
     last_ping = 0.0
     while True:
@@ -688,8 +709,13 @@ def agent_main(argv: Sequence[str]) -> int:
                     aborting_at = time.monotonic()
                     _kill_group(proc, signal.SIGTERM)
         if want_usr1:
+            if usr1_at is None:
+                usr1_at = time.monotonic()
+            # A worker still importing has no handler yet and SIGUSR1 would kill it: wait for
+            # its handler (bluevela.runtime), or USR1_UNCAUGHT_S for one that never installs it.
+            late = time.monotonic() - usr1_at > USR1_UNCAUGHT_S
             for pid in worker_pids(proc.pid):
-                if pid not in signalled:
+                if pid not in signalled and (late or catches(pid, signal.SIGUSR1)):
                     try:
                         os.kill(pid, signal.SIGUSR1)
                         signalled.add(pid)

@@ -1,17 +1,22 @@
 """Progress heartbeat for bv's hang watchdog (`bv submit --hang-timeout S`).
 
-A rank calls `progress(step)` once per training step. Each call may send ONE small UDP
-datagram to the job's supervisor (the address is in ``BV_HEARTBEAT``, set by bv inside the
-job); calls within `MIN_INTERVAL_S` of the last datagram send nothing. It never blocks, never
-raises and is a no-op outside a bv job.
+A rank calls `progress(step)` once per training step. That call only records the step and the
+time (no syscall); the first call also starts a daemon thread that sends ONE small UDP
+datagram per second to the job's supervisor (address in ``BV_HEARTBEAT``, set by bv inside
+the job). Each datagram says: this rank, its node, its last step, how long ago that was, and
+where its main thread is right now (innermost frame, and whether it waits inside
+``torch.distributed``). When a rank hangs, its peers soon wait in the next collective; the one
+that is NOT in a collective is the one that stopped first, which is what bv reports.
+It never blocks, never raises and is a no-op outside a bv job.
 
 Why UDP: nodes share no file system, a datagram costs one syscall and cannot stall a training
 loop (no connect, no back-pressure), and a lost datagram only delays one beat of many (the
 hang timeout is tens of seconds; beats go out every second). The wire format is one ASCII line:
 
-    bvhb1 <rank> <node> <step> <pid>
+    bvhb1 <rank> <node> <step> <pid> <age_ms> <in_collective 0|1> <where>
 
-(`step` is -1 when the caller gave none). The supervisor parses it with `parse_beat()`.
+(`step` is -1 when the caller gave none; `where` is `file:line:function`). The supervisor
+parses it with `parse_beat()`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -26,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 ENV_ADDR = "BV_HEARTBEAT"
 MAGIC = "bvhb1"
-MIN_INTERVAL_S = 1.0
+INTERVAL_S = 1.0
 MAX_DATAGRAM = 512
 
 
@@ -38,20 +45,29 @@ class Beat:
     node: str
     step: int
     pid: int
+    age_s: float = 0.0  # since the last progress() call
+    in_collective: bool = False
+    where: str = "?"
+
+
+def _word(text: str) -> str:
+    return "".join(c for c in text if c.isalnum() or c in "-_.:/<>") or "?"
 
 
 def format_beat(beat: Beat) -> bytes:
-    node = "".join(c for c in beat.node if c.isalnum() or c in "-_.") or "?"
-    return f"{MAGIC} {beat.rank} {node} {beat.step} {beat.pid}".encode("ascii")[:MAX_DATAGRAM]
+    line = (f"{MAGIC} {beat.rank} {_word(beat.node)} {beat.step} {beat.pid} "
+            f"{int(beat.age_s * 1000)} {int(beat.in_collective)} {_word(beat.where)[:200]}")
+    return line.encode("ascii", "replace")[:MAX_DATAGRAM]
 
 
 def parse_beat(data: bytes) -> Beat | None:
     """The beat in a datagram, or None for anything that is not one (never raises)."""
     try:
         words = data.decode("ascii").split()
-        if len(words) != 5 or words[0] != MAGIC:
+        if len(words) != 8 or words[0] != MAGIC:
             return None
-        return Beat(rank=int(words[1]), node=words[2], step=int(words[3]), pid=int(words[4]))
+        return Beat(rank=int(words[1]), node=words[2], step=int(words[3]), pid=int(words[4]),
+                    age_s=int(words[5]) / 1000.0, in_collective=words[6] == "1", where=words[7])
     except (UnicodeDecodeError, ValueError):
         return None
 
@@ -63,45 +79,81 @@ def parse_addr(value: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
+def main_thread_position() -> tuple[bool, str]:
+    """(waiting inside torch.distributed, innermost `file:line:function`) of the main thread."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return False, "?"
+    where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}:{frame.f_code.co_name}"
+    in_coll = False
+    while frame is not None:
+        name = frame.f_code.co_filename.replace(os.sep, "/")
+        if "/torch/distributed/" in name:
+            in_coll = True
+            break
+        frame = frame.f_back
+    return in_coll, where
+
+
 class _Sender:
     def __init__(self) -> None:
         self.sock: socket.socket | None = None
         self.target: tuple[str, int] | None = None
-        self.env_value: str | None = None
-        self.last_sent = float("-inf")
+        self.step = -1
+        self.last_progress = time.monotonic()
+        self.thread_pid: int | None = None  # the process whose thread runs (fork-safe)
+        self.lock = threading.Lock()
 
-    def send(self, step: int | None) -> None:
-        value = os.environ.get(ENV_ADDR)
-        if not value:
-            return
-        now = time.monotonic()
-        if now - self.last_sent < MIN_INTERVAL_S:
-            return
-        if value != self.env_value:
-            self.env_value, self.target = value, None
-            addr = parse_addr(value)
-            if addr is None:
-                logger.warning("ignoring %s=%r: not HOST:PORT", ENV_ADDR, value)
-                return
-            try:
-                info = socket.getaddrinfo(addr[0], addr[1], socket.AF_INET, socket.SOCK_DGRAM)
-                host, port = info[0][4][:2]
-                self.target = (str(host), int(port))
-                if self.sock is None:
-                    self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-                    self.sock.setblocking(False)
-            except OSError as exc:
-                logger.warning("heartbeat address %s unusable: %s", value, exc)
-                return
+    def progress(self, step: int | None) -> None:
+        self.step = -1 if step is None else int(step)
+        self.last_progress = time.monotonic()
+        if self.thread_pid != os.getpid():
+            with self.lock:
+                if self.thread_pid == os.getpid():
+                    return
+                value = os.environ.get(ENV_ADDR)
+                if not value or not self._connect(value):
+                    self.thread_pid = os.getpid()  # not in a bv job: never try again
+                    return
+                self.thread_pid = os.getpid()
+                self.send()
+                threading.Thread(target=self._loop, name="bv-heartbeat", daemon=True).start()
+
+    def _connect(self, value: str) -> bool:
+        addr = parse_addr(value)
+        if addr is None:
+            logger.warning("ignoring %s=%r: not HOST:PORT", ENV_ADDR, value)
+            return False
+        try:
+            info = socket.getaddrinfo(addr[0], addr[1], socket.AF_INET, socket.SOCK_DGRAM)
+            host, port = info[0][4][:2]
+            self.target = (str(host), int(port))
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self.sock.setblocking(False)
+        except OSError as exc:
+            logger.warning("heartbeat address %s unusable: %s", value, exc)
+            return False
+        return True
+
+    def send(self) -> None:
         if self.target is None or self.sock is None:
             return
-        beat = Beat(rank=_int_env("RANK", 0), node=socket.gethostname(),
-                    step=-1 if step is None else int(step), pid=os.getpid())
+        in_coll, where = main_thread_position()
+        beat = Beat(rank=_int_env("RANK", 0), node=socket.gethostname(), step=self.step,
+                    pid=os.getpid(), age_s=time.monotonic() - self.last_progress,
+                    in_collective=in_coll, where=where)
         try:
             self.sock.sendto(format_beat(beat), self.target)
         except OSError:  # a full buffer or an unreachable supervisor: skip this beat
-            return
-        self.last_sent = now
+            pass
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(INTERVAL_S)
+            try:
+                self.send()
+            except Exception:  # noqa: BLE001 - a heartbeat must never break training
+                logger.debug("heartbeat failed", exc_info=True)
 
 
 def _int_env(name: str, default: int) -> int:
@@ -117,6 +169,6 @@ _SENDER = _Sender()
 def progress(step: int | None = None) -> None:
     """Tell bv's hang watchdog this rank made progress (reached `step`). Cheap; never raises."""
     try:
-        _SENDER.send(step)
+        _SENDER.progress(step)
     except Exception:  # noqa: BLE001 - a heartbeat must never break training
         logger.debug("heartbeat failed", exc_info=True)

@@ -19,10 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 from bluevela import runtime
+
+runtime.install_signal_handler()  # before the slow imports: a checkpoint signal may come early
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 
 def say(line: str) -> None:
@@ -31,7 +33,6 @@ def say(line: str) -> None:
 
 
 def main() -> int:
-    runtime.install_signal_handler()
     p = argparse.ArgumentParser()
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--steps", type=int, default=30)
