@@ -4,6 +4,16 @@ Run under torchrun (`bv submit -N 2 --procs-per-node 2 examples/train_ddp.py`). 
 NCCL on GPUs. Every rank prints, at the end, exactly one line:
     rank=<R> world_size=<W> host=<hostname> loss=<final loss>
 and rank 0 first prints `initial_loss=<L0> final_loss=<L>` so a caller can check the loss fell.
+
+With `--ckpt-dir DIR` it follows bv's resilience contract (docs/resilience.md): at start every
+rank loads DIR/ckpt.pt when there is one and prints
+    rank=<R> attempt=<A> resumed_from_step=<S>
+(S = 0 on a fresh start); rank 0 saves a checkpoint every `--ckpt-every` steps and as soon as
+bv asks for one (SIGUSR1 before the time limit, SIGTERM on requeue/preemption), atomically
+(temp file, fsync, rename); then, on a request, every rank stops and exits 0 and bv requeues the
+job. Rank 0 prints `step=<n> attempt=<A>` after each step and
+    checkpoint step=<S> reason=<every|SIGUSR1|SIGTERM>
+after each save.
 """
 
 from __future__ import annotations
@@ -13,11 +23,15 @@ import gc
 import os
 import socket
 import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from bluevela import runtime
 
 
 def _say(line: str) -> None:
@@ -30,7 +44,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--fail", action="store_true", help="exit 3 after training (for tests)")
+    parser.add_argument("--ckpt-dir", type=Path, default=None,
+                        help="checkpoint here and resume from here (shared by all nodes)")
+    parser.add_argument("--ckpt-every", type=int, default=5, help="steps between checkpoints")
+    parser.add_argument("--step-s", type=float, default=0.0,
+                        help="extra seconds per step (stands in for real work in tests)")
     opts = parser.parse_args()
+    # First thing: an early SIGUSR1 must set the flag, not kill the process (its default).
+    runtime.install_signal_handler()
 
     use_cuda = torch.cuda.is_available()
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
@@ -58,10 +79,42 @@ def main() -> int:
             return loss.item() / world
 
     initial = global_loss(ddp)
-    for _ in range(opts.steps):
+    start = 0
+    if opts.ckpt_dir is not None:
+        start = _load(opts.ckpt_dir, model, opt)
+        _say(f"rank={rank} attempt={runtime.attempt()} resumed_from_step={start}")
+    stopped = False
+    for step in range(start, opts.steps):
         opt.zero_grad(set_to_none=True)
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
+        if opts.step_s:
+            time.sleep(opts.step_s)
+        done = step + 1
+        if rank == 0:
+            _say(f"step={done} attempt={runtime.attempt()}")
+        runtime.progress(done)
+        if opts.ckpt_dir is None:
+            continue
+        # Agree on a request: the signal reaches the ranks at slightly different moments, and
+        # all must stop after the same step.
+        flag = torch.tensor([1.0 if runtime.checkpoint_requested() else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        requested = bool(flag.item())
+        if rank == 0 and (requested or done % opts.ckpt_every == 0 or done == opts.steps):
+            _save(opts.ckpt_dir, model, opt, done)
+            reason = (runtime.requested_by() or "SIGUSR1") if requested else "every"
+            _say(f"checkpoint step={done} reason={reason}")
+        if requested:
+            stopped = True
+            break
+    if stopped:
+        dist.barrier()
+        _say(f"rank={rank} stopping for requeue at step={done}")
+        del ddp, opt
+        gc.collect()
+        dist.destroy_process_group()
+        return 0
     final = global_loss(ddp)
     # One write per line: ranks of a node share srun's stdout, and print() may write the text
     # and its newline separately, gluing two ranks' lines together.
@@ -76,6 +129,34 @@ def main() -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 3 if opts.fail else 0
+
+
+def _load(ckpt_dir: Path, model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Load DIR/ckpt.pt when present; return the step to resume from (0: fresh)."""
+    path = ckpt_dir / "ckpt.pt"
+    if not path.exists():
+        return 0
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    return int(state["step"])
+
+
+def _save(ckpt_dir: Path, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    """Atomic: a reader (the next attempt) sees the old checkpoint or the new one, never half.
+    Temp file in the same directory, fsync, rename over, fsync the directory."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_dir / f".ckpt.pt.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ckpt_dir / "ckpt.pt")
+    fd = os.open(ckpt_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,28 @@ from bluevela.cli.output import emit_json
               help="torchrun --max-restarts (default: site.yaml).")
 @click.option("--requeue/--no-requeue", default=None,
               help="Let Slurm requeue the job (prolog failure, node failure). Default: site.yaml.")
+@click.option("--signal-before", type=click.IntRange(min=0, max=65535), default=None,
+              metavar="SECONDS",
+              help="SIGUSR1 to every training process this long before the time limit (and on "
+                   "preemption/requeue); checkpoint, then bv requeues. 0: none. "
+                   "Default: site.yaml launch.signal_before_s.")
+@click.option("--spare-nodes", type=click.IntRange(min=0), default=None,
+              help="Hot spare nodes added to the allocation; a lost node is replaced without a "
+                   "requeue (they cost nodes). Default: site.yaml.")
+@click.option("--min-nodes", type=click.IntRange(min=1), default=None,
+              help="Data parallel only: keep training on at least this many nodes after a loss.")
+@click.option("--hang-timeout", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="End and requeue when no rank reports progress (bluevela.runtime.progress) "
+                   "this long. 0: off. Default: site.yaml.")
+@click.option("-c", "--cpus-per-task", type=click.IntRange(min=1), default=None,
+              help="CPUs for each node's task (torchrun and all its ranks).")
+@click.option("--mem", default=None, help="Memory per node, e.g. 200G (0: all).")
+@click.option("--exclusive", is_flag=True, help="Whole nodes only.")
+@click.option("-C", "--constraint", default=None, help="Node features, e.g. 'h100&ib'.")
+@click.option("-x", "--exclude", default=None, help="Nodes to leave out, e.g. gpu[001-004].")
+@click.option("-d", "--dependency", default=None, help="e.g. afterok:1234, singleton.")
+@click.option("--sbatch-arg", "sbatch_args", multiple=True, metavar="--NAME[=VALUE]",
+              help="Any other sbatch option (repeatable), checked against sbatch's own list.")
 @click.option("--site", "site_path", default=None, metavar="PATH", help="site.yaml to use.")
 @click.option("--hold", is_flag=True, help="Submit held (release with scontrol release).")
 @click.option("--dry-run", is_flag=True, help="Print the batch script; do not touch Slurm.")
@@ -45,7 +67,11 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
             partition: str | None, time_limit: str | None, job_name: str | None,
             comment: str | None, account: str | None, qos: str | None, env: tuple[str, ...],
             max_restarts: int | None, requeue: bool | None, site_path: str | None,
-            hold: bool, dry_run: bool, wait: bool, retry_s: float | None, as_json: bool) -> None:
+            hold: bool, dry_run: bool, wait: bool, retry_s: float | None, as_json: bool,
+            signal_before: int | None, spare_nodes: int | None, min_nodes: int | None,
+            hang_timeout: float | None, cpus_per_task: int | None, mem: str | None,
+            exclusive: bool, constraint: str | None, exclude: str | None,
+            dependency: str | None, sbatch_args: tuple[str, ...]) -> None:
     """Submit SCRIPT [ARGS]... as a torchrun job: one srun task per node, c10d rendezvous on
     the first node of the allocation."""
     from bluevela.launch.submit import build_request, exit_status_for, follow, submit
@@ -53,12 +79,19 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
     if site_path:
         obj.site_path = site_path
     site = obj.site_or_none()
+    notes: list[str] = []
     request = build_request(
         site, script, args, nodes=nodes, gpus_per_node=gpus_per_node,
         procs_per_node=procs_per_node, partition=partition, time_limit=time_limit,
         job_name=job_name, comment=comment, account=account, qos=qos, env=env,
         max_restarts=max_restarts, requeue=requeue, node_class=node_class, hold=hold,
+        signal_before=signal_before, spare_nodes=spare_nodes, min_nodes=min_nodes,
+        hang_timeout=hang_timeout, cpus_per_task=cpus_per_task, mem=mem, exclusive=exclusive,
+        constraint=constraint, exclude=exclude, dependency=dependency, sbatch_args=sbatch_args,
+        notes=notes,
     )
+    for note in notes:
+        click.echo(f"bv: note: {note}", err=True)
     if dry_run:
         if as_json:
             emit_json({"dry_run": True, "script": request.materialize()})
@@ -77,14 +110,29 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
             click.echo(f"Submitted job {job_id}. Follow it: bv status {job_id} | bv logs {job_id} --follow")
         return
     from bluevela.cli.follow import Follower
+    from bluevela.slurm.client import JobInfo
+    from bluevela.util.term import printable
 
     if not as_json:
         click.echo(f"Submitted job {job_id}.", err=True)
+    def on_attempt(n: int, info: JobInfo) -> None:
+        if not as_json:
+            where = f" on {','.join(info.nodes)}" if info.nodes else ""
+            click.echo(f"job {job_id}: attempt {n}{where}", err=True)
+
     with Follower(job_id, live=sys.stderr.isatty() and not as_json) as follower:
-        info = follow(client, job_id, on_update=follower.update)
+        info = follow(client, job_id, on_update=follower.update, on_attempt=on_attempt)
     code = exit_status_for(info)
+    from bluevela.launch.logs import with_causes
+
+    info = with_causes(info)
     if as_json:
         emit_json({"job_id": job_id, **info.to_dict(), "wait_exit_status": code})
     else:
-        click.echo(f"Job {job_id} {info.state_name} (exit {info.exit_code}) on {','.join(info.nodes)}")
+        for rec in info.attempts[:-1]:
+            click.echo(printable(f"job {job_id}: attempt {rec.attempt} ended {rec.state_name}"
+                                 + (f": {rec.cause}" if rec.cause else "")), err=True)
+        click.echo(printable(f"Job {job_id} {info.state_name} (exit {info.exit_code}) on "
+                             f"{','.join(info.nodes)}"
+                             + (f" after {info.restarts} restart(s)" if info.restarts else "")))
     sys.exit(code)

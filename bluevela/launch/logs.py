@@ -149,3 +149,50 @@ def stream_log(
         if fd is not None:
             os.close(fd)
 
+
+def read_log(info: JobInfo) -> str:
+    """The whole output file of a job (opened as `open_log` does); SlurmError if missing."""
+    path = _path_of(info)
+    fd = open_log(path, info.user)
+    if fd is None:
+        raise SlurmError(f"{printable(path)}: no such file (job not started yet?)")
+    try:
+        data, _ = _read_from(fd, 0)
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", errors="replace")
+
+
+def attempt_log(client: SlurmClient, job_id: int, attempt: int) -> str:
+    """Attempt `attempt`'s slice of the job's appended output (split on bv's banners)."""
+    from bluevela.launch.attempts import split_attempts
+
+    parts = split_attempts(read_log(client.job(job_id)))
+    if not 1 <= attempt <= len(parts):
+        raise SlurmError(f"job {job_id} has {len(parts)} attempt(s) in its output; "
+                         f"no attempt {attempt}")
+    return parts[attempt - 1].text
+
+
+def with_causes(info: JobInfo) -> JobInfo:
+    """`info` with each attempt's cause from bv's banners/end lines, where the output file is
+    readable (else unchanged: Slurm's own record still names the state)."""
+    if not info.attempts:
+        return info
+    from dataclasses import replace
+
+    from bluevela.launch.attempts import attempt_causes, split_attempts
+
+    try:
+        text = read_log(info)
+    except (SlurmError, OSError) as exc:
+        logger.debug("no causes from the output of job %s: %s", info.job_id, exc)
+        return info
+    # Banners also count relaunches inside one allocation (spares): they name Slurm's attempts
+    # only when the counts agree; otherwise Slurm's recorded state stands alone.
+    if len(split_attempts(text)) != len(info.attempts):
+        return info
+    causes = attempt_causes(text)
+    attempts = tuple(replace(rec, cause=causes.get(rec.attempt, rec.cause))
+                     for rec in info.attempts)
+    return replace(info, attempts=attempts)

@@ -17,6 +17,21 @@ from bluevela.errors import LaunchError
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TIME = re.compile(r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2}|UNLIMITED|INFINITE)$")
 _WORD = re.compile(r"^[A-Za-z0-9_.+-]+$")
+_MEM = re.compile(r"^\d+[KMGT]?$")
+# Feature expressions (`a&b`, `[a|b]`, `a*2`) and host lists (`n[1-4],m7`): sbatch's own syntax
+# characters only, so nothing else can hide in them.
+_CONSTRAINT = re.compile(r"^[A-Za-z0-9_.&|\[\]()*!:,-]+$")
+_HOSTLIST = re.compile(r"^[A-Za-z0-9_.,\[\]-]+$")
+_DEP_TYPE = re.compile(
+    r"^(after|afterany|afterok|afternotok|aftercorr|afterburstbuffer)(:\d+(_\d+)?(\+\d+)?)+$"
+    r"|^(singleton|expand:\d+)$"
+)
+_OPT_NAME = re.compile(r"^[a-z][a-z0-9-]*$")
+# Slurm may deliver a time-limit signal up to this much earlier than asked (its time-limit
+# check runs periodically): the margin is checked with this slack on top.
+SIGNAL_EARLY_S = 60
+# The least work time an attempt must keep after the worst-case early signal.
+MIN_WORK_S = 0
 # What sbatch itself accepts for the free-text values we pass.
 SBATCH_OPTIONS = (
     "account", "comment", "gpus-per-node", "job-name", "nodes", "ntasks-per-node", "output",
@@ -83,6 +98,19 @@ class SubmitRequest:
     chdir: str | None = None
     hold: bool = False
     extra_sbatch: tuple[tuple[str, str], ...] = field(default=())
+    signal_before: int = 0  # seconds before the time limit for SIGUSR1; 0: no signal
+    spare_nodes: int = 0  # hot spares inside the allocation (the supervisor's)
+    min_nodes: int | None = None  # elastic shrink floor (data parallel); None: fixed size
+    hang_timeout: float = 0.0  # seconds without progress from any rank; 0: no watchdog
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    exclusive: bool = False
+    constraint: str | None = None
+    exclude: str | None = None
+    dependency: str | None = None
+    no_kill: bool = False
+    # `--sbatch-arg=--NAME[=VALUE]` pass-through, validated against sbatch's option list.
+    sbatch_args: tuple[tuple[str, str | None], ...] = field(default=())
 
     def __post_init__(self) -> None:
         self.validate()
@@ -131,15 +159,83 @@ class SubmitRequest:
                     f"unknown sbatch option {key!r}; valid: {', '.join(sorted(SBATCH_OPTIONS))}"
                 )
             _plain(key, value)
+        self._validate_resilience()
+        self._validate_resources()
+        for key, value in self.sbatch_args:
+            check_sbatch_arg(key, value)
+
+    def _validate_resilience(self) -> None:
+        if self.spare_nodes < 0:
+            raise LaunchError("--spare-nodes must be >= 0")
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nodes:
+            raise LaunchError(f"--min-nodes must be between 1 and --nodes ({self.nodes})")
+        if self.hang_timeout < 0:
+            raise LaunchError("--hang-timeout must be >= 0 (0: off)")
+        if self.signal_before < 0:
+            raise LaunchError("--signal-before must be >= 0 (0: no checkpoint signal)")
+        if self.signal_before > 65535:
+            raise LaunchError("--signal-before must be at most 65535 s (Slurm's limit)")
+        limit = self.time_limit_s
+        if self.signal_before and limit is not None:
+            problem = signal_margin_problem(self.signal_before, limit)
+            if problem:
+                raise LaunchError(problem)
+
+    def _validate_resources(self) -> None:
+        if self.cpus_per_task is not None and self.cpus_per_task < 1:
+            raise LaunchError("--cpus-per-task must be at least 1")
+        if self.mem is not None and not _MEM.match(self.mem):
+            raise LaunchError(f"--mem {self.mem!r} is not a size (e.g. 200G, 512000M, 0 for all)")
+        if self.constraint is not None and not _CONSTRAINT.match(self.constraint):
+            raise LaunchError(f"--constraint {self.constraint!r} is not a feature expression "
+                              "(names joined by & | , with [] () * !)")
+        if self.exclude is not None and not _HOSTLIST.match(self.exclude):
+            raise LaunchError(f"--exclude {self.exclude!r} is not a host list (e.g. gpu[001-004],gpu9)")
+        if self.dependency is not None:
+            parts = re.split(r"[,?]", self.dependency)
+            if not self.dependency or not all(_DEP_TYPE.match(p) for p in parts) or (
+                    "," in self.dependency and "?" in self.dependency):
+                raise LaunchError(f"--dependency {self.dependency!r} is not a Slurm dependency "
+                                  "(e.g. afterok:123, afterany:12:13, singleton)")
+
+    @property
+    def needs_no_kill(self) -> bool:
+        """Spares or elastic shrink: the supervisor relaunches inside the allocation, so Slurm
+        must not end the job when it declares a lost node DOWN."""
+        shrink = self.min_nodes is not None and self.min_nodes < self.nodes
+        return self.no_kill or self.spare_nodes > 0 or shrink
+
+    @property
+    def time_limit_s(self) -> int | None:
+        """The time limit in seconds (None: none given or unlimited)."""
+        return time_limit_seconds(self.time) if self.time is not None else None
 
     def sbatch_options(self) -> dict[str, str | None]:
         """The `#SBATCH` options (None: a flag without value)."""
         opts: dict[str, str | None] = {
-            "nodes": str(self.nodes),
+            "nodes": str(self.nodes + self.spare_nodes),
             "ntasks-per-node": "1",
             "output": self.output,
+            # A requeued job appends: every attempt's output (and its banner) is kept.
+            "open-mode": "append",
             "requeue" if self.requeue else "no-requeue": None,
         }
+        if self.signal_before:
+            # B: the batch shell only, which is bv's supervisor (exec'd); it forwards the
+            # signal to the torchrun workers (the agent dies on signals it does not handle).
+            opts["signal"] = f"B:USR1@{self.signal_before}"
+        if self.needs_no_kill:
+            opts["no-kill"] = None
+        if self.cpus_per_task is not None:
+            opts["cpus-per-task"] = str(self.cpus_per_task)
+        if self.exclusive:
+            opts["exclusive"] = None
+        for key, value in (("mem", self.mem), ("constraint", self.constraint),
+                           ("exclude", self.exclude), ("dependency", self.dependency)):
+            if value is not None:
+                opts[key] = value
+        for key, value in self.sbatch_args:
+            opts[key] = value
         if self.gpus_per_node:
             opts["gpus-per-node"] = str(self.gpus_per_node)
         if self.hold:
@@ -154,18 +250,29 @@ class SubmitRequest:
         return opts
 
     def torchrun_argv(self) -> list[str]:
-        """torchrun's argv; `$head` and Slurm variables are expanded by the batch shell."""
+        """torchrun's argv as the supervisor receives it; it adds --nnodes and the c10d
+        rendezvous flags per step (first node of the step, which may be a spare)."""
         return [
             *self.torchrun,
-            "--nnodes=$SLURM_JOB_NUM_NODES",
             f"--nproc-per-node={self.nproc_per_node}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=$head:{self.rdzv_port}",
-            "--rdzv-id=$SLURM_JOB_ID",
             f"--max-restarts={self.max_restarts}",
             self.script,
             *self.args,
         ]
+
+    def supervisor_argv(self) -> list[str]:
+        """The in-job supervisor (bluevela/launch/supervisor.py) the batch shell execs: it runs
+        the srun+torchrun step, forwards the checkpoint signal to the workers, relaunches on
+        spare/remaining nodes after a node loss, and requeues (docs/resilience.md)."""
+        argv = ["python3", "-m", "bluevela.launch.supervisor", f"--nodes={self.nodes}"]
+        if self.spare_nodes:
+            argv.append(f"--spare-nodes={self.spare_nodes}")
+        if self.min_nodes is not None and self.min_nodes < self.nodes:
+            argv.append(f"--min-nodes={self.min_nodes}")
+        if self.hang_timeout:
+            argv.append(f"--hang-timeout={self.hang_timeout:g}")
+        argv.append(f"--rdzv-port={self.rdzv_port}")
+        return [*argv, "--", *self.torchrun_argv()]
 
     def materialize(self) -> str:
         """The exact batch script. Deterministic: same request, same bytes."""
@@ -176,19 +283,71 @@ class SubmitRequest:
             "set -euo pipefail",
             *export_lines(self.env),
         ]
-        lines += [
-            'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-            'echo "bv: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $head:'
-            f'{self.rdzv_port}" >&2',
-        ]
-        srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--export=ALL"]
-        words = [shlex.quote(w) for w in srun]
-        for word in self.torchrun_argv():
-            # Only our own fixed templates carry shell expansions; user words are quoted.
-            if word.startswith(("--nnodes=$", "--rdzv-endpoint=$", "--rdzv-id=$")):
-                key, _, rest = word.partition("=")
-                words.append(f'{key}="{rest}"')
-            else:
-                words.append(shlex.quote(word))
-        lines.append("exec " + " ".join(words))
+        # The supervisor is the job's main process (it receives --signal=B:USR1): exec.
+        lines.append("exec " + " ".join(shlex.quote(w) for w in self.supervisor_argv()))
         return "\n".join(lines) + "\n"
+
+
+def time_limit_seconds(value: str) -> int | None:
+    """A Slurm time (`MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`, `D-HH:MM:SS`) in seconds;
+    None for UNLIMITED/INFINITE. Raises LaunchError on anything else."""
+    if not _TIME.match(value):
+        raise LaunchError(f"--time {value!r} is not a Slurm time (MM, HH:MM:SS, D-HH, ...)")
+    if value in ("UNLIMITED", "INFINITE"):
+        return None
+    days = 0
+    if "-" in value:
+        d, _, value = value.partition("-")
+        days = int(d)
+        parts = [int(p) for p in value.split(":")]
+        hms = (parts + [0, 0])[:3]  # D-HH, D-HH:MM, D-HH:MM:SS
+    else:
+        parts = [int(p) for p in value.split(":")]
+        hms = {1: [0, parts[0], 0], 2: [0, *parts], 3: parts}[len(parts)]  # MM, MM:SS, H:M:S
+    return days * 86400 + hms[0] * 3600 + hms[1] * 60 + hms[2]
+
+
+def signal_margin_problem(signal_before: int, limit_s: int) -> str | None:
+    """Why a checkpoint-signal margin does not fit a time limit, or None when it does.
+
+    Slurm may deliver the signal up to SIGNAL_EARLY_S (60 s) before the margin asked for, so
+    an attempt is only sure to work `limit - signal_before - 60` seconds. A margin that leaves
+    no sure work time makes every attempt checkpoint and requeue without progress (what
+    submitit's 90 s default does to a 2-minute job: "timed out too many times").
+    """
+    work = limit_s - signal_before - SIGNAL_EARLY_S
+    if work >= MIN_WORK_S and signal_before < limit_s:
+        return None
+    return (f"--signal-before {signal_before} s leaves {max(0, limit_s - signal_before)} s of a "
+            f"{limit_s} s time limit, and Slurm may signal up to {SIGNAL_EARLY_S} s early: "
+            f"no work time is sure per attempt; use at most "
+            f"{max(0, limit_s - SIGNAL_EARLY_S - MIN_WORK_S)} s or a longer --time")
+
+
+def check_sbatch_arg(key: str, value: str | None) -> None:
+    """Refuse a pass-through option that is not sbatch's, that bv sets itself, or that does not
+    fit a bv job; refuse control characters in its value."""
+    from bluevela.launch.sbatch_opts import MANAGED, PASSTHROUGH, REFUSED
+
+    if not _OPT_NAME.match(key):
+        raise LaunchError(f"--sbatch-arg: {key!r} is not a long sbatch option name")
+    if key in MANAGED:
+        raise LaunchError(f"--sbatch-arg --{key}: bv sets it; use {MANAGED[key]}")
+    if key in REFUSED:
+        raise LaunchError(f"--sbatch-arg --{key}: {REFUSED[key]}")
+    if key not in PASSTHROUGH:
+        raise LaunchError(f"--sbatch-arg --{key}: not an sbatch option; valid: "
+                          f"{', '.join(sorted(PASSTHROUGH))}")
+    if value is not None:
+        _plain(f"--sbatch-arg --{key}", value)
+
+
+def parse_sbatch_arg(text: str) -> tuple[str, str | None]:
+    """`--name=value` or `--name` (as given to `--sbatch-arg`) to (name, value), validated."""
+    _plain("--sbatch-arg", text)
+    if not text.startswith("--") or text == "--":
+        raise LaunchError(f"--sbatch-arg {text!r}: give a long option, e.g. --sbatch-arg=--nice=10")
+    name, sep, value = text[2:].partition("=")
+    result = (name, value if sep else None)
+    check_sbatch_arg(*result)
+    return result

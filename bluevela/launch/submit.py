@@ -8,7 +8,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bluevela.errors import LaunchError, SlurmError
-from bluevela.launch.request import SubmitRequest
+from bluevela.launch.request import (
+    SubmitRequest,
+    parse_sbatch_arg,
+    signal_margin_problem,
+    time_limit_seconds,
+)
 from bluevela.site import Site
 from bluevela.slurm.client import JobInfo, SlurmClient
 from bluevela.slurm.states import JobState
@@ -46,11 +51,26 @@ def build_request(
     requeue: bool | None = None,
     node_class: str | None = None,
     hold: bool = False,
+    signal_before: int | None = None,
+    spare_nodes: int | None = None,
+    min_nodes: int | None = None,
+    hang_timeout: float | None = None,
+    cpus_per_task: int | None = None,
+    mem: str | None = None,
+    exclusive: bool = False,
+    constraint: str | None = None,
+    exclude: str | None = None,
+    dependency: str | None = None,
+    sbatch_args: tuple[str, ...] = (),
+    notes: list[str] | None = None,
 ) -> SubmitRequest:
     """Merge the site's launch defaults with the user's options.
 
     GPUs per node default to the node class's (`node_class`, else the partition's single class
     is not guessed: 0). Site environment comes first; `--env` overrides it.
+
+    An explicit `signal_before` that does not fit the time limit is refused (LaunchError); the
+    site's default that does not fit a short `--time` is dropped, with a line in `notes`.
     """
     launch = site.launch if site else None
     if node_class is not None and site is None:
@@ -62,6 +82,15 @@ def build_request(
     merged = dict(site_env)
     merged.update(dict(user_env))
     name = job_name if job_name is not None else Path(script).stem or "bv"
+    if signal_before is None:
+        signal_before = launch.signal_before_s if launch else 0
+        limit = time_limit_seconds(time_limit) if time_limit else None
+        if signal_before and limit is not None and signal_margin_problem(signal_before, limit):
+            if notes is not None:
+                notes.append(f"no checkpoint signal: site.yaml launch.signal_before_s "
+                             f"({signal_before} s) does not fit --time {time_limit}; "
+                             f"give --signal-before to choose one")
+            signal_before = 0
     return SubmitRequest(
         script=script,
         args=tuple(args),
@@ -81,6 +110,18 @@ def build_request(
         torchrun=tuple(launch.torchrun) if launch else ("torchrun",),
         output=launch.output if launch else "bv-%j.out",
         hold=hold,
+        signal_before=signal_before,
+        spare_nodes=spare_nodes if spare_nodes is not None else (launch.spare_nodes if launch else 0),
+        min_nodes=min_nodes,
+        hang_timeout=(hang_timeout if hang_timeout is not None
+                      else (launch.hang_timeout_s if launch else 0.0)),
+        cpus_per_task=cpus_per_task,
+        mem=mem,
+        exclusive=exclusive,
+        constraint=constraint,
+        exclude=exclude,
+        dependency=dependency,
+        sbatch_args=tuple(parse_sbatch_arg(a) for a in sbatch_args),
     )
 
 
@@ -94,18 +135,26 @@ def follow(
     job_id: int,
     *,
     on_update: Callable[[JobInfo], None] | None = None,
+    on_attempt: Callable[[int, JobInfo], None] | None = None,
     poll_s: float = 1.0,
     timeout_s: float | None = None,
+    requeue_grace_s: float = 30.0,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> JobInfo:
-    """Poll a job until it reaches a terminal state; call `on_update` on every poll.
+    """Poll a job until it is final; call `on_update` on every poll.
 
-    A requeued job (prolog failure, node failure) goes back to PENDING: that is not the end.
-    A job briefly unknown right after submit is polled again. Raises SlurmError on timeout.
+    A requeued job (signal + requeue by bv, node failure, preemption, operator requeue) goes
+    back to PENDING with a higher restart count: that is not the end. `on_attempt(n, info)` is
+    called when attempt n (1-based, Slurm's restart count + 1) is first seen running. A state
+    that Slurm may still requeue (NODE_FAIL, PREEMPTED of a requeueable job; REQUEUED) is
+    polled for `requeue_grace_s` more before it counts as final. A job briefly unknown right
+    after submit is polled again. Raises SlurmError on timeout.
     """
     start = clock()
     unknown_since: float | None = None
+    maybe_final_since: float | None = None
+    seen_attempts: set[int] = set()
     while True:
         try:
             info = client.job(job_id)
@@ -119,8 +168,20 @@ def follow(
             continue
         if on_update:
             on_update(info)
+        attempt_no = info.restarts + 1
+        if on_attempt and attempt_no not in seen_attempts and (
+                info.state in (JobState.RUNNING, JobState.COMPLETING) or info.state.is_terminal()):
+            seen_attempts.add(attempt_no)
+            on_attempt(attempt_no, info)
         if info.state.is_terminal():
-            return info
+            if not (info.requeue and info.state.may_requeue()):
+                return info
+            now = clock()
+            maybe_final_since = maybe_final_since or now
+            if now - maybe_final_since > requeue_grace_s:
+                return info
+        else:
+            maybe_final_since = None
         if timeout_s is not None and clock() - start > timeout_s:
             raise SlurmError(f"job {job_id} still {info.state_name} after {timeout_s:.0f} s")
         sleep(poll_s)

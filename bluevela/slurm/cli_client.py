@@ -11,6 +11,7 @@ Differences handled here rather than assumed:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -120,6 +121,7 @@ def parse_squeue_job(raw: dict[str, Any]) -> JobInfo:
         restarts=_num(raw.get("restart_cnt")) or 0,
         start_time=_num(raw.get("start_time")) or None,
         end_time=_num(raw.get("end_time")) or None,
+        requeue=bool(raw.get("requeue")),
     )
 
 
@@ -128,7 +130,7 @@ def parse_sacct_line(line: str) -> JobInfo:
     parts = line.split("|")
     if len(parts) < 8:
         raise SlurmError(f"cannot parse sacct line {line!r}")
-    job_id_s, state_s, exit_s, nodelist, partition, user, _start, _end = parts[:8]
+    job_id_s, state_s, exit_s, nodelist, partition, user, start_s, end_s = parts[:8]
     state = JobState.from_slurm(state_s)
     code_s, _, sig_s = exit_s.partition(":")
     exit_code = int(code_s) if code_s.isdigit() else None
@@ -142,7 +144,49 @@ def parse_sacct_line(line: str) -> JobInfo:
         nodes=_expand_nodes(nodelist),
         partition=partition,
         user=user,
+        start_time=_sacct_time(start_s),
+        end_time=_sacct_time(end_s),
     )
+
+
+def _sacct_time(value: str) -> int | None:
+    """sacct's local `YYYY-MM-DDTHH:MM:SS` (or Unknown/None) to unix seconds."""
+    try:
+        return int(time.mktime(time.strptime(value, "%Y-%m-%dT%H:%M:%S")))
+    except (ValueError, OverflowError):
+        return None
+
+
+def _attempt(n: int, info: JobInfo) -> AttemptRecord:
+    return AttemptRecord(attempt=n, state=info.state, state_name=info.state_name,
+                         exit_code=info.exit_code, nodes=info.nodes,
+                         start_time=info.start_time, end_time=info.end_time)
+
+
+def fold_history(records: list[JobInfo], live: JobInfo | None = None) -> JobInfo | None:
+    """One job's completion records (oldest first, one per attempt that ended) and, when
+    slurmctld still knows it, its live state, to one JobInfo: the LAST attempt's state (not the
+    first record's, which after a requeue is the failed attempt), the restart count, and every
+    attempt. A requeued attempt's record is named REQUEUED whatever state jobcomp wrote."""
+    if live is not None:
+        ended = records[: live.restarts]
+        current = live
+    elif records:
+        ended, current = records[:-1], records[-1]
+    else:
+        return None
+    attempts = []
+    for i, rec in enumerate(ended, start=1):
+        a = _attempt(i, rec)
+        if rec.state.requeued_record():
+            a = AttemptRecord(attempt=i, state=JobState.REQUEUED, state_name="REQUEUED",
+                              exit_code=None, nodes=rec.nodes, start_time=rec.start_time,
+                              end_time=rec.end_time)
+        attempts.append(a)
+    attempts.append(_attempt(len(ended) + 1, current))
+    restarts = max(len(ended), current.restarts)
+    return dataclasses.replace(current, restarts=restarts, attempts=tuple(attempts),
+                               requeue=current.requeue)
 
 
 class CliSlurmClient:
@@ -245,9 +289,10 @@ class CliSlurmClient:
         return [parse_squeue_job(j) for j in data.get("jobs", [])]
 
     def _sacct(self, job_ids: list[int]) -> list[JobInfo]:
+        """Every completion record of the jobs, oldest first (`-D`: one per attempt)."""
         fields = "JobIDRaw,State,ExitCode,NodeList,Partition,User,Start,End"
         ids = ",".join(str(j) for j in job_ids)
-        base = ["sacct", "-P", "-n", "-X", "-o", fields, "-j", ids]
+        base = ["sacct", "-D", "-P", "-n", "-X", "-o", fields, "-j", ids]
         try:
             out = self._run(base, retry=False)
         except SlurmError:
@@ -263,10 +308,17 @@ class CliSlurmClient:
         if job_ids is None:
             return live
         by_id = {j.job_id: j for j in live}
-        missing = [j for j in job_ids if j not in by_id]
-        if missing:
-            for info in self._sacct(missing):
-                by_id.setdefault(info.job_id, info)
+        # Jobs gone from slurmctld, and requeued ones (their earlier attempts): from the
+        # completion records, the last one per job winning.
+        want = [j for j in job_ids if j not in by_id or by_id[j].restarts > 0]
+        if want:
+            records: dict[int, list[JobInfo]] = {}
+            for info in self._sacct(want):
+                records.setdefault(info.job_id, []).append(info)
+            for j in want:
+                folded = fold_history(records.get(j, []), by_id.get(j))
+                if folded is not None:
+                    by_id[j] = folded
         return [by_id[j] for j in job_ids if j in by_id]
 
     def job(self, job_id: int) -> JobInfo:

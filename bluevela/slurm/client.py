@@ -17,6 +17,25 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class AttemptRecord:
+    """One run of a job that Slurm requeued (and the last one): what Slurm recorded at its end."""
+
+    attempt: int  # 1-based
+    state: JobState
+    state_name: str
+    exit_code: int | None
+    nodes: tuple[str, ...]
+    start_time: int | None = None
+    end_time: int | None = None
+    cause: str = ""  # why it ended, from bv's end line / next banner when the log was readable
+
+    def to_dict(self) -> dict[str, object]:
+        return {"attempt": self.attempt, "state": self.state_name, "exit_code": self.exit_code,
+                "nodes": list(self.nodes), "start_time": self.start_time,
+                "end_time": self.end_time, "cause": self.cause}
+
+
+@dataclass(frozen=True)
 class JobInfo:
     """What bluevela needs to know about one job."""
 
@@ -35,6 +54,9 @@ class JobInfo:
     restarts: int = 0
     start_time: int | None = None  # unix seconds
     end_time: int | None = None
+    requeue: bool = False  # Slurm may requeue it (NODE_FAIL, preemption, scontrol requeue)
+    # Every attempt Slurm recorded, oldest first (filled where asked for; may be empty).
+    attempts: tuple[AttemptRecord, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -53,6 +75,8 @@ class JobInfo:
             "start_time": self.start_time,
             "end_time": self.end_time,
             "terminal": self.state.is_terminal(),
+            "requeue": self.requeue,
+            "attempts": [a.to_dict() for a in self.attempts],
         }
 
 

@@ -48,6 +48,16 @@ class JobState(Enum):
     def succeeded(self) -> bool:
         return self is JobState.COMPLETED
 
+    def may_requeue(self) -> bool:
+        """An end that Slurm follows with a requeue when the job is requeueable (`--requeue`):
+        such a job is not final yet, whatever its state says for a moment."""
+        return self in _MAY_REQUEUE
+
+    def requeued_record(self) -> bool:
+        """A completion record written for an attempt that was requeued: jobcomp/filetxt writes
+        the state after the requeue (PENDING), slurmdbd `sacct -D` writes REQUEUED."""
+        return self in _REQUEUED_RECORD
+
 
 _TERMINAL = frozenset(
     {
@@ -63,6 +73,11 @@ _TERMINAL = frozenset(
         JobState.REVOKED,
     }
 )
+
+_MAY_REQUEUE = frozenset({JobState.NODE_FAIL, JobState.PREEMPTED, JobState.REQUEUED,
+                          JobState.REQUEUE_FED, JobState.REQUEUE_HOLD})
+_REQUEUED_RECORD = frozenset({JobState.PENDING, JobState.REQUEUED, JobState.REQUEUE_FED,
+                              JobState.REQUEUE_HOLD})
 
 # squeue/sacct compact codes.
 _SHORT = {

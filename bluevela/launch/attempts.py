@@ -1,0 +1,64 @@
+"""A job's appended output split into attempts on the supervisor's banner lines.
+
+The in-job supervisor prints, before each launch (a Slurm requeue or a relaunch inside the
+allocation), one line
+    ==== bv attempt <N> job <JOBID> nodes <nodelist> previous: <cause> ====
+and, when an attempt ends with a known cause,
+    ==== bv attempt <N> ended: <cause> ====
+(docs/resilience.md; agreed in the issue-10 contract). Text before the first banner belongs to
+attempt 1. Pure functions over text: no Slurm, no files.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+BANNER = re.compile(
+    r"^==== bv attempt (?P<n>\d+) job (?P<job>\d+) nodes (?P<nodes>\S*) previous: (?P<prev>.*?) ====$",
+    re.M,
+)
+END = re.compile(r"^==== bv attempt (?P<n>\d+) ended: (?P<cause>.*?) ====$", re.M)
+
+
+@dataclass(frozen=True)
+class AttemptText:
+    """One attempt's slice of the output file."""
+
+    attempt: int  # 1-based, in file order
+    nodes: str  # as the banner wrote it ('' before the first banner)
+    previous: str  # the banner's `previous:` cause ('' when there was no banner)
+    ended: str  # the end line's cause ('' when the attempt printed none)
+    text: str
+
+
+def split_attempts(text: str) -> list[AttemptText]:
+    """The attempts in file order. A file without banners is one attempt."""
+    banners = list(BANNER.finditer(text))
+    if not banners:
+        return [AttemptText(1, "", "", _ended(text), text)]
+    out: list[AttemptText] = []
+    for i, m in enumerate(banners):
+        start = 0 if i == 0 else m.start()  # text before the first banner is attempt 1's
+        end = banners[i + 1].start() if i + 1 < len(banners) else len(text)
+        chunk = text[start:end]
+        out.append(AttemptText(i + 1, m.group("nodes"), m.group("prev"), _ended(chunk), chunk))
+    return out
+
+
+def _ended(chunk: str) -> str:
+    found = END.findall(chunk)
+    return found[-1][1] if found else ""
+
+
+def attempt_causes(text: str) -> dict[int, str]:
+    """Why each attempt ended, by attempt number: its end line, else the next banner's
+    `previous:` text. The last attempt maps only when it printed an end line."""
+    parts = split_attempts(text)
+    causes: dict[int, str] = {}
+    for i, part in enumerate(parts):
+        nxt = parts[i + 1].previous if i + 1 < len(parts) else ""
+        cause = part.ended or nxt
+        if cause:
+            causes[part.attempt] = cause
+    return causes

@@ -1,0 +1,70 @@
+"""sbatch's long options, shipped as a list: asking the installed sbatch (`--help`, `--usage`)
+on every submit costs a process start and needs a slurm.conf, which the submit path cannot
+afford. tests/test_submit_options.py compares these sets with the installed sbatch.
+
+Every option of sbatch 22.05's `--help` and `--usage` is in exactly one of three sets:
+- MANAGED: bv renders it itself (own `bv submit` option, or part of the launch model);
+- REFUSED: does not fit a bv job (reason given to the user);
+- PASSTHROUGH: allowed as `bv submit --sbatch-arg=--NAME[=VALUE]`.
+"""
+
+from __future__ import annotations
+
+# bv option (or fixed rendering) that replaces each managed sbatch option.
+MANAGED: dict[str, str] = {
+    "account": "--account",
+    "chdir": "the submit directory",
+    "comment": "--comment",
+    "constraint": "--constraint",
+    "cpus-per-task": "--cpus-per-task",
+    "dependency": "--dependency",
+    "exclude": "--exclude",
+    "exclusive": "--exclusive",
+    "gpus-per-node": "--gpus-per-node / --class",
+    "hold": "--hold",
+    "job-name": "--job-name",
+    "mem": "--mem",
+    "no-kill": "the supervisor (fixed)",
+    "no-requeue": "--no-requeue",
+    "nodes": "--nodes / --spare-nodes",
+    "ntasks-per-node": "the launch model (one srun task per node)",
+    "open-mode": "the launch model (append: every attempt's output is kept)",
+    "output": "site.yaml launch.output",
+    "partition": "--partition",
+    "qos": "--qos",
+    "requeue": "--requeue",
+    "signal": "--signal-before",
+    "time": "--time",
+}
+
+REFUSED: dict[str, str] = {
+    "array": "job arrays are not supported: bv follows, requeues and reads logs by one job id "
+             "per torchrun run; submit one bv job per configuration",
+    "error": "stderr must stay in the --output file, which keeps every attempt's banner",
+    "export": "the job's environment comes from --env and site.yaml launch.env",
+    "export-file": "the job's environment comes from --env and site.yaml launch.env",
+    "gid": "bv does not submit on behalf of other groups",
+    "help": "not a job option",
+    "input": "a torchrun job reads no batch stdin",
+    "ntasks": "the launch model runs one srun task per node (torchrun spawns the ranks)",
+    "ntasks-per-core": "the launch model runs one srun task per node",
+    "ntasks-per-socket": "the launch model runs one srun task per node",
+    "parsable": "bv parses sbatch's answer itself",
+    "uid": "bv does not submit on behalf of other users",
+    "usage": "not a job option",
+    "version": "not a job option",
+    "wait": "use bv submit --wait (it follows requeues)",
+    "wrap": "bv writes the batch script",
+}
+
+PASSTHROUGH: frozenset[str] = frozenset({
+    "bb", "bbf", "begin", "cluster-constraint", "clusters", "container", "contiguous",
+    "core-spec", "cores-per-socket", "cpu-freq", "cpus-per-gpu", "deadline", "delay-boot",
+    "distribution", "extra-node-info", "get-user-env", "gpu-bind", "gpu-freq", "gpus",
+    "gpus-per-socket", "gpus-per-task", "gres", "gres-flags", "ignore-pbs", "licenses",
+    "mail-type", "mail-user", "mcs-label", "mem-bind", "mem-per-cpu", "mem-per-gpu", "mincpus",
+    "network", "nice", "nodefile", "nodelist", "overcommit", "oversubscribe", "power",
+    "priority", "profile", "propagate", "quiet", "reboot", "reservation", "sockets-per-node",
+    "spread-job", "switches", "thread-spec", "threads-per-core", "time-min", "tmp",
+    "use-min-nodes", "verbose", "wckey",
+})

@@ -1,0 +1,48 @@
+"""What a training script uses from bluevela: no torch, no heavy imports.
+
+    from bluevela import runtime
+    runtime.install_signal_handler()          # once, first thing (main thread)
+    for step in range(start, steps):
+        train_step()
+        if step % k == 0 or runtime.checkpoint_requested():
+            save_checkpoint()                 # atomically: temp file, fsync, rename
+            if runtime.checkpoint_requested():
+                break                         # bv requeues the job; the next attempt resumes
+        runtime.progress(step)                # heartbeat for --hang-timeout (opt-in)
+
+See docs/resilience.md ("For script authors").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bluevela.runtime.checkpoint import (
+    CHECKPOINT_SIGNAL,
+    attempt,
+    checkpoint_requested,
+    clear_checkpoint_request,
+    install_signal_handler,
+    request_checkpoint,
+    requested_by,
+)
+
+__all__ = [
+    "CHECKPOINT_SIGNAL",
+    "attempt",
+    "checkpoint_requested",
+    "clear_checkpoint_request",
+    "install_signal_handler",
+    "progress",
+    "request_checkpoint",
+    "requested_by",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The heartbeat lives in its own module (the in-job supervisor's side); loaded on first use.
+    if name == "progress":
+        from bluevela.runtime.heartbeat import progress
+
+        return progress
+    raise AttributeError(f"module 'bluevela.runtime' has no attribute {name!r}")

@@ -1,0 +1,131 @@
+"""The checkpoint request: SIGUSR1 from bv's supervisor sets a flag the training loop polls.
+
+bv (its in-job supervisor) sends SIGUSR1 to every training process `signal_before` seconds
+before the time limit, and when Slurm preempts or an operator requeues the job. The handler only
+sets a flag: the loop finishes its current step, saves a checkpoint and exits (or keeps going:
+the supervisor ends and requeues the job once the workers are gone). Nothing here imports torch.
+
+SIGTERM (scancel, an operator's `scontrol requeue`, preemption, torchrun's agent stopping its
+workers) also sets the flag, so the loop can checkpoint within Slurm's KillWait; it does not
+make the process immortal: `BV_TERM_GRACE_S` seconds (default 20) after the first SIGTERM the
+process ends the default way (SIGTERMs in between are absorbed: torchrun's agent forwards
+Slurm's own right after it). Slurm's SIGKILL after KillWait ends it in any case.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from types import FrameType
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_SIGNAL = signal.SIGUSR1
+
+_requested = threading.Event()
+_installed: set[int] = set()
+_lock = threading.Lock()
+
+
+_term_timer: threading.Timer | None = None
+_last_signal: int | None = None
+
+
+_grace_over = threading.Event()
+
+
+def _handler(signum: int, frame: FrameType | None) -> None:
+    global _term_timer, _last_signal
+    del frame
+    if signum == signal.SIGTERM and _grace_over.is_set():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    _last_signal = signum
+    _requested.set()
+    if signum == signal.SIGTERM and _term_timer is None:
+        # Slurm's SIGTERM is followed at once by torchrun's agent forwarding its own: further
+        # SIGTERMs are absorbed, and the process ends the default way after the grace period.
+        _term_timer = threading.Timer(_term_grace_s(), _terminate)
+        _term_timer.daemon = True
+        _term_timer.start()
+
+
+def _terminate() -> None:
+    # Handlers can only be changed on the main thread: ask it (the handler re-raises with the
+    # default action); if it is stuck in C code and never runs the handler, exit from here.
+    _grace_over.set()
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(2.0)
+    os._exit(128 + signal.SIGTERM)
+
+
+def requested_by() -> str | None:
+    """The name of the signal that requested the checkpoint (`SIGUSR1`, `SIGTERM`), or None."""
+    return signal.Signals(_last_signal).name if _last_signal is not None else None
+
+
+def _term_grace_s() -> float:
+    try:
+        return max(0.0, float(os.environ.get("BV_TERM_GRACE_S", "20")))
+    except ValueError:
+        return 20.0
+
+
+def install_signal_handler(signum: int | None = None) -> bool:
+    """Install the flag-setting handler (idempotent): for `signum`, or by default for SIGUSR1
+    and SIGTERM.
+
+    Returns False (and installs nothing) off the main thread, where Python cannot install
+    handlers; call it once from the main thread at start-up (before the first step), so an
+    early signal is not the default action (SIGUSR1's default kills the process).
+    """
+    wanted = [signum] if signum is not None else [CHECKPOINT_SIGNAL, signal.SIGTERM]
+    with _lock:
+        if all(s in _installed for s in wanted):
+            return True
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("bluevela.runtime: signal handler not installed off the main thread")
+            return False
+        for s in wanted:
+            if s not in _installed:
+                signal.signal(s, _handler)
+                _installed.add(s)
+        return True
+
+
+def checkpoint_requested() -> bool:
+    """True once the checkpoint signal arrived (and until `clear_checkpoint_request()`).
+
+    Installs the handler on first use, so a loop that only ever calls this is covered from the
+    first step on. Cheap: a flag read, safe to call every step.
+    """
+    if CHECKPOINT_SIGNAL not in _installed:
+        install_signal_handler()
+    return _requested.is_set()
+
+
+def clear_checkpoint_request() -> None:
+    """Forget a request (for a loop that checkpoints and keeps training)."""
+    _requested.clear()
+
+
+def request_checkpoint() -> None:
+    """Set the flag as the signal would (for tests and for in-process callers)."""
+    _requested.set()
+
+
+def attempt() -> int:
+    """This run's attempt number, 1-based: 1 for the first run, n+1 after n requeues.
+
+    From `BV_ATTEMPT` when bv's supervisor exports it, else Slurm's `SLURM_RESTART_COUNT`
+    (absent on the first run), else 1 outside Slurm.
+    """
+    for name, offset in (("BV_ATTEMPT", 0), ("SLURM_RESTART_COUNT", 1)):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value) + offset
+    return 1
