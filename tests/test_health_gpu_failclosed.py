@@ -132,6 +132,17 @@ def test_nightly_fewer_gpus_than_the_class_is_critical(h100: NodeClass) -> None:
     assert r.status is BenchStatus.UNKNOWN
 
 
+def test_nightly_judges_the_gpu_count_against_the_class(site: Site) -> None:
+    """What the nightly controller does with a node job's facts: CRITICAL, and the failure
+    text it drains with names the count."""
+    from bluevela.bench.nightly import _failure_text, judge
+
+    results = judge([short_of_gpus("gemm", 8, 7), short_of_gpus("hbm", 8, 7)], site, "h100",
+                    {}, ["gpu001"])
+    assert [r.status for r in results] == [BenchStatus.CRITICAL] * 2
+    assert _failure_text(results) == "gemm: 7 of 8 GPUs visible; hbm: 7 of 8 GPUs visible"
+
+
 # -- item 4: the leftover-process check ---------------------------------------------------------
 
 
