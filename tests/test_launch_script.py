@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,11 +50,9 @@ def test_sbatch_lines_sorted_and_torchrun_shape() -> None:
     sb = [ln for ln in lines if ln.startswith("#SBATCH")]
     assert sb == sorted(sb)
     run = lines[-1]
-    assert run.startswith("exec srun --ntasks-per-node=1 ")
-    for part in ('--nnodes="$SLURM_JOB_NUM_NODES"', "--nproc-per-node=2",
-                 "--rdzv-backend=c10d", '--rdzv-endpoint="$head:29500"',
-                 '--rdzv-id="$SLURM_JOB_ID"', "--max-restarts=0"):
-        assert part in run
+    # The in-job supervisor is the job's main process; it adds the rendezvous flags per step.
+    assert run.startswith("exec python3 -m bluevela.launch.supervisor --nodes=2 ")
+    assert run.endswith(" -- torchrun --nproc-per-node=2 --max-restarts=0 t.py")
 
 
 def test_procs_default_to_gpus() -> None:
@@ -77,6 +76,8 @@ def test_hostile_values_run_nothing(value: str, tmp_path: Path) -> None:
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "scontrol").write_text("#!/bin/sh\necho node1\n")
+    # The batch script execs `python3 -m bluevela.launch.supervisor`: this interpreter.
+    (bindir / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     # Records argv NUL-separated, and the env value it saw.
     (bindir / "srun").write_text('#!/bin/sh\nprintf "%s\\0" "$@" > "$OUT"\nprintf "%s" "$BV_TEST" > "$OUT.env"\n')
     for f in bindir.iterdir():
