@@ -347,3 +347,39 @@ def test_job_hooks_on_the_cluster_ignore_files_planted_in_slurmds_log_dir(
     finally:
         for f in [*planted, canary]:
             f.unlink(missing_ok=True)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_a_job_prolog_waits_while_another_hook_holds_the_node(
+        devcluster: DevCluster, tmp_path: Path) -> None:
+    """On the real cluster: while another hook run holds node2's hook lock (what a running
+    healthcheck does), a job's prolog there waits; the job's script starts only after the
+    holder is gone."""
+    node = "node2"
+    saved = devcluster.hook_env(node).read_text()
+    state = devcluster.node_dir(node) / "var"
+    devcluster.wait_idle(timeout=120)
+    devcluster.resume_all()
+    h = Holder(state, "4242 healthcheck -")
+    try:
+        devcluster.set_hook_env(node, BV_HOOK_LOCK_WAIT_S="120")
+        started = tmp_path / "started"
+        job = int(devcluster.run(
+            ["sbatch", "--parsable", "-N", "1", "-w", node, "-o", "/dev/null", "--wrap",
+             f"date +%s.%N > {started}"], cwd=tmp_path).stdout.strip().split(";")[0])
+        time.sleep(4.0)
+        assert not started.exists(), "the job started while another hook held the node"
+        released = time.time()
+        h.release()
+        deadline = time.monotonic() + 90
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert started.exists(), f"job {job} never started after the lock was released"
+        assert float(started.read_text()) >= released
+        spool = Path(devcluster.env["BV_SPOOL_DIR"])
+        assert (spool / f"{job}.{node}.prolog.json").is_file()
+    finally:
+        h.release()
+        devcluster.hook_env(node).write_text(saved)
+        devcluster.wait_idle(timeout=120)
