@@ -346,3 +346,26 @@ def test_logs_of_an_output_path_that_is_no_file(devcluster: DevCluster, tmp_path
     finally:
         devcluster.run(["scancel", job], check=False)
     assert "not a job's output file" in _assert_one_line_error(proc)
+
+
+def test_archive_views_on_a_terminal_show_hostile_values(tmp_path: Path) -> None:
+    """Archived user/partition strings come from Slurm's job record: shown literally on a tty."""
+    from bluevela.archive.ingest import ingest
+    from bluevela.archive.sample import sample_report
+    from bluevela.archive.spool import write_report
+
+    spool, archive = tmp_path / "spool", tmp_path / "archive"
+    spool.mkdir()
+    archive.mkdir()
+    for phase in ("prolog", "epilog"):
+        write_report(spool, sample_report(5, "n1", phase, user="[/oops]",
+                                          partition="[red]p\x1b[31m"))
+    ingest(spool, archive, now=1.7e9 + 10)
+    env = {**os.environ, "BV_ARCHIVE_DIR": str(archive), "BV_SPOOL_DIR": str(spool)}
+    for args in (["archive", "ls"], ["archive", "show", "5"], ["archive", "node", "n1"]):
+        rc, raw = _on_terminal([sys.executable, "-m", "bluevela", *args], env)
+        shown = _visible(raw)
+        assert rc == 0 and "Traceback" not in shown, (args, shown)
+        assert "\x1b[31m" not in raw, (args, raw)
+        if args[1] != "node":
+            assert "[/oops]" in shown and "[red]p\\x1b[31m" in shown, (args, shown)

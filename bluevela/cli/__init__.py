@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> Any:
             click.echo(f"bv: {line}" if not exc.problems else line, err=True)
         sys.exit(exc.exit_code)
     except BluevelaError as exc:
-        click.echo(f"bv: error: {exc}", err=True)
+        # One line even when the message carries a tool's stderr or another user's value.
+        click.echo(f"bv: error: {printable(exc)}", err=True)
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)

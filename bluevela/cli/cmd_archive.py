@@ -18,6 +18,7 @@ import click
 
 from bluevela.cli import State
 from bluevela.cli.output import emit_json, table
+from bluevela.util.term import printable
 
 logger = logging.getLogger(__name__)
 
@@ -223,12 +224,13 @@ def show_cmd(ctx: click.Context, job_id: int, as_json: bool) -> None:
     if as_json:
         emit_json(job)
         return
-    click.echo(f"job {job['job_id']}  user {job['user']}  partition {job['partition']}  "
-               f"exit {_exit(job) or '?'}  health {job['health_worst']}  "
-               f"completion {job['completion']} (revision {job['revision']})")
+    # user and partition come from the job's Slurm record: shown as data (`printable`)
+    click.echo(printable(f"job {job['job_id']}  user {job['user']}  partition {job['partition']}  "
+                         f"exit {_exit(job) or '?'}  health {job['health_worst']}  "
+                         f"completion {job['completion']} (revision {job['revision']})"))
     if job["missing_nodes"]:
-        click.echo(f"missing epilog reports: {','.join(job['missing_nodes'])}")
-    click.echo(f"archive file: {job['archive_file']}")
+        click.echo(printable(f"missing epilog reports: {','.join(job['missing_nodes'])}"))
+    click.echo(printable(f"archive file: {job['archive_file']}"))
     table(f"Job {job_id}", ["NODE", "PROLOG", "EPILOG", "EXIT", "TELEMETRY"],
           [(n["node"], _health_cell(n["prolog"]), _health_cell(n["epilog"]),
             _exit(n["epilog"] or {}), _telemetry_cell(n["epilog"])) for n in job["nodes"]])
@@ -304,9 +306,9 @@ def verify_cmd(ctx: click.Context, as_json: bool) -> None:
         emit_json(res.to_dict())
     else:
         for note in res.notes:
-            click.echo(f"bv: note: {note}", err=True)
+            click.echo(f"bv: note: {printable(note)}", err=True)
         for problem in res.problems:
-            click.echo(f"bv: error: {problem}", err=True)
+            click.echo(f"bv: error: {printable(problem)}", err=True)
         if res.ok:
             click.echo(f"archive OK: {res.files} file(s), {res.reports} report(s), "
                        f"{res.jobs} job(s)")
