@@ -248,3 +248,25 @@ def test_a_leftover_root_lock_is_named_in_one_line(dirs: tuple[Path, Path]) -> N
     assert code == 1
     assert "ArchiveError" in out and ".lock is owned by root (uid 0)" in out, out
     assert "run ingest as that user, or chown" in out
+
+
+@root_only
+def test_ownership_errors_are_one_line_at_the_cli_and_in_epilog_slurmctld(
+        dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    from bluevela.archive import slurmctld
+
+    spool, archive = dirs
+    _spool_job(spool, 31, ["n1"])
+    spool.chmod(0o775)
+    p = subprocess.run([sys.executable, "-m", "bluevela", "archive", "--spool-dir", str(spool),
+                        "--archive-dir", str(archive), "ingest"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 1
+    assert p.stderr.count("\n") == 1 and "mode 0775 is group/other-writable" in p.stderr
+    assert "Traceback" not in p.stderr
+    env = {"BV_HOOK_ENV": "none", "SLURM_JOB_ID": "31", "BV_SPOOL_DIR": str(spool),
+           "BV_ARCHIVE_DIR": str(archive), "BV_ARCHIVE_WAIT_S": "0"}
+    assert slurmctld.main(env) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("bluevela epilog_slurmctld: error: ingest as")
+    assert list(archive.iterdir()) == []
