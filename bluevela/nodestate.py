@@ -205,9 +205,14 @@ class Budget:
         return len(self.held) + len(self.unslotted)
 
     def free(self) -> list[int]:
-        """Slot indices nobody holds. Drains without a slot shrink the range, so the names
-        that can exist bound the drains: held + unslotted <= limit."""
-        return [i for i in range(self.limit - len(self.unslotted)) if i not in self.held]
+        """Slot indices nobody holds, below a bound `k` such that
+        `k + unslotted + (slots held at index >= k) <= limit`: whatever wins the race for the
+        names below `k`, the drains stay within the limit (drains without a slot, and slots
+        left above `k` by an earlier, larger range, count against it)."""
+        k = self.limit - len(self.unslotted)
+        while k > 0 and k + len(self.unslotted) + sum(1 for i in self.held if i >= k) > self.limit:
+            k -= 1
+        return [i for i in range(max(k, 0)) if i not in self.held]
 
     def why(self, site: Site) -> str:
         return (f"fleet breaker: {self.used}/{self.total} nodes already drained by "
@@ -338,7 +343,8 @@ def drain_node(client: SlurmClient, site: Site, node: str, detail: str, *,
         rng, sleep, clock: injectable for tests.
 
     Raises:
-        SlurmError: a Slurm call failed (any slot taken for this drain is freed again).
+        SlurmError: a Slurm call failed (slots already taken stay taken: the node may be
+            drained after all, by this call or by Slurm for a prolog's exit 1).
     """
     rng = rng or random.Random()
     reason = make_reason(site, detail)
@@ -394,9 +400,13 @@ def drain_node(client: SlurmClient, site: Site, node: str, detail: str, *,
         if clock() - t0 > MAX_TAKE_S:
             return give_back(f"taking the breaker slots took over {MAX_TAKE_S:.0f} s")
         c.drain(node, reason)
-    except SlurmError:
-        for name in taken:
-            c.delete(name)
+    except SlurmError as exc:
+        # The drain may have happened (a timeout after slurmctld acted), and a prolog that
+        # could not drain exits 1, so Slurm drains the node itself ("Prolog error"): the slots
+        # stay taken, counted, until freed as stale.
+        if taken:
+            logger.error("drain of %s failed (%s); keeping breaker slot(s) %s", node, exc,
+                         ", ".join(taken))
         raise
     logger.warning("drained %s: %s (breaker slot(s) %s)", node, reason, ", ".join(taken))
     return DrainOutcome(node, True, reason, slots=tuple(taken), rpcs=c.calls)
