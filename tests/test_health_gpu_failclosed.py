@@ -294,3 +294,50 @@ def test_cluster_node_without_nvml_is_drained_and_the_job_requeued(devcluster: o
         finally:
             cluster.bv("health", "resume", "node1", check=False)
             cluster.resume_all()
+
+
+@pytest.mark.gpu
+def test_live_gpu_process_of_ours_vs_not_ours(tmp_path: Path) -> None:
+    """On a real GPU: a CUDA process below this run makes the live reading take its second
+    look (`recheck`), and is not a leftover: it is ours."""
+    pytest.importorskip("torch")
+    from bluevela.health.nvml import gather_live
+    from bluevela.site import GPUThresholds, NodeClass
+
+    code = ("import torch, time, sys; x = torch.ones(1 << 20, device='cuda'); "
+            "torch.cuda.synchronize(); print('ready', flush=True); time.sleep(60)")
+    ours = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert ours.stdout is not None and ours.stdout.readline().strip() == "ready"
+        data = gather_live(include_kmsg=False, recheck_s=0.5)
+        assert "init_error" not in data
+        assert data.get("recheck") and data["recheck"]["after_s"] == 0.5, data.get("recheck")
+        snap = load_snapshot(_write(tmp_path / "live.json", data))
+        cls = NodeClass(nodes="gpu001", gpus=len(snap.gpus), gpu_model=snap.gpus[0].name,
+                        gpu=GPUThresholds(require_persistence_mode=False, recheck_s=0.5))
+        ctx = ProbeContext(cls, "live", phase="healthcheck")
+        r = run_checks(["gpu"], ctx, timeout_s=20, cap_s=25).checks[0]
+        assert "leftover" not in r.summary, r
+    finally:
+        ours.kill()
+        ours.wait()
+
+
+def _write(path: Path, data: object) -> Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_kmsg_records_keep_their_time_since_boot() -> None:
+    """/dev/kmsg's record format (priority,sequence,usec,flags;message): the time is kept in
+    dmesg's form so the XID window can date the line."""
+    from bluevela.health.nvml import kmsg_record_line, parse_xids
+
+    rec = ("4,10233,86012345678,-;NVRM: Xid (PCI:0000:5d:00): 79, pid='<unknown>', "
+           "name=<unknown>, GPU has fallen off the bus.\n SUBSYSTEM=pci\n")
+    line = kmsg_record_line(rec)
+    assert line == ("[86012.345678] NVRM: Xid (PCI:0000:5d:00): 79, pid='<unknown>', "
+                    "name=<unknown>, GPU has fallen off the bus.")
+    (xid,) = parse_xids([line])
+    assert (xid.code, xid.bus, xid.at_s) == (79, "5d:00", 86012.345678)
+    assert kmsg_record_line("6,1,2,-;usb 1-1: new device") is None

@@ -362,16 +362,24 @@ def read_kmsg_nvrm(path: str = "/dev/kmsg", max_records: int = 200_000) -> list[
                 continue  # the record was overwritten while we read: skip it
             if not rec:
                 break
-            text = rec.decode("utf-8", "replace")
-            head, _, msg = text.partition(";")
-            if "NVRM" in msg:
-                first = msg.splitlines()[0] if msg else msg
-                fields = head.split(",")  # priority,sequence,microseconds,flags
-                usec = fields[2] if len(fields) > 2 and fields[2].isdigit() else None
-                lines.append(f"[{int(usec) / 1e6:12.6f}] {first}" if usec else first)
+            line = kmsg_record_line(rec.decode("utf-8", "replace"))
+            if line is not None:
+                lines.append(line)
     finally:
         os.close(fd)
     return lines
+
+
+def kmsg_record_line(record: str) -> str | None:
+    """One /dev/kmsg record (`6,1234,812345678,-;NVRM: ...`, kernel Documentation/ABI/testing/
+    dev-kmsg) as a dmesg line `[  812.345678] NVRM: ...`; None unless it is an NVRM line."""
+    head, _, msg = record.partition(";")
+    if "NVRM" not in msg:
+        return None
+    first = msg.splitlines()[0]
+    fields = head.split(",")  # priority,sequence,microseconds since boot,flags
+    usec = fields[2] if len(fields) > 2 and fields[2].isdigit() else None
+    return f"[{int(usec) / 1e6:12.6f}] {first}" if usec else first
 
 
 def _text(value: Any) -> str:
@@ -412,7 +420,8 @@ def _binding_version() -> str:
 
 
 def gather_live(*, include_kmsg: bool = True, recheck_s: float = 0.0,
-                raise_init_error: bool = True) -> dict[str, Any]:
+                raise_init_error: bool = True,
+                process_gpus: tuple[int, ...] | None = None) -> dict[str, Any]:
     """Record this node's NVML values in the snapshot format.
 
     Every NVML call is guarded: a field NVML does not support (or that fails) is recorded
@@ -423,6 +432,8 @@ def gather_live(*, include_kmsg: bool = True, recheck_s: float = 0.0,
         include_kmsg: also read the kernel log's NVRM lines (`BV_KMSG`, else /dev/kmsg).
         recheck_s: seconds before the second reading.
         raise_init_error: raise when nvmlInit fails; False records it as `init_error`.
+        process_gpus: only processes on these GPUs call for a second reading (the job's
+            GPUs in the prolog); None: any GPU.
 
     Raises:
         NVMLMissingError: pynvml (package nvidia-ml-py) is not installed.
@@ -446,7 +457,7 @@ def gather_live(*, include_kmsg: bool = True, recheck_s: float = 0.0,
             _read_kmsg(out, errors)
         return out
     try:
-        return _gather(pynvml, include_kmsg, recheck_s)
+        return _gather(pynvml, include_kmsg, recheck_s, process_gpus)
     finally:
         try:
             pynvml.nvmlShutdown()
@@ -454,7 +465,8 @@ def gather_live(*, include_kmsg: bool = True, recheck_s: float = 0.0,
             pass
 
 
-def _gather(nv: Any, include_kmsg: bool, recheck_s: float = 0.0) -> dict[str, Any]:
+def _gather(nv: Any, include_kmsg: bool, recheck_s: float = 0.0,
+            process_gpus: tuple[int, ...] | None = None) -> dict[str, Any]:
     errors: dict[str, str] = {}
 
     def call(where: dict[str, str], key: str, fn: Callable[[], Any]) -> Any:
@@ -479,7 +491,9 @@ def _gather(nv: Any, include_kmsg: bool, recheck_s: float = 0.0) -> dict[str, An
         "errors": errors,
     })
     suspects = [g["index"] for g in out["gpus"]
-                if ((g.get("clocks_event_reasons") or 0) & HW_REASONS) or g.get("compute_processes")]
+                if ((g.get("clocks_event_reasons") or 0) & HW_REASONS)
+                or (g.get("compute_processes")
+                    and (process_gpus is None or g["index"] in process_gpus))]
     if suspects and recheck_s > 0:
         # One transient reading (a power-brake blip, a process exiting) must not drain a node.
         time.sleep(recheck_s)
@@ -625,10 +639,11 @@ class LiveNVML:
 
     include_kmsg: bool = True
     recheck_s: float = 0.0
+    process_gpus: tuple[int, ...] | None = None
 
     def read(self) -> NVMLSnapshot:
         data = gather_live(include_kmsg=self.include_kmsg, recheck_s=self.recheck_s,
-                           raise_init_error=False)
+                           raise_init_error=False, process_gpus=self.process_gpus)
         return parse_snapshot(data, "live NVML")
 
 

@@ -121,7 +121,8 @@ def nvml_source(ctx: ProbeContext) -> NVMLSource:
     """Where NVML is read from: the snapshot file (BV_NVML_SNAPSHOT) or the live node."""
     if ctx.nvml_snapshot is not None:
         return ReplayNVML(ctx.nvml_snapshot)
-    return LiveNVML(include_kmsg=ctx.kmsg is None, recheck_s=ctx.node_class.gpu.recheck_s)
+    return LiveNVML(include_kmsg=ctx.kmsg is None, recheck_s=ctx.node_class.gpu.recheck_s,
+                    process_gpus=ctx.job_gpus)
 
 
 def _parent_pid(root: Path, pid: int) -> int | None:
