@@ -86,9 +86,7 @@ def test_hang_names_the_rank_outside_a_collective() -> None:
     hang = find_hang(beats, 0.0, 108.5, 8.0)
     assert hang is not None and hang.rank == 1
     assert "rank 1 on n2 stopped first" in hang.describe() and "2 other rank" in hang.describe()
-    assert find_hang({}, 0.0, 7.0, 8.0) is None
-    none = find_hang({}, 0.0, 8.0, 8.0)
-    assert none is not None and "no rank reported" in none.describe()
+    assert find_hang({}, 0.0, 1e6, 8.0) is None  # armed by the first beat, not by start-up
     assert find_hang(beats, 0.0, 1e6, 0.0) is None  # off
 
 

@@ -171,14 +171,12 @@ class RankBeat:
 
 @dataclass(frozen=True)
 class Hang:
-    rank: int | None
-    beat: RankBeat | None
+    rank: int
+    beat: RankBeat
     silent_s: float
     waiting: int = 0  # other ranks waiting inside a collective
 
     def describe(self) -> str:
-        if self.rank is None or self.beat is None:
-            return f"hang: no rank reported progress for {self.silent_s:.0f} s"
         b = self.beat
         state = "in a collective" if b.in_collective else "not in a collective"
         others = f"; {self.waiting} other rank(s) wait in a collective" if self.waiting else ""
@@ -188,13 +186,14 @@ class Hang:
 
 def find_hang(beats: dict[int, RankBeat], started: float, now: float,
               timeout: float) -> Hang | None:
-    """A hang when a rank that reported is without progress for `timeout`, or no rank reported
-    for `timeout` since the step started. The rank named as stopped first: one NOT waiting in
-    a collective (its peers wait for it there), then the oldest progress, lowest step, rank."""
-    if timeout <= 0:
+    """A hang when a rank that reported is without progress for `timeout`. The watchdog arms at
+    the first beat: start-up (imports, rendezvous, loading) has its own timeouts in torchrun
+    and init_process_group, and may legitimately take longer than a short hang timeout. The
+    rank named as stopped first: one NOT waiting in a collective (its peers wait for it
+    there), then the oldest progress, lowest step, rank."""
+    del started
+    if timeout <= 0 or not beats:
         return None
-    if not beats:
-        return Hang(None, None, now - started) if now - started >= timeout else None
     oldest = min(b.last_progress for b in beats.values())
     if now - oldest < timeout:
         return None

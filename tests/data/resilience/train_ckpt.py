@@ -41,6 +41,7 @@ def main() -> int:
     p.add_argument("--hang-rank", type=int, default=-1)
     p.add_argument("--hang-step", type=int, default=5)
     o = p.parse_args()
+    Path(o.ckpt_dir).mkdir(parents=True, exist_ok=True)
     ckpt = Path(o.ckpt_dir) / "ckpt.json"
     dist.init_process_group("gloo")
     rank = dist.get_rank()

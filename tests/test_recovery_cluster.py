@@ -1,0 +1,151 @@
+"""Recovery inside the job on the REAL dev cluster (bv's supervisor, docs/resilience.md).
+
+- A node dies mid-run (every process in its namespace SIGKILLed, slurmd included): the job
+  goes on from its checkpoint on the spare node of the SAME allocation (no Slurm requeue),
+  both attempts' output is in the file, and `bv submit --wait` exits 0.
+- One rank hangs (sleeps forever): the watchdog ends the step within the hang timeout, names
+  that rank and its node, the job is requeued and the next attempt finishes.
+
+Not timed tests beyond a generous bound on the watchdog; benchmarks/bench_recovery.py measures.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import hostlist
+import pytest
+
+from tests.conftest import DATA, DEVCLUSTER, REPO, DevCluster
+
+BANNER = re.compile(r"^==== bv attempt (\d+) job (\d+) nodes (\S+) previous: (.*) ====$", re.M)
+END = re.compile(r"^==== bv attempt (\d+) ended: (.*) ====$", re.M)
+
+
+def _submit_wait(cluster: DevCluster, cwd: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "bluevela", "submit", "--wait", *args],
+                            cwd=cwd, env=cluster.environ(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(what: str, cond: Callable[[], object], timeout: float,
+              proc: subprocess.Popen[str] | None = None) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"bv submit --wait ended ({proc.returncode}) before {what}:\n"
+                                 f"{proc.stdout.read() if proc.stdout else ''}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} after {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def _output(cwd: Path) -> str:
+    files = sorted(cwd.glob("bv-*.out"))
+    return files[0].read_text(errors="replace") if files else ""
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"bv submit --wait still running after {timeout:.0f} s:\n{out}") from exc
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_node_crash_resumes_on_spare_from_checkpoint(devcluster: DevCluster,
+                                                     tmp_path: Path) -> None:
+    devcluster.resume_all()
+    devcluster.wait_idle(timeout=120)
+    ckpt = tmp_path / "ckpt"
+    proc = _submit_wait(devcluster, tmp_path, "-N", "2", "--spare-nodes", "1",
+                        "--procs-per-node", "1", str(REPO / "examples" / "train_ddp.py"),
+                        "--ckpt-dir", str(ckpt), "--steps", "24", "--step-s", "0.4",
+                        "--ckpt-every", "4")
+    crashed: str | None = None
+    try:
+        _wait_for("step=9 of attempt 1", lambda: "step=9 attempt=1" in _output(tmp_path), 150,
+                  proc)
+        first = BANNER.search(_output(tmp_path))
+        assert first is not None
+        step_nodes = hostlist.expand_hostlist(first.group(3))
+        assert len(step_nodes) == 2
+        crashed = step_nodes[1]
+        devcluster.run([sys.executable, str(DEVCLUSTER), "crash", crashed])
+        out = _finish(proc, 240)
+        assert proc.returncode == 0, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if crashed is not None:
+            devcluster.run([sys.executable, str(DEVCLUSTER), "revive", crashed], check=False)
+    text = _output(tmp_path)
+    banners = BANNER.findall(text)
+    assert [b[0] for b in banners] == ["1", "2"], text
+    second_nodes = hostlist.expand_hostlist(banners[1][2])
+    assert len(second_nodes) == 2 and crashed not in second_nodes, banners
+    assert f"{crashed} lost" in banners[1][3] and "spare" in banners[1][3], banners[1][3]
+    # Attempt 2 resumed from the checkpoint (every 4 steps) rather than from step 0 ...
+    part2 = text[text.index("==== bv attempt 2 job"):]
+    resumed = [int(s) for s in re.findall(r"^rank=\d+ attempt=2 resumed_from_step=(\d+)$",
+                                          part2, re.M)]
+    assert len(resumed) == 2 and len(set(resumed)) == 1 and 4 <= resumed[0] <= 12, part2
+    # ... and finished there, on the healthy nodes; attempt 1's output is still in the file.
+    assert "step=9 attempt=1" in text and "step=24 attempt=2" in part2
+    hosts = set(re.findall(r"^rank=\d+ world_size=2 host=(\S+) ", part2, re.M))
+    assert hosts == set(second_nodes), part2
+    assert END.findall(text)[-1] == ("2", "exit 0")
+
+
+@pytest.mark.timeout(400)
+def test_hung_rank_is_named_and_the_job_requeued(devcluster: DevCluster,
+                                                 tmp_path: Path) -> None:
+    devcluster.resume_all()
+    devcluster.wait_idle(timeout=120)
+    hang_timeout = 6.0
+    proc = _submit_wait(devcluster, tmp_path, "-N", "2", "--procs-per-node", "1",
+                        "--hang-timeout", f"{hang_timeout:g}",
+                        str(DATA / "resilience" / "train_ckpt.py"), "--ckpt-dir",
+                        str(tmp_path / "ckpt"), "--steps", "10", "--step-time", "0.3", "--ckpt-every", "2",
+                        "--hang-rank", "1", "--hang-step", "4")
+    try:
+        _wait_for("step=4", lambda: re.search(r"^step=4$", _output(tmp_path), re.M), 150, proc)
+        stuck_at = time.monotonic()
+        _wait_for("the end of attempt 1", lambda: END.search(_output(tmp_path)), 60, proc)
+        ended_after = time.monotonic() - stuck_at
+        out = _finish(proc, 240)
+        assert proc.returncode == 0, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = _output(tmp_path)
+    # Rank 1 sleeps at step 4; the step is ended within the hang timeout (plus the watchdog's
+    # 1 s beats and a loaded 2-core machine's slack), not at the time limit.
+    assert ended_after <= hang_timeout + 8, f"ended {ended_after:.1f} s after rank 1 stopped"
+    host1 = re.search(r"^rank=1 attempt=1 start_step=0 host=(\S+)$", text, re.M)
+    assert host1 is not None, text
+    end1 = END.search(text)
+    assert end1 is not None and end1.group(1) == "1"
+    assert f"hang: rank 1 on {host1.group(1)} stopped first" in end1.group(2), end1.group(2)
+    assert "not in a collective" in end1.group(2)
+    banners = BANNER.findall(text)
+    assert [b[0] for b in banners] == ["1", "2"] and banners[1][3] == end1.group(2)
+    # Requeued through Slurm (the nodes' prolog runs again), resumed from its checkpoint.
+    part2 = text[text.index("==== bv attempt 2 job"):]
+    assert re.search(r"^rank=\d attempt=2 start_step=[1-4] ", part2, re.M), part2
+    assert "rank=0 done steps=10" in part2
+    jobid = banners[0][1]
+    show = devcluster.run(["scontrol", "show", "job", jobid], check=False).stdout
+    if show:  # still known to slurmctld (MinJobAge)
+        assert "Restarts=1" in show, show
