@@ -26,12 +26,16 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-
 from bluevela import runtime
+
+# Before torch: importing it takes seconds, and a checkpoint signal arriving meanwhile must set
+# the flag, not kill the process (SIGUSR1's default action).
+runtime.install_signal_handler()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 
 def _say(line: str) -> None:
@@ -50,8 +54,6 @@ def main() -> int:
     parser.add_argument("--step-s", type=float, default=0.0,
                         help="extra seconds per step (stands in for real work in tests)")
     opts = parser.parse_args()
-    # First thing: an early SIGUSR1 must set the flag, not kill the process (its default).
-    runtime.install_signal_handler()
 
     use_cuda = torch.cuda.is_available()
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")

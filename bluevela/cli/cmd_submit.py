@@ -116,9 +116,9 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
     if not as_json:
         click.echo(f"Submitted job {job_id}.", err=True)
     def on_attempt(n: int, info: JobInfo) -> None:
-        if not as_json:
-            where = f" on {','.join(info.nodes)}" if info.nodes else ""
-            click.echo(f"job {job_id}: attempt {n}{where}", err=True)
+        # stderr, like the progress lines (stdout stays the one JSON document with --json).
+        where = f" on {','.join(info.nodes)}" if info.nodes else ""
+        click.echo(printable(f"job {job_id}: attempt {n}{where}"), err=True)
 
     with Follower(job_id, live=sys.stderr.isatty() and not as_json) as follower:
         info = follow(client, job_id, on_update=follower.update, on_attempt=on_attempt)
