@@ -1,0 +1,157 @@
+"""Checkpoint signal, requeue and resume through `bv submit`, on the REAL dev cluster.
+
+One time-limit job (`-t 2`, Slurm's smallest useful limit, `--signal-before 60`) whose work
+needs more than one attempt, and one operator `scontrol requeue`. Both run the example with
+`--ckpt-dir` and are followed with `bv submit --wait`; both rely on the in-job supervisor
+(bluevela/launch/supervisor.py) to forward the signal to every torchrun worker and requeue.
+The time-limit test costs ~2-4 minutes of wall time (one job).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bluevela.launch.attempts import split_attempts
+from bluevela.slurm.cli_client import CliSlurmClient, fold_history
+from tests.conftest import REPO, DevCluster
+
+pytestmark = [pytest.mark.cluster]
+EXAMPLE = str(REPO / "examples" / "train_ddp.py")
+CKPT_EVERY = 5
+
+
+def _steps(text: str) -> list[int]:
+    return [int(s) for s in re.findall(r"^step=(\d+) attempt=\d+$", text, re.M)]
+
+
+def _resumed(text: str) -> set[int]:
+    return {int(s) for s in re.findall(r"^rank=\d+ attempt=\d+ resumed_from_step=(\d+)$", text, re.M)}
+
+
+def _check_resumes(out: str, *, total: int, reason: str) -> list[str]:
+    """Every attempt resumes from the previous one's checkpoint, redoing at most one
+    checkpoint interval; the request checkpoint names the signal. Returns the attempts' texts."""
+    parts = split_attempts(out)
+    assert len(parts) >= 2, out
+    done_before = 0
+    for i, part in enumerate(parts):
+        resumed = _resumed(part.text)
+        assert len(resumed) == 1, (i, part.text)  # every rank resumed from the same step
+        start = resumed.pop()
+        if i == 0:
+            assert start == 0
+        else:
+            assert start <= done_before, (start, done_before)
+            assert done_before - start <= CKPT_EVERY, (start, done_before)  # redone steps
+        steps = _steps(part.text)
+        assert steps and steps[0] == start + 1, (i, steps[:3], start)
+        done_before = steps[-1]
+        if i < len(parts) - 1:
+            assert re.search(rf"^checkpoint step={done_before} reason={reason}$", part.text,
+                             re.M), part.text
+            assert "stopping for requeue" in part.text
+    assert done_before == total
+    assert re.search(r"^initial_loss=[0-9.]+ final_loss=[0-9.]+$", parts[-1].text, re.M)
+    return [p.text for p in parts]
+
+
+def test_time_limit_signal_checkpoint_requeue_finish(
+    devcluster: DevCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """-t 2 --signal-before 60, ~100 s of steps: SIGUSR1 reaches the workers on both nodes,
+    they checkpoint, bv requeues, the next attempt resumes; --wait exits 0 at the end."""
+    ckpt = tmp_path / "ckpt"
+    # 0.5 s each: ~60 s of work, more than one attempt can do (2 minutes minus the 60 s margin,
+    # minus start-up, minus up to 30 s of early signal: 70 steps at best on the dev cluster).
+    total = 100
+    proc = devcluster.bv(
+        "submit", "--wait", "--json", "-t", "2", "--signal-before", "60", "-N", "2",
+        "--procs-per-node", "1", EXAMPLE, "--steps", str(total), "--ckpt-dir", str(ckpt),
+        "--ckpt-every", str(CKPT_EVERY), "--step-s", "0.5",
+        check=False, cwd=tmp_path, timeout=900)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    info = json.loads(proc.stdout)
+    job = info["job_id"]
+    out = (tmp_path / f"bv-{job}.out").read_text()
+    assert proc.returncode == 0, (proc.stderr, out)
+    assert info["state"] == "COMPLETED" and info["wait_exit_status"] == 0
+    assert info["restarts"] >= 1, info
+    texts = _check_resumes(out, total=total, reason="SIGUSR1")
+    # Each attempt's end names the signal; Slurm recorded the requeued attempts.
+    assert "checkpoint signal SIGUSR1 from Slurm" in texts[0]
+    assert [a["state"] for a in info["attempts"]][-1] == "COMPLETED"
+    assert all(a["state"] == "REQUEUED" for a in info["attempts"][:-1]), info["attempts"]
+    # --wait printed every attempt.
+    for n in range(1, info["restarts"] + 2):
+        assert f"job {job}: attempt {n}" in proc.stderr, proc.stderr
+
+    # bv logs --attempt N is exactly that attempt's slice.
+    for n, text in enumerate(texts, start=1):
+        got = devcluster.bv("logs", str(job), "--attempt", str(n)).stdout
+        assert got == text
+    bad = devcluster.bv("logs", str(job), "--attempt", str(len(texts) + 1), check=False)
+    assert bad.returncode == 1 and "no attempt" in bad.stderr and "Traceback" not in bad.stderr
+
+    # bv status: restart count, each restart's cause, the LAST attempt's state.
+    st = json.loads(devcluster.bv("status", str(job), "--json").stdout)
+    assert st["state"] == "COMPLETED" and st["restarts"] == info["restarts"]
+    assert "SIGUSR1" in st["attempts"][0]["cause"], st["attempts"]
+    table = devcluster.bv("status", str(job)).stdout
+    rows = [ln.split("\t") for ln in table.splitlines()]  # not a terminal: tab-separated
+    assert rows[0][:4] == ["JOBID", "STATE", "EXIT", "RESTARTS"]
+    assert rows[1][:4] == [str(job), "COMPLETED", "0", str(info["restarts"])]
+    attempts = [r for r in rows if len(r) == 5 and r[0] == str(job)]
+    assert [r[2] for r in attempts] == ["REQUEUED"] * info["restarts"] + ["COMPLETED"], rows
+    assert "SIGUSR1" in attempts[0][4]
+    # Once the job has left slurmctld only the completion records remain: the last one wins.
+    for key, value in devcluster.env.items():
+        monkeypatch.setenv(key, value)
+    records = CliSlurmClient(retry_s=0)._sacct([job])
+    assert len(records) == info["restarts"] + 1, records
+    gone = fold_history(records)
+    assert gone is not None and gone.state_name == "COMPLETED"
+    assert gone.restarts == info["restarts"]
+
+
+def test_operator_requeue_checkpoints_first(devcluster: DevCluster, tmp_path: Path) -> None:
+    """`scontrol requeue` while the job trains: every worker is asked to checkpoint before
+    Slurm ends the attempt (KillWait), the next attempt resumes from it, --wait exits 0."""
+    ckpt = tmp_path / "ckpt"
+    total = 60
+    wait = subprocess.Popen(
+        [sys.executable, "-m", "bluevela", "submit", "--wait", "--json", "-N", "2",
+         "--procs-per-node", "1", EXAMPLE, "--steps", str(total), "--ckpt-dir", str(ckpt),
+         "--ckpt-every", str(CKPT_EVERY), "--step-s", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env=devcluster.environ())
+    try:
+        assert wait.stderr is not None
+        first = wait.stderr.readline()
+        m = re.search(r"job (\d+):", first)  # --json: the first progress line names it
+        assert m, first
+        job = int(m.group(1))
+        out_file = tmp_path / f"bv-{job}.out"
+        deadline = time.monotonic() + 120
+        while not (out_file.exists() and "step=12 " in out_file.read_text()):
+            assert time.monotonic() < deadline, "job never reached step 12"
+            time.sleep(0.5)
+        devcluster.run(["scontrol", "requeue", str(job)])
+        stdout, stderr = wait.communicate(timeout=400)
+    finally:
+        if wait.poll() is None:
+            wait.kill()
+    out = out_file.read_text()
+    assert wait.returncode == 0, (first + stderr, out)
+    info = json.loads(stdout)
+    assert info["state"] == "COMPLETED" and info["restarts"] == 1
+    texts = _check_resumes(out, total=total, reason="(SIGTERM|SIGUSR1)")
+    assert len(texts) == 2
+    # The checkpoint was taken after the requeue, not just the periodic one.
+    assert max(_resumed(texts[1])) >= 12
