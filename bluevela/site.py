@@ -188,6 +188,11 @@ class IBExpect:
     ports: Annotated[list[str], _Checked(_port_list)] = field(default_factory=list)
     rate_gbps: NonNegFloat = 0.0
     link_layer: Literal["InfiniBand", "Ethernet"] = "InfiniBand"
+    # Each expected port's HCA at its PCIe maximum (current_link_width/speed = max_*).
+    pcie_at_max: bool = True
+    # GPUDirect RDMA: "peermem" (nvidia_peermem or nv_peer_mem loaded), "dmabuf" (NVIDIA's
+    # open kernel module on Linux >= 5.12), "any" (either), "off" (not checked).
+    gpudirect: Literal["off", "peermem", "dmabuf", "any"] = "off"
 
 
 @dataclass(frozen=True)
@@ -214,7 +219,15 @@ def _default_max_counters() -> dict[str, int]:
 
 
 def _default_max_increase() -> dict[str, int]:
-    return {"symbol_error": 10, "link_downed": 0, "link_error_recovery": 0, "port_rcv_errors": 10}
+    return {"symbol_error": 10, "link_downed": 0, "link_error_recovery": 0, "port_rcv_errors": 10,
+            "local_link_integrity_errors": 0}
+
+
+def _default_max_rate_per_h() -> dict[str, float]:
+    # counters/ and hw_counters/ names alike; a rate over these is WARNING.
+    return {"symbol_error": 60.0, "port_rcv_errors": 60.0, "port_xmit_discards": 1000.0,
+            "excessive_buffer_overrun_errors": 1.0, "rnr_nak_retry_err": 10.0,
+            "local_ack_timeout_err": 60.0, "req_cqe_error": 60.0}
 
 
 @dataclass(frozen=True)
@@ -225,6 +238,10 @@ class IBThresholds:
 
     max_counters: dict[str, int] = field(default_factory=_default_max_counters)
     max_increase: dict[str, int] = field(default_factory=_default_max_increase)
+    # Error rates per hour since the last reading (WARNING over these), judged only when that
+    # reading is at least `rate_min_interval_s` old (one error in 10 s is not 360/h).
+    max_rate_per_h: dict[str, float] = field(default_factory=_default_max_rate_per_h)
+    rate_min_interval_s: NonNegFloat = 300.0
 
 
 @dataclass(frozen=True)
@@ -236,6 +253,23 @@ class NodeThresholds:
     required_paths: list[str] = field(default_factory=list)
     required_mounts: list[str] = field(default_factory=list)
     required_devices: list[str] = field(default_factory=list)
+    # Each required mount must answer statvfs + a directory read in a forked child within
+    # this bound (a hung Lustre/GPFS mount is still in /proc/mounts); 0: not probed.
+    mount_probe_timeout_s: Annotated[float, Ge(0), Le(60)] = 2.0
+    # Directories (on required mounts, writable by root) where the probe also writes, reads
+    # back and removes a small file.
+    mount_write_dirs: list[str] = field(default_factory=list)
+    # Process names (/proc/<pid>/stat comm, 15 characters) that must be running.
+    required_services: list[str] = field(default_factory=list)
+    # A user process in uninterruptible sleep (D) in every reading for this long: WARNING.
+    max_d_state_s: NonNegFloat = 600.0
+    # EDAC: uncorrectable memory errors since boot over this: CRITICAL; corrected per hour
+    # since the last reading over this: WARNING.
+    max_edac_ue: NonNegInt = 0
+    max_edac_ce_per_h: NonNegFloat = 100.0
+    # |kernel clock offset| (adjtimex) over this, or the kernel clock unsynchronized: WARNING;
+    # 0: not checked.
+    max_clock_offset_ms: NonNegFloat = 0.0
 
 
 @dataclass(frozen=True)

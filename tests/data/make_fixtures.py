@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import shutil
 from collections.abc import Callable
@@ -27,6 +28,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "health"
 HEALTHY = "h100-healthy"
+# Issue 11's network and host parts of each tree live in make_fixtures_host.py.
+_spec = importlib.util.spec_from_file_location("make_fixtures_host", HERE / "make_fixtures_host.py")
+assert _spec and _spec.loader
+host = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(host)
 
 # -- the healthy HGX H100 node ----------------------------------------------------------------
 
@@ -184,6 +190,7 @@ def build_root(root: Path) -> None:
     write(root / "dev/nvidiactl", "")
     write(root / "dev/infiniband/uverbs0", "")
     write(root / "tmp/.keep", "")
+    host.build_root(root)
 
 
 # -- the failure modes: each one change to the healthy node ---------------------------------------
@@ -345,7 +352,8 @@ def build(out: Path, regen_healthy: bool = False) -> list[str]:
         healthy_nvml = json.loads(healthy_nvml_path.read_text())
     else:
         healthy_nvml = healthy_gpus()
-    names = [HEALTHY, *FAILURES]
+    failures = {**FAILURES, **host.FAILURES}
+    names = [HEALTHY, *failures]
     for name in names:
         target = out / name
         if target.exists():
@@ -354,8 +362,8 @@ def build(out: Path, regen_healthy: bool = False) -> list[str]:
         build_root(root)
         nvml = copy.deepcopy(healthy_nvml)
         about = "healthy HGX H100 node: 8 GPUs, 8 NDR ports"
-        if name in FAILURES:
-            about, changes = FAILURES[name]
+        if name in failures:
+            about, changes = failures[name]
             for change in changes:
                 change(root, nvml, state)
         write(target / "nvml.json", json.dumps(nvml, indent=2) + "\n")

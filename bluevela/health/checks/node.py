@@ -1,8 +1,13 @@
-"""`node`: memory available, free space, required mounts, paths and devices. Short and fast.
+"""`node`: memory available, free space, required mounts, paths and devices, and the host
+facts of `bluevela.health.checks.host` (mount liveness, required services, processes in D
+state, EDAC memory errors, clock sync). Short and fast.
 
 Everything is read through the root (`BV_SYSFS_ROOT`, standing for `/`): `<root>/proc/meminfo`,
 `<root>/proc/mounts`, `<root>/<path>` for paths and devices, and `statvfs(<root>/<path>)` for
-free space. A missing mount, path or device, too little memory or free space is CRITICAL.
+free space. A missing mount, path or device, too little memory or free space is CRITICAL; so
+is a required mount that does not answer its probe (hung or failing), a required service not
+running, or an uncorrectable memory error. Long D-state processes, a high corrected-error rate
+and an unsynchronized clock are WARNING.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from bluevela.health.checks.host import HostFacts, evaluate_host, gather_host
 from bluevela.health.registry import check
 from bluevela.health.result import CheckResult, Status, summarize
 
@@ -30,6 +36,7 @@ class NodeFacts:
     mounts: frozenset[str] | None = None  # None: /proc/mounts unreadable
     present: dict[str, bool] = field(default_factory=dict)  # required paths and devices
     errors: tuple[str, ...] = ()
+    host: HostFacts | None = None
 
 
 def parse_meminfo(text: str) -> int | None:
@@ -83,10 +90,20 @@ def probe_node(ctx: ProbeContext) -> NodeFacts:
             free[path] = None
     present = {p: os.path.lexists(ctx.under_root(p))
                for p in [*t.required_paths, *t.required_devices]}
-    return NodeFacts(mem, free, mounts, present, tuple(errors))
+    return NodeFacts(mem, free, mounts, present, tuple(errors), gather_host(ctx, mounts))
 
 
-@check("node", probe=probe_node)
+def node_timed_out(seconds: float, cls: NodeClass) -> CheckResult:
+    """The node check killed at its timeout: with required mounts it can only have been
+    stuck on a file system (each mount's own probe is bounded shorter), so CRITICAL."""
+    t = cls.node
+    if t.required_mounts:
+        return CheckResult("node", Status.CRITICAL, f"no answer in {seconds:g} s (a file system "
+                           f"is hung: required mounts {', '.join(t.required_mounts)})")
+    return CheckResult("node", Status.UNKNOWN, f"timed out after {seconds:g} s, killed")
+
+
+@check("node", probe=probe_node, on_timeout=node_timed_out)
 def evaluate_node(facts: NodeFacts, cls: NodeClass) -> CheckResult:
     """Memory available, free space, required mounts, paths and devices."""
     t = cls.node
@@ -128,6 +145,10 @@ def evaluate_node(facts: NodeFacts, cls: NodeClass) -> CheckResult:
     for err in facts.errors:
         if not any(err.startswith(x) for x in ("meminfo", "mounts")):
             problems.append((Status.UNKNOWN, err))
+    if facts.host is not None:
+        host_problems, host_metrics = evaluate_host(facts.host, t)
+        problems += host_problems
+        metrics.update(host_metrics)
     status, summary = summarize(problems)
     if summary is None:
         parts = []
@@ -139,5 +160,9 @@ def evaluate_node(facts: NodeFacts, cls: NodeClass) -> CheckResult:
                             ("devices", t.required_devices)):
             if items:
                 parts.append(f"{len(items)} required {what} present")
+        if facts.host is not None and facts.host.mounts:
+            parts.append(f"{len(facts.host.mounts)} mounts answering")
+        if t.required_services and facts.host is not None and facts.host.procs is not None:
+            parts.append(f"{len(t.required_services)} services running")
         summary = ", ".join(parts) or "OK"
     return CheckResult("node", status, summary, metrics)
