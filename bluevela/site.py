@@ -18,15 +18,18 @@ import dataclasses
 import logging
 import os
 import re
-import socket
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
-
-from annotated_types import Ge, Gt, Le, MinLen
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from bluevela.errors import BluevelaError, SiteConfigError
+
+if TYPE_CHECKING:
+    from annotated_types import Ge, Gt, Le, MinLen
+
+    NonNegInt = Annotated[int, Ge(0)]
+    NonNegFloat = Annotated[float, Ge(0)]
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +40,29 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _STRICT = {"extra": "forbid"}
 T = TypeVar("T")
 
-NonNegInt = Annotated[int, Ge(0)]
-NonNegFloat = Annotated[float, Ge(0)]
+
+def _constraint(*_args: Any) -> None:
+    return None
+
+
+def _annotation_names(*, real: bool) -> dict[str, Any]:
+    """What the field annotations name (they are strings: `from __future__ import annotations`).
+
+    pydantic needs the real annotated_types constraints (`real`); rebuilding a cached site only
+    needs the types (`typing.get_type_hints` drops `Annotated` metadata), so a cache hit (the
+    `bv submit` path) never imports annotated_types: ~6 ms of a ~80 ms `bv submit --dry-run`.
+    """
+    if real:
+        from annotated_types import Ge, Gt, Le, MinLen
+
+        ge: Any = Ge
+        names: dict[str, Any] = {"Ge": Ge, "Gt": Gt, "Le": Le, "MinLen": MinLen}
+    else:
+        ge = _constraint
+        names = dict.fromkeys(("Ge", "Gt", "Le", "MinLen"), _constraint)
+    names["NonNegInt"] = Annotated[int, ge(0)]
+    names["NonNegFloat"] = Annotated[float, ge(0)]
+    return names
 
 
 class _Checked:
@@ -367,6 +391,8 @@ class Site:
                     f"(known: {', '.join(sorted(self.node_classes))})"
                 )
             return forced
+        import socket
+
         host = node or socket.gethostname().split(".")[0]
         for name, cls in self.node_classes.items():
             if host in cls.hostnames:
@@ -411,6 +437,8 @@ def validate(cls: type[T], data: Any) -> T:
     """
     from pydantic import TypeAdapter
 
+    # The annotations resolve in this module's namespace: give pydantic the real constraints.
+    globals().update(_annotation_names(real=True))
     return TypeAdapter(cls).validate_python(data)
 
 
@@ -418,7 +446,7 @@ def _build(cls: type[T], data: dict[str, Any]) -> T:
     """Rebuild a dataclass from its own `to_dict()` (the cache) without pydantic."""
     import typing
 
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, localns=_annotation_names(real=False))
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if f.name not in data:
