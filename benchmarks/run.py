@@ -39,6 +39,7 @@ def main() -> int:
         spec = importlib.util.spec_from_file_location(path.stem, path)
         assert spec and spec.loader
         mod = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = mod  # dataclasses (bench_recovery) look their module up
         try:
             spec.loader.exec_module(mod)
             for fig in mod.figures(args):

@@ -1,0 +1,298 @@
+"""Recovery from a node crash on the dev cluster: bv's in-job supervisor vs bare Slurm requeue.
+
+The job (both paths): examples/train_ddp.py on 2 nodes x 1 gloo rank, a step every 0.5 s, a
+checkpoint every 5 steps, resume from the last checkpoint at start (issue 10's set-up). At
+`step=10` the second node of the step is crashed (`slurm/devcluster crash`: every process in
+its namespace SIGKILLed, slurmd included). Each line of the job's output file is timestamped
+as it appears (polled at 20 Hz); phases are measured from the crash:
+
+- bv (`bv submit --spare-nodes 1`, 3-node allocation): crash -> the supervisor's end line
+  (step ended) -> the attempt-2 banner (relaunched) -> the first `rank=R attempt=2
+  resumed_from_step=S` line.
+- bv, silent crash (`crash --silent`: the node's link goes down first, so no FIN/RST reaches
+  the peers, as in a power cut): detection then rests on the supervisor's --node-timeout.
+- bare Slurm (today's launcher: `srun torchrun` in an sbatch script, `--requeue`,
+  `--open-mode=append`, 2-node allocation): crash -> the job leaves RUNNING (Slurm declared the
+  node dead: SlurmdTimeout) -> RUNNING again (after the requeue hold: cred_expire) -> the first
+  resumed rank line.
+
+The runs are interleaved (bv, bare, bv silent, ...) on the same cluster. A measurement that
+prints, not a timed test. Dev cluster: SlurmdTimeout=30, cred_expire=20 (left as they are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from _common import PY, REPO, Figure
+
+DEVCLUSTER = str(REPO / "slurm" / "devcluster")
+EXAMPLE = str(REPO / "examples" / "train_ddp.py")
+TRAIN_ARGS = ["--steps", "30", "--step-s", "0.5", "--ckpt-every", "5"]
+CRASH_AT = "step=10 attempt=1"
+RESUMED = re.compile(r"^rank=\d+ attempt=2 resumed_from_step=(\d+)$")
+SLURMD_TIMEOUT_S, CRED_EXPIRE_S = 30, 20  # the dev cluster's (slurm/devcluster)
+PROD_SLURMD_TIMEOUT_S, PROD_CRED_EXPIRE_S = 300, 120  # Slurm's defaults
+
+
+@dataclass
+class Run:
+    kind: str
+    crash_at: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # name -> seconds after the crash
+    resumed_step: int | None = None
+    error: str | None = None
+
+    @property
+    def total(self) -> float:
+        return self.phases.get("resumed", float("nan"))
+
+
+class Tail:
+    """Lines of a growing file with the time each was first seen."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.pos, self.buf = path, 0, b""
+        self.lines: list[tuple[float, str]] = []
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.pos)
+                data = fh.read()
+        except FileNotFoundError:
+            return
+        now = time.monotonic()
+        self.pos += len(data)
+        self.buf += data
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            self.lines.append((now, line.decode(errors="replace")))
+
+    def wait(self, pred: object, timeout: float, start: int = 0) -> tuple[float, str] | None:
+        deadline = time.monotonic() + timeout
+        i = start
+        while time.monotonic() < deadline:
+            self.poll()
+            while i < len(self.lines):
+                t, line = self.lines[i]
+                i += 1
+                if pred(line):  # type: ignore[operator]
+                    return t, line
+            time.sleep(0.05)
+        return None
+
+
+def _env() -> dict[str, str] | None:
+    if os.geteuid() != 0:
+        return None
+    up = subprocess.run([PY, DEVCLUSTER, "up", "--nodes", "3"], capture_output=True, text=True,
+                        timeout=600, check=False, env={**os.environ, "BV_PYTHON": PY})
+    if up.returncode != 0:
+        return None
+    out = subprocess.run([PY, DEVCLUSTER, "env"], capture_output=True, text=True, check=True)
+    env = dict(os.environ)
+    for line in out.stdout.splitlines():
+        words = shlex.split(line)
+        if len(words) == 2 and words[0] == "export":
+            k, _, v = words[1].partition("=")
+            env[k] = v
+    return env
+
+
+def _sh(env: dict[str, str], *argv: str, check: bool = True) -> str:
+    proc = subprocess.run(list(argv), capture_output=True, text=True, env=env, timeout=120,
+                          check=False)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{argv}: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout
+
+
+def _job_state(env: dict[str, str], job: str) -> tuple[str, int]:
+    out = _sh(env, "scontrol", "show", "job", "-o", job, check=False)
+    state = re.search(r"JobState=(\S+)", out)
+    restarts = re.search(r"Restarts=(\d+)", out)
+    return (state.group(1) if state else "GONE"), int(restarts.group(1)) if restarts else 0
+
+
+def _settle(env: dict[str, str], job: str, crashed: str) -> None:
+    """Wait for the job to end, bring the crashed node back, all nodes idle."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        state, _ = _job_state(env, job)
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "GONE", "NODE_FAIL"):
+            break
+        time.sleep(0.5)
+    else:
+        _sh(env, "scancel", job, check=False)
+    _sh(env, PY, DEVCLUSTER, "revive", crashed, check=False)
+    for n in ("node1", "node2", "node3"):
+        _sh(env, "scontrol", "update", f"NodeName={n}", "State=RESUME", check=False)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        out = _sh(env, "sinfo", "-h", "-N", "-o", "%N %T", check=False)
+        if all(line.split()[1] == "idle" for line in out.splitlines() if line.strip()):
+            return
+        time.sleep(0.5)
+
+
+def run_bv(env: dict[str, str], work: Path, silent: bool) -> Run:
+    run = Run("bv silent" if silent else "bv")
+    ckpt = work / "ckpt"
+    out = subprocess.run(
+        [PY, "-m", "bluevela", "submit", "-N", "2", "--spare-nodes", "1", "--procs-per-node", "1",
+         EXAMPLE, "--ckpt-dir", str(ckpt), *TRAIN_ARGS],
+        capture_output=True, text=True, env=env, cwd=work, check=True).stdout
+    job = re.search(r"job (\d+)", out)
+    assert job, out
+    tail = Tail(work / f"bv-{job.group(1)}.out")
+    crashed = "node2"
+    try:
+        if tail.wait(lambda s: s.startswith(CRASH_AT), 180) is None:
+            run.error = "never reached step 10"
+            return run
+        banner = next(line for _, line in tail.lines if line.startswith("==== bv attempt 1 job"))
+        nodes = _sh(env, "scontrol", "show", "hostnames", banner.split()[7]).split()
+        crashed = nodes[1]
+        run.crash_at = time.monotonic()
+        _sh(env, PY, DEVCLUSTER, "crash", crashed, *(["--silent"] if silent else []))
+        n = len(tail.lines)
+        for name, pred in (("step ended", lambda s: s.startswith("==== bv attempt 1 ended:")),
+                           ("relaunched", lambda s: s.startswith("==== bv attempt 2 job")),
+                           ("resumed", lambda s: RESUMED.match(s) is not None)):
+            hit = tail.wait(pred, 180, n)
+            if hit is None:
+                run.error = f"no '{name}'"
+                return run
+            run.phases[name] = hit[0] - run.crash_at
+            if name == "resumed":
+                m = RESUMED.match(hit[1])
+                run.resumed_step = int(m.group(1)) if m else None
+        return run
+    finally:
+        _settle(env, job.group(1), crashed)
+
+
+BARE = """#!/bin/bash
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output={out}
+set -euo pipefail
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+exec srun --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL torchrun --nnodes=2 \\
+  --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint="$head:29500" \\
+  --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 {script} --ckpt-dir {ckpt} {args}
+"""
+
+
+def run_bare(env: dict[str, str], work: Path) -> Run:
+    run = Run("bare")
+    out = work / "bare.out"
+    script = BARE.format(out=shlex.quote(str(out)), script=shlex.quote(EXAMPLE),
+                         ckpt=shlex.quote(str(work / "ckpt")), args=" ".join(TRAIN_ARGS))
+    job = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True,
+                         env=env, cwd=work, check=True).stdout.strip().split(";")[0]
+    tail = Tail(out)
+    crashed = "node2"
+    try:
+        if tail.wait(lambda s: s.startswith(CRASH_AT), 180) is None:
+            run.error = "never reached step 10"
+            return run
+        nodelist = re.search(r"\sNodeList=(\S+)", _sh(env, "scontrol", "show", "job", "-o", job))
+        crashed = _sh(env, "scontrol", "show", "hostnames", nodelist.group(1)).split()[1] \
+            if nodelist else "node2"
+        run.crash_at = time.monotonic()
+        _sh(env, PY, DEVCLUSTER, "crash", crashed)
+        n = len(tail.lines)
+        deadline = time.monotonic() + 240
+        left = again = None
+        while time.monotonic() < deadline and again is None:
+            state, restarts = _job_state(env, job)
+            now = time.monotonic()
+            if left is None and (state != "RUNNING" or restarts > 0):
+                left = now
+            if left is not None and state == "RUNNING" and restarts > 0:
+                again = now
+            time.sleep(0.1)
+        if left is None or again is None:
+            run.error = "not requeued"
+            return run
+        run.phases["job ended"] = left - run.crash_at
+        run.phases["running again"] = again - run.crash_at
+        hit = tail.wait(lambda s: RESUMED.match(s) is not None, 180, n)
+        if hit is None:
+            run.error = "no resumed line"
+            return run
+        run.phases["resumed"] = hit[0] - run.crash_at
+        m = RESUMED.match(hit[1])
+        run.resumed_step = int(m.group(1)) if m else None
+        return run
+    finally:
+        _settle(env, job, crashed)
+
+
+def _phases(runs: list[Run]) -> str:
+    names = list(runs[0].phases) if runs else []
+    return ", ".join(f"{k} {statistics.median(r.phases[k] for r in runs):.1f}" for k in names)
+
+
+def figures(args: argparse.Namespace) -> Iterator[Figure]:
+    env = _env()
+    if env is None:
+        yield Figure("recovery.bv_crash_to_resumed_s", float("nan"), "s", "<= 24",
+                     "dev cluster unavailable (needs root and slurm/devcluster)")
+        return
+    rounds = 1 if args.quick else 2
+    runs: dict[str, list[Run]] = {"bv": [], "bare": [], "bv silent": []}
+    for _ in range(rounds):
+        for kind in ("bv", "bare", "bv silent"):
+            with tempfile.TemporaryDirectory(prefix="bv-bench-recovery-") as tmp:
+                work = Path(tmp)
+                try:
+                    run = (run_bare(env, work) if kind == "bare"
+                           else run_bv(env, work, silent=kind == "bv silent"))
+                except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
+                    run = Run(kind, error=f"{type(exc).__name__}: {exc}")
+            print(f"recovery: {kind}: " + ", ".join(f"{k} {v:.1f} s" for k, v in run.phases.items())
+                  + (f" (ERROR {run.error})" if run.error else ""), flush=True)
+            if run.error:
+                print(f"recovery: {kind} run failed: {run.error}", flush=True)
+            else:
+                runs[kind].append(run)
+    ok = {k: v for k, v in runs.items() if v}
+    med = {k: statistics.median(r.total for r in v) for k, v in ok.items()}
+    bv, bare = med.get("bv", float("nan")), med.get("bare", float("nan"))
+    steps = {k: sorted({r.resumed_step for r in v}) for k, v in ok.items()}
+    yield Figure("recovery.bv_crash_to_resumed_s", bv, "s", "<= 24",
+                 f"median of {len(ok.get('bv', []))}; phases after the crash: "
+                 f"{_phases(ok.get('bv', []))}; resumed from step {steps.get('bv')}")
+    yield Figure("recovery.bv_silent_crash_to_resumed_s", med.get("bv silent", float("nan")),
+                 "s", "<= 24", f"link down first, detection by --node-timeout 10 s; phases: "
+                 f"{_phases(ok.get('bv silent', []))}")
+    yield Figure("recovery.bare_slurm_crash_to_resumed_s", bare, "s", "",
+                 f"median of {len(ok.get('bare', []))}; phases: {_phases(ok.get('bare', []))}")
+    yield Figure("recovery.bv_to_bare_ratio", bv / bare if bare else float("nan"), "ratio",
+                 "<= 0.4", "same job, interleaved runs, same cluster")
+    if ok.get("bare"):
+        ended = statistics.median(r.phases["job ended"] for r in ok["bare"])
+        hold = statistics.median(r.phases["running again"] - r.phases["job ended"]
+                                 for r in ok["bare"])
+        start = bare - ended - hold
+        prod = (ended - SLURMD_TIMEOUT_S + PROD_SLURMD_TIMEOUT_S
+                + hold - CRED_EXPIRE_S + PROD_CRED_EXPIRE_S + start)
+        yield Figure("recovery.bare_slurm_production_defaults_est_s", prod, "s", "",
+                     f"bare phases with SlurmdTimeout {PROD_SLURMD_TIMEOUT_S} s and cred_expire "
+                     f"{PROD_CRED_EXPIRE_S} s instead of {SLURMD_TIMEOUT_S}/{CRED_EXPIRE_S}; the "
+                     "bv figures use neither")
