@@ -51,6 +51,9 @@ class PySlurmClient:
             j = self._pyslurm.Job.load(job_id)
         except Exception:  # noqa: BLE001 - aged out of slurmctld: ask sacct via the CLI
             return self._cli.job(job_id)
+        if j.requeue_count:
+            # Requeued: each attempt's record (and the requeue flag) come from the CLI path.
+            return self._cli.job(job_id)
         state = JobState.from_slurm(str(j.state))
         return JobInfo(
             job_id=int(j.id),
