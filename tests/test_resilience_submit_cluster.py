@@ -155,3 +155,24 @@ def test_operator_requeue_checkpoints_first(devcluster: DevCluster, tmp_path: Pa
     assert len(texts) == 2
     # The checkpoint was taken after the requeue, not just the periodic one.
     assert max(_resumed(texts[1])) >= 12
+
+
+def test_real_sbatch_takes_the_new_options(devcluster: DevCluster, tmp_path: Path) -> None:
+    """The rendered header as real sbatch/slurmctld read it (held, never runs)."""
+    proc = devcluster.bv(
+        "submit", "--json", "--hold", "-t", "5", "--signal-before", "60", "-c", "1",
+        "--mem", "100M", "--exclusive", "-x", "node3", "-d", "singleton",
+        "--sbatch-arg=--nice=7", "--sbatch-arg=--begin=now+3600",
+        "--sbatch-arg=--mail-type=END", "--sbatch-arg=--mail-user=it's a b@x", EXAMPLE,
+        cwd=tmp_path)
+    job = json.loads(proc.stdout)["job_id"]
+    try:
+        show = devcluster.run(["scontrol", "show", "job", "-o", str(job)]).stdout
+    finally:
+        devcluster.run(["scancel", str(job)], check=False)
+    fields = dict(w.split("=", 1) for w in show.split() if "=" in w)
+    assert fields["TimeLimit"] == "00:05:00" and fields["Requeue"] == "1"
+    assert fields["Nice"] == "7" and fields["ExcNodeList"] == "node3"
+    assert fields["Dependency"].startswith("singleton") and fields["MinMemoryNode"] == "100M"
+    assert fields["OverSubscribe"] == "NO"  # --exclusive
+    assert "MailUser=it's a b@x" in show
