@@ -294,6 +294,8 @@ class NodeThresholds:
     # |kernel clock offset| (adjtimex) over this, or the kernel clock unsynchronized: WARNING;
     # 0: not checked.
     max_clock_offset_ms: NonNegFloat = 0.0
+    # `dcgmi diag -r <level>` of the dcgm check (1 ~ seconds, 2 ~ 2 min, 3 ~ 30 min).
+    dcgm_level: Annotated[int, Ge(1), Le(4)] = 1
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ def test_registry_refuses_duplicates() -> None:
         def again(facts: object, cls: object) -> CheckResult:  # pragma: no cover
             raise AssertionError
 
-    with pytest.raises(HealthError, match="known: gpu, ib, nccl, node"):
+    with pytest.raises(HealthError, match=r"known: (dcgm, )?gpu, ib, nccl, node"):
         get_check("nope")
 
 
@@ -141,7 +141,7 @@ def test_unknown_check_in_a_tier_is_a_validation_error(tmp_path: Path) -> None:
 
     tiers = ("{quick: {checks: [gpu, ibb, node], cap_s: 5, check_timeout_s: 3}, "
              "full: {checks: [gpu, ib, node, nccl], cap_s: 180, check_timeout_s: 120}}")
-    with pytest.raises(SiteConfigError, match=r"unknown check\(s\) 'ibb' \(known: gpu, ib,") as e:
+    with pytest.raises(SiteConfigError, match=r"unknown check\(s\) 'ibb' \(known: (dcgm, )?gpu, ib,") as e:
         parse_site(_site_text(tiers=tiers), tmp_path / "site.yaml")
     assert "health.tiers.quick.checks" in str(e.value)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from bluevela.health.checks.dcgm import DcgmFacts, evaluate_dcgm, parse_diag
 from bluevela.health.checks.host import (
     ClockFacts,
     EdacFacts,
@@ -313,6 +314,7 @@ from dataclasses import replace
 sys.path.insert(0, {repo!r})
 from tests.fuse_hang import mount_hung
 from bluevela.health.context import ProbeContext
+from bluevela.health.runner import run_checks
 from bluevela.site import load_site
 root = Path({root!r})
 fd = mount_hung(str(root / "lustre"))
@@ -351,3 +353,46 @@ def test_hung_mount_is_critical_not_a_crash(tmp_path: Path) -> None:
     assert out["took"] < 2.5, out  # bounded by the probe's 1 s, not the check's 3 s
     assert out["b"][0] == "CRITICAL", out
     assert out["b"][1] == "no answer in 1 s (a file system is hung: required mounts /home, /lustre)"
+
+
+# -- DCGM diagnostics ---------------------------------------------------------------------------
+
+
+def dcgm_facts(name: str, level: int) -> DcgmFacts:
+    results, version = parse_diag((FIXTURES / name).read_text())
+    return DcgmFacts(level, True, results, version)
+
+
+def test_dcgm_absent_is_unknown_not_ok(h100: NodeClass, tmp_path: Path) -> None:
+    """The fixture node has no /usr/bin/dcgmi: nothing was diagnosed."""
+    r = get_check("dcgm").run_once(fixture_ctx(h100, "h100-healthy", tmp_path))
+    assert r.status is Status.UNKNOWN and r.summary.startswith("DCGM not installed"), r
+
+
+def test_dcgm_diag_pass_fail_and_config_only(h100: NodeClass) -> None:
+    ok = evaluate_dcgm(dcgm_facts("dcgm-diag-3x-r1-pass.json", 1), h100)
+    assert ok.status is Status.OK and ok.summary == "diag r1: 9 passed, 0 skipped (DCGM 3.3.5)", ok
+    bad = evaluate_dcgm(dcgm_facts("dcgm-diag-4x-r2-memory-fail.json", 2), h100)
+    assert bad.status is Status.CRITICAL, bad
+    assert bad.summary.startswith("diag r2 GPU 3 memory failed: A memory mismatch was detected")
+    assert bad.metrics["failed_count"] == 1 and bad.metrics["results_count"] == 24
+    # Persistence mode off fails every GPU with CONFIG severity: warned, not drained.
+    cfg = evaluate_dcgm(dcgm_facts("dcgm-diag-4x-r1-persistence-off.json", 1), h100)
+    assert cfg.status is Status.WARNING and "Persistence mode for GPU 0 is disabled" in cfg.summary
+
+
+def test_dcgm_output_parsing_edges(h100: NodeClass) -> None:
+    with pytest.raises(ValueError):
+        parse_diag("Error: unable to establish a connection to the specified host: localhost")
+    with pytest.raises(ValueError):
+        parse_diag('{"something": "else"}')
+    # dcgmi may print a line before the JSON; warnings may be plain strings; status any case.
+    text = ('Successfully ran diagnostic for group.\n{"DCGM GPU Diagnostic": {"test_categories": '
+            '[{"category": "Stress", "tests": [{"name": "Targeted Power", "results": '
+            '[{"gpu_ids": "1", "status": "WARN", "warnings": ["Power 601 W below 650 W"]}]}]}]}}')
+    results, version = parse_diag(text)
+    assert version is None and results[0].status == "warn" and results[0].gpus == "1"
+    r = evaluate_dcgm(DcgmFacts(3, True, results), h100)
+    assert r.status is Status.WARNING and r.summary == (
+        "diag r3 GPU 1 Targeted Power warned: Power 601 W below 650 W")
+    assert evaluate_dcgm(DcgmFacts(1, True, ()), h100).status is Status.UNKNOWN
