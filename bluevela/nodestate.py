@@ -60,6 +60,20 @@ NO_PARTITION = "_none"  # slots of nodes in no partition (counted over all nodes
 _SLOT = re.compile(r"^bv-drain-([A-Za-z0-9_]{1,64})-([0-9]{1,6})$")
 
 
+class DrainFailed(SlurmError):
+    """A Slurm call of `drain_node` failed.
+
+    `slots` are the breaker slots taken before it failed: with a slot the node counts against
+    the breaker (it may be drained after all, by us or by Slurm for a prolog's exit 1); with
+    none it does not, and a prolog must not exit 1 for it (Slurm would drain it outside the
+    breaker: fifty prologs that cannot reach a slow slurmctld would drain fifty nodes).
+    """
+
+    def __init__(self, message: str, slots: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.slots = slots
+
+
 @dataclass(frozen=True)
 class DrainOutcome:
     node: str
@@ -407,7 +421,7 @@ def drain_node(client: SlurmClient, site: Site, node: str, detail: str, *,
         if taken:
             logger.error("drain of %s failed (%s); keeping breaker slot(s) %s", node, exc,
                          ", ".join(taken))
-        raise
+        raise DrainFailed(str(exc), tuple(taken)) from exc
     logger.warning("drained %s: %s (breaker slot(s) %s)", node, reason, ", ".join(taken))
     return DrainOutcome(node, True, reason, slots=tuple(taken), rpcs=c.calls)
 

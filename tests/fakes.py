@@ -61,3 +61,34 @@ class RecordingCuda:
         self.calls.append("launch")
         self.clock_ms += self._kernel_ms[self._n % len(self._kernel_ms)]
         self._n += 1
+
+
+class SlowControllerSlurm:
+    """A controller that answers reads and takes a breaker slot, then times out on the drain
+    (slurmctld overloaded mid-storm). Only the calls `bluevela.nodestate.drain_node` makes."""
+
+    def __init__(self, node: str, partition: str = "debug", total: int = 16) -> None:
+        from bluevela.slurm.client import NodeInfo
+
+        self.node = node
+        self.nodes_ = [NodeInfo(f"n{i}", "IDLE", "", (partition,)) for i in range(1, total)]
+        self.nodes_.append(NodeInfo(node, "ALLOCATED", "", (partition,)))
+        self.created: list[str] = []
+
+    def nodes(self, names: object = None) -> list[object]:
+        return list(self.nodes_)
+
+    def reservations(self, timeout_s: float | None = None) -> list[object]:
+        return []
+
+    def create_reservation(self, name: str, node: str, **kw: object) -> bool:
+        self.created.append(name)
+        return True
+
+    def delete_reservation(self, name: str, **kw: object) -> bool:
+        return True
+
+    def drain(self, node: str, reason: str, timeout_s: float | None = None) -> None:
+        from bluevela.errors import SlurmError
+
+        raise SlurmError("scontrol update timed out after 10 s")

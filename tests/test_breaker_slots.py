@@ -105,3 +105,20 @@ def test_free_slots_never_let_the_total_pass_the_limit(site: Site, unslotted: in
     (b,) = budgets(site, nodes, slots, ["debug"])
     assert b.free() == free
     assert unslotted + len(held) + len(free) <= b.limit
+
+
+def test_a_drain_that_fails_after_winning_a_slot_keeps_the_slot_counted(site: Site) -> None:
+    from bluevela.hooks.phases import DrainResult
+    from bluevela.nodestate import DrainFailed, drain_node
+    from tests.fakes import SlowControllerSlurm
+
+    slurm = SlowControllerSlurm("gpu007")
+    with pytest.raises(DrainFailed) as info:
+        drain_node(slurm, site, "gpu007", "ib: mlx5_0/1 state DOWN")  # type: ignore[arg-type]
+    assert info.value.slots == tuple(slurm.created) and len(slurm.created) == 1
+    # The prolog exits 1 for it (counted: Slurm may drain it); not for a failure before a slot.
+    assert DrainResult(True, False, "r", error="timeout", slot_held=True).prolog_exit() == 1
+    assert DrainResult(True, False, "r", error="unreachable").prolog_exit() == 0
+    assert DrainResult(True, False, "r", why_not="fleet breaker: 3/16").prolog_exit() == 0
+    assert DrainResult(True, True, "r").prolog_exit() == 1
+    assert DrainResult().prolog_exit() == 0

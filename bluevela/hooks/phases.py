@@ -2,8 +2,9 @@
 
 - prolog: quick tier (+ nccl when its last pass is older than `health.nccl_freshness_h`).
   CRITICAL: drain this node `bv: <check>: <detail>`, spool the report, exit 1 (Slurm requeues
-  the job). Exit 0 when the fleet breaker held the drain (a non-zero exit would make Slurm
-  drain the node itself, defeating the breaker). WARNING/UNKNOWN: exit 0, recorded.
+  the job). Exit 0 when the fleet breaker held the drain, or when Slurm could not be reached
+  before a breaker slot was won (a non-zero exit would make Slurm drain the node itself,
+  outside the breaker). WARNING/UNKNOWN: exit 0, recorded.
 - epilog: quick tier after the job, with its exit status and per-job telemetry, spooled.
   CRITICAL: drain with the precise reason; always exit 0 (a non-zero exit would drain with
   Slurm's vague "Epilog error").
@@ -47,10 +48,23 @@ class DrainResult:
     reason: str | None = None
     why_not: str | None = None  # fleet breaker, operator's drain
     error: str | None = None  # the Slurm call failed
+    slot_held: bool = False  # a breaker slot was won before the Slurm call failed
 
     @property
     def breaker(self) -> bool:
         return bool(self.why_not and self.why_not.startswith("fleet breaker"))
+
+    def prolog_exit(self) -> int:
+        """1 keeps the job off this node (Slurm drains it "Prolog error" and requeues the job),
+        but only where the breaker counts the node: drained, or a slot won before a Slurm call
+        failed, or already drained. A drain the breaker held, or one that failed before any
+        slot was won (slurmctld unreachable or too slow), exits 0: else every prolog of a
+        storm against a slow controller would be drained by Slurm, outside the breaker."""
+        if not self.attempted or self.breaker:
+            return 0
+        if self.error is not None and not self.slot_held:
+            return 0
+        return 1
 
 
 @dataclass(frozen=True)
@@ -169,8 +183,11 @@ def _drain_if_critical(site: Site, node: str, report: HealthReport) -> DrainResu
         # their calls to slurmctld, and the breaker's slots hold whatever the timing.
         out = drain_node(hook_client(site), site, node, detail, jitter_s=HOOK_JITTER_S)
     except BluevelaError as exc:
-        logger.error("could not drain %s (%s): %s", node, reason, exc)
-        return DrainResult(True, False, reason, error=str(exc))
+        held = bool(getattr(exc, "slots", ()))
+        logger.error("could not drain %s (%s): %s%s", node, reason, exc,
+                     "" if held else "; no breaker slot was won: not counted, the job may "
+                     "start here (the epilog and healthcheck check again)")
+        return DrainResult(True, False, reason, error=str(exc), slot_held=held)
     if not out.drained:
         logger.error("NOT drained %s (%s): %s", node, reason, out.why_not)
     return DrainResult(True, out.drained, out.reason, out.why_not)
@@ -233,9 +250,7 @@ def prolog(site: Site, hctx: HookContext) -> HookOutcome:
         save_job_reading(state, hctx.job_id, reading_of(report, time.time()))
     drain = _drain_if_critical(site, hctx.node, report)
     spooled = _spool(site, hctx, report, drain, {})
-    # Exit 1 keeps the job off this node (Slurm requeues it) unless the fleet breaker held
-    # the drain on purpose.
-    code = 1 if drain.attempted and not drain.breaker else 0
+    code = drain.prolog_exit()
     return _finish(state, HookOutcome("prolog", hctx.node, hctx.job_id, report, drain,
                                       spooled=spooled, exit_code=code))
 
