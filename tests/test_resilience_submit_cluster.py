@@ -120,9 +120,18 @@ def test_time_limit_signal_checkpoint_requeue_finish(
     assert gone.restarts == info["restarts"]
 
 
-def test_operator_requeue_checkpoints_first(devcluster: DevCluster, tmp_path: Path) -> None:
-    """`scontrol requeue` while the job trains: every worker is asked to checkpoint before
-    Slurm ends the attempt (KillWait), the next attempt resumes from it, --wait exits 0."""
+def _wait_for(path: Path, pattern: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and re.search(pattern, path.read_text(), re.M)):
+        assert time.monotonic() < deadline, f"no {pattern!r} in {path}"
+        time.sleep(0.5)
+
+
+def test_operator_requeues_checkpoint_first(devcluster: DevCluster, tmp_path: Path) -> None:
+    """An operator requeues a training job twice: `bv requeue` (SIGUSR1 to the supervisor,
+    the time-limit path), then plain `scontrol requeue` (Slurm's SIGTERM to every process,
+    SIGKILL after KillWait). Both times every worker checkpoints before the attempt ends, the
+    next attempt resumes from it, and `bv submit --wait` follows to the end and exits 0."""
     ckpt = tmp_path / "ckpt"
     total = 60
     wait = subprocess.Popen(
@@ -138,10 +147,12 @@ def test_operator_requeue_checkpoints_first(devcluster: DevCluster, tmp_path: Pa
         assert m, first
         job = int(m.group(1))
         out_file = tmp_path / f"bv-{job}.out"
-        deadline = time.monotonic() + 120
-        while not (out_file.exists() and "step=12 " in out_file.read_text()):
-            assert time.monotonic() < deadline, "job never reached step 12"
-            time.sleep(0.5)
+        _wait_for(out_file, r"^step=8 attempt=1$")
+        got = devcluster.bv("requeue", str(job))
+        assert f"job {job}: checkpoint requested" in got.stdout
+        _wait_for(out_file, r"^step=\d+ attempt=2$")
+        resumed2 = max(_resumed(split_attempts(out_file.read_text())[1].text))
+        _wait_for(out_file, rf"^step={resumed2 + 4} attempt=2$")
         devcluster.run(["scontrol", "requeue", str(job)])
         stdout, stderr = wait.communicate(timeout=400)
     finally:
@@ -150,11 +161,17 @@ def test_operator_requeue_checkpoints_first(devcluster: DevCluster, tmp_path: Pa
     out = out_file.read_text()
     assert wait.returncode == 0, (first + stderr, out)
     info = json.loads(stdout)
-    assert info["state"] == "COMPLETED" and info["restarts"] == 1
+    assert info["state"] == "COMPLETED" and info["restarts"] == 2
     texts = _check_resumes(out, total=total, reason="(SIGTERM|SIGUSR1)")
-    assert len(texts) == 2
-    # The checkpoint was taken after the requeue, not just the periodic one.
-    assert max(_resumed(texts[1])) >= 12
+    assert len(texts) == 3
+    assert re.search(r"^checkpoint step=\d+ reason=SIGUSR1$", texts[0], re.M)
+    assert "checkpoint signal SIGUSR1 from Slurm, workers exited 0, requeued by bv" in texts[0]
+    assert re.search(r"^checkpoint step=\d+ reason=SIGTERM$", texts[1], re.M)
+    # The checkpoints were taken on request, after the requeue, not just the periodic ones.
+    assert max(_resumed(texts[1])) >= 8 and max(_resumed(texts[2])) >= resumed2 + 4
+    # A job that is not running cannot be asked: one line, no traceback.
+    bad = devcluster.bv("requeue", str(job), check=False)
+    assert bad.returncode == 1 and "not RUNNING" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_real_sbatch_takes_the_new_options(devcluster: DevCluster, tmp_path: Path) -> None:

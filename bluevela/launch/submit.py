@@ -187,6 +187,22 @@ def follow(
         sleep(poll_s)
 
 
+def requeue_with_checkpoint(client: SlurmClient, job_id: int) -> JobInfo:
+    """An operator's requeue that takes the time-limit path: SIGUSR1 to the job's batch shell
+    (bv's supervisor), which asks every worker to checkpoint, waits for them, and requeues the
+    job itself. (`scontrol requeue` instead sends SIGTERM to every process and SIGKILL after
+    KillWait.) Raises SlurmError for a job that is not running or may not be requeued."""
+    info = client.job(job_id)
+    if info.state is not JobState.RUNNING:
+        raise SlurmError(f"job {job_id} is {info.state_name}, not RUNNING: nothing to "
+                         "checkpoint (scontrol requeue requeues it as it is)")
+    if not info.requeue:
+        raise SlurmError(f"job {job_id} was submitted with --no-requeue; it cannot come back "
+                         "(scancel --batch --signal=USR1 still asks it to checkpoint)")
+    client.signal_batch(job_id, "USR1")
+    return info
+
+
 def exit_status_for(info: JobInfo) -> int:
     """The `--wait` exit code: 0 completed; the job's own code when it failed with one;
     124 timeout; 130 cancelled; 1 otherwise."""

@@ -331,6 +331,9 @@ class CliSlurmClient:
         if job_ids:
             self._run(["scancel", *[str(j) for j in job_ids]])
 
+    def signal_batch(self, job_id: int, signal_name: str) -> None:
+        self._run(["scancel", "--batch", f"--signal={signal_name}", str(job_id)])
+
     def nodes(self, names: list[str] | None = None) -> list[NodeInfo]:
         argv = ["sinfo", "-h", "-N", "-o", "%N|%T|%P|%E"]
         if names:

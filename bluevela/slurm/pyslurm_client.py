@@ -79,6 +79,9 @@ class PySlurmClient:
     def cancel(self, job_ids: list[int]) -> None:
         self._cli.cancel(job_ids)
 
+    def signal_batch(self, job_id: int, signal_name: str) -> None:
+        self._cli.signal_batch(job_id, signal_name)
+
     def nodes(self, names: list[str] | None = None) -> list[NodeInfo]:
         return self._cli.nodes(names)
 
