@@ -62,6 +62,9 @@ END_RE = re.compile(r"^==== bv attempt (\d+) ended: (.*) ====$")
 SUPERVISOR_ENV = "BV_SUPERVISOR"
 ATTEMPT_ENV = "BV_ATTEMPT"
 PING_S = 1.0
+# An aborted step is broken (a peer is gone, or it hangs): no checkpoint can complete, so
+# torchrun's SIGTERM is followed by SIGKILL to everything under it soon after.
+ABORT_KILL_S = 0.5
 USR1_UNCAUGHT_S = 30.0  # then a worker without a SIGUSR1 handler gets it anyway (and dies)
 TICK_S = 0.2
 
@@ -720,7 +723,7 @@ def agent_main(argv: Sequence[str]) -> int:
                         signalled.add(pid)
                     except ProcessLookupError:
                         pass
-        if aborting_at is not None and time.monotonic() - aborting_at > 2.0:
+        if aborting_at is not None and time.monotonic() - aborting_at > ABORT_KILL_S:
             # The workers may sit in sessions of their own: kill them by pid, then the group.
             for pid in descendants(proc.pid):
                 try:
