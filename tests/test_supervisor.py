@@ -238,3 +238,18 @@ def test_bad_supervisor_arguments_are_one_line(argv: list[str]) -> None:
     proc = subprocess.run([sys.executable, "-m", "bluevela.launch.supervisor", *argv],
                           capture_output=True, text=True, timeout=30, cwd=REPO, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def test_allocation_smaller_than_the_job_is_one_line_not_a_requeue_loop(tmp_path: Path) -> None:
+    env = {**os.environ, "SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n1",
+           "PATH": f"{tmp_path}:/usr/bin:/bin"}
+    # An srun or scontrol here would be a bug: both fail loudly.
+    for tool in ("srun", "scontrol"):
+        (tmp_path / tool).write_text("#!/bin/sh\necho called >&2\nexit 99\n")
+        (tmp_path / tool).chmod(0o755)
+    proc = subprocess.run([sys.executable, "-m", "bluevela.launch.supervisor", "--nodes=2", "--",
+                           "torchrun", "t.py"], env=env, capture_output=True, text=True,
+                          timeout=30, cwd=REPO, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "bv supervisor: the allocation has 1 node(s) (n1), the job needs 2"]

@@ -365,6 +365,10 @@ class Supervisor:
             launch += 1
             attempt += 1
             nodes = choose_nodes(self.alloc, self.excluded, want, min_nodes)
+            if nodes is None and launch == 1:
+                _log(f"the allocation has {len(self.alloc)} node(s) ({compress(self.alloc)}), "
+                     f"the job needs {min_nodes}")
+                return 1
             if nodes is None:
                 return self.requeue(attempt - 1, f"{cause}; no healthy node left to relaunch on "
                                     f"in this allocation (need {min_nodes}), requeued by bv")
