@@ -44,7 +44,8 @@ def _handler(signum: int, frame: FrameType | None) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
         return
-    _last_signal = signum
+    if not _requested.is_set():
+        _last_signal = signum  # the signal that asked first (until the request is cleared)
     _requested.set()
     if signum == signal.SIGTERM and _term_timer is None:
         # Slurm's SIGTERM is followed at once by torchrun's agent forwarding its own: further
@@ -64,7 +65,8 @@ def _terminate() -> None:
 
 
 def requested_by() -> str | None:
-    """The name of the signal that requested the checkpoint (`SIGUSR1`, `SIGTERM`), or None."""
+    """The name of the signal that requested the checkpoint first (`SIGUSR1`, `SIGTERM`), or
+    None."""
     return signal.Signals(_last_signal).name if _last_signal is not None else None
 
 
