@@ -11,6 +11,8 @@ as it appears (polled at 20 Hz); phases are measured from the crash:
   resumed_from_step=S` line.
 - bv, silent crash (`crash --silent`: the node's link goes down first, so no FIN/RST reaches
   the peers, as in a power cut): detection then rests on the supervisor's --node-timeout.
+- bv without spares (the default): the supervisor requeues at once; Slurm still keeps the job
+  COMPLETING until it declares the node DOWN, then holds it for cred_expire.
 - bare Slurm (today's launcher: `srun torchrun` in an sbatch script, `--requeue`,
   `--open-mode=append`, 2-node allocation): crash -> the job leaves RUNNING (Slurm declared the
   node dead: SlurmdTimeout) -> RUNNING again (after the requeue hold: cred_expire) -> the first
@@ -146,12 +148,12 @@ def _settle(env: dict[str, str], job: str, crashed: str) -> None:
         time.sleep(0.5)
 
 
-def run_bv(env: dict[str, str], work: Path, silent: bool) -> Run:
-    run = Run("bv silent" if silent else "bv")
+def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True) -> Run:
+    run = Run("bv silent" if silent else "bv" if spare else "bv no spare")
     ckpt = work / "ckpt"
     out = subprocess.run(
-        [PY, "-m", "bluevela", "submit", "-N", "2", "--spare-nodes", "1", "--procs-per-node", "1",
-         EXAMPLE, "--ckpt-dir", str(ckpt), *TRAIN_ARGS],
+        [PY, "-m", "bluevela", "submit", "-N", "2", "--spare-nodes", "1" if spare else "0",
+         "--procs-per-node", "1", EXAMPLE, "--ckpt-dir", str(ckpt), *TRAIN_ARGS],
         capture_output=True, text=True, env=env, cwd=work, check=True).stdout
     job = re.search(r"job (\d+)", out)
     assert job, out
@@ -255,14 +257,15 @@ def figures(args: argparse.Namespace) -> Iterator[Figure]:
                      "dev cluster unavailable (needs root and slurm/devcluster)")
         return
     rounds = 1 if args.quick else 2
-    runs: dict[str, list[Run]] = {"bv": [], "bare": [], "bv silent": []}
+    runs: dict[str, list[Run]] = {"bv": [], "bare": [], "bv silent": [], "bv no spare": []}
     for _ in range(rounds):
-        for kind in ("bv", "bare", "bv silent"):
+        for kind in runs:
             with tempfile.TemporaryDirectory(prefix="bv-bench-recovery-") as tmp:
                 work = Path(tmp)
                 try:
                     run = (run_bare(env, work) if kind == "bare"
-                           else run_bv(env, work, silent=kind == "bv silent"))
+                           else run_bv(env, work, silent=kind == "bv silent",
+                                       spare=kind != "bv no spare"))
                 except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
                     run = Run(kind, error=f"{type(exc).__name__}: {exc}")
             print(f"recovery: {kind}: " + ", ".join(f"{k} {v:.1f} s" for k, v in run.phases.items())
@@ -281,6 +284,10 @@ def figures(args: argparse.Namespace) -> Iterator[Figure]:
     yield Figure("recovery.bv_silent_crash_to_resumed_s", med.get("bv silent", float("nan")),
                  "s", "<= 24", f"link down first, detection by --node-timeout 10 s; phases: "
                  f"{_phases(ok.get('bv silent', []))}")
+    yield Figure("recovery.bv_no_spare_crash_to_resumed_s", med.get("bv no spare", float("nan")),
+                 "s", "", "the default (no spare, no shrink): bv requeues at once, Slurm still "
+                 f"waits for the node to be DOWN and the hold; phases: "
+                 f"{_phases(ok.get('bv no spare', []))}")
     yield Figure("recovery.bare_slurm_crash_to_resumed_s", bare, "s", "",
                  f"median of {len(ok.get('bare', []))}; phases: {_phases(ok.get('bare', []))}")
     yield Figure("recovery.bv_to_bare_ratio", bv / bare if bare else float("nan"), "ratio",

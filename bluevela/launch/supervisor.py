@@ -217,6 +217,7 @@ class Conn:
         self.node: str | None = None
         self.last_seen = time.monotonic()
         self.exit_rc: int | None = None
+        self.signalled = 0  # workers this agent sent SIGUSR1 to (from its exit message)
         self.closed = False
 
     def send(self, msg: dict[str, object]) -> None:
@@ -449,7 +450,11 @@ class Supervisor:
                     # KillWait bound this).
                     if not st.unaccounted() or srun_settled:
                         self._reap(srun, 2.0)
-                        return self._signal_result(st.exits(), st.srun_rc)
+                        exits = st.exits()
+                        if (exits and not st.lost and set(exits.values()) == {0}
+                                and not any(c.signalled for c in st.conns)):
+                            return StepResult("ok", 0, "exit 0")  # done before the signal
+                        return self._signal_result(exits, st.srun_rc)
                     continue
                 if st.lost or st.first_failure is not None:
                     return self._end_step(st, srun, None)
@@ -582,8 +587,9 @@ class Supervisor:
             if self.signal_seen is not None:
                 conn.send({"t": "usr1"})
         elif kind == "exit":
-            rc = msg.get("rc")
+            rc, signalled = msg.get("rc"), msg.get("signalled")
             conn.exit_rc = rc if isinstance(rc, int) else 1
+            conn.signalled = signalled if isinstance(signalled, int) else 0
 
     @staticmethod
     def _reap(srun: subprocess.Popen[bytes], wait_s: float) -> None:
