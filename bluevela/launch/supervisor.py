@@ -392,18 +392,28 @@ class Supervisor:
             if nxt is None or launch > self.opts.max_relaunches:
                 why = ("no spare node (--spare-nodes) and no shrink (--min-nodes)"
                        if nxt is None else f"{self.opts.max_relaunches} relaunches done")
-                return self.requeue(attempt, f"{result.cause}; {why}: requeued by bv")
+                return self.requeue(attempt, f"{result.cause}; {why}: the job lets go of "
+                                    f"{compress(sorted(result.lost))} and is requeued by bv",
+                                    lost=sorted(result.lost))
             spare = [n for n in nxt if n not in nodes]
             how = (f"relaunching on {compress(nxt)} (spare {compress(spare)})" if spare
                    else f"relaunching on {len(nxt)} of {want} nodes ({compress(nxt)})")
             cause = f"{result.cause}; {how}"
             _say(end_line(attempt, cause))
 
-    def requeue(self, attempt: int, cause: str) -> int:
+    def requeue(self, attempt: int, cause: str, lost: Sequence[str] = ()) -> int:
+        """`scontrol requeue` this job. With lost nodes, the allocation is first shrunk to the
+        nodes that answer (`scontrol update NodeList=`): otherwise the job stays COMPLETING
+        until Slurm declares the dead node DOWN (SlurmdTimeout). The node let go stays
+        COMPLETING (its epilog never ends) until it is DOWN, so the next attempt is not placed
+        on it meanwhile."""
         if attempt:
             _say(end_line(attempt, cause))
         else:
             _log(cause)
+        keep = [n for n in self.alloc if n not in self.excluded]
+        if lost and keep:
+            self._scontrol("update", f"JobId={self.job}", f"NodeList={compress(keep)}")
         proc = subprocess.run(["scontrol", "requeue", self.job], capture_output=True,
                               text=True, check=False, timeout=60)
         if proc.returncode != 0:
@@ -418,6 +428,13 @@ class Supervisor:
                     return 0
             select.select([self.wake_r], [], [], 1.0)
         return 0
+
+    def _scontrol(self, *args: str) -> bool:
+        proc = subprocess.run(["scontrol", *args], capture_output=True, text=True, check=False,
+                              timeout=60)
+        if proc.returncode != 0:
+            _log(f"scontrol {' '.join(args)}: {one_line(proc.stderr or proc.stdout)}")
+        return proc.returncode == 0
 
     # -- one step --------------------------------------------------------------------------
     def srun_argv(self, nodes: Sequence[str], launch: int) -> list[str]:
