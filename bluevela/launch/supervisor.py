@@ -22,7 +22,8 @@ rendezvous flags per step (c10d on the step's first node). What it does (docs/re
   locally) and a new step starts in the SAME allocation without the lost node: on a spare node
   (``--spare-nodes``: any job kind), or on fewer nodes (``--min-nodes``: data parallel only).
   Neither waits for SlurmdTimeout nor for the requeue hold (cred_expire). With no node to
-  spare, the job is requeued through Slurm.
+  spare, the job lets go of the lost node (``scontrol update NodeList=``) and is requeued
+  through Slurm at once (it then waits for cred_expire, not for SlurmdTimeout).
 - Hang watchdog (``--hang-timeout``): ranks call `bluevela.runtime.progress(step)` (UDP beats);
   when a rank that reported falls silent, or no rank reports, for that long, the step is
   aborted and the job requeued; the end line names the rank and node that stopped first.
