@@ -10,6 +10,10 @@ Every option of sbatch 22.05's `--help` and `--usage` is in exactly one of three
 
 from __future__ import annotations
 
+# The Slurm release whose sbatch these sets classify completely. On another release an option
+# that is in none of the sets is refused by `--sbatch-arg` (unknown to bv), never passed on.
+CLASSIFIED_FOR = "22.05"
+
 # bv option (or fixed rendering) that replaces each managed sbatch option.
 MANAGED: dict[str, str] = {
     "account": "--account",
