@@ -724,12 +724,7 @@ def agent_main(argv: Sequence[str]) -> int:
         if sock.fileno() in ready:
             msgs = conn.read()
             if msgs is None:  # the supervisor is gone: do not leave training running
-                for pid in descendants(proc.pid):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                _kill_group(proc, signal.SIGKILL)
+                _kill_tree(proc)
                 proc.wait()
                 return 1
             for msg in msgs:
@@ -752,13 +747,7 @@ def agent_main(argv: Sequence[str]) -> int:
                     except ProcessLookupError:
                         pass
         if aborting_at is not None and time.monotonic() - aborting_at > ABORT_KILL_S:
-            # The workers may sit in sessions of their own: kill them by pid, then the group.
-            for pid in descendants(proc.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            _kill_group(proc, signal.SIGKILL)
+            _kill_tree(proc)
         rc = proc.poll()
         if rc is not None:
             code = rc if rc >= 0 else 128 - rc
@@ -768,6 +757,17 @@ def agent_main(argv: Sequence[str]) -> int:
         if time.monotonic() - last_ping >= PING_S:
             conn.send({"t": "ping"})
             last_ping = time.monotonic()
+
+
+def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL everything under `proc` and its group: the workers may sit in sessions of
+    their own, so by pid first, then the group."""
+    for pid in descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _kill_group(proc, signal.SIGKILL)
 
 
 def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:

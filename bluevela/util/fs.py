@@ -60,31 +60,13 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
         OSError: on any I/O failure (ENOSPC included); the target is then untouched and the
             temporary file removed.
     """
-    directory = path.parent
-    tmp = directory / f".{path.name}.{os.getpid()}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    # The parent is opened normally (a site may symlink /var/spool elsewhere); the file itself
+    # is written and renamed relative to that fd.
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        os.unlink(tmp)  # a stale temp of a dead writer with our pid
-    except FileNotFoundError:
-        pass
-    fd = os.open(tmp, flags, mode)
-    try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    fsync_dir(directory)
+        atomic_write_at(dfd, path.name, data, mode)
+    finally:
+        os.close(dfd)
 
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
