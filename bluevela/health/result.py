@@ -182,3 +182,14 @@ class HealthReport:
             duration_s=float(data.get("duration_s") or 0.0),
             started_at=float(data.get("started_at") or 0.0),
         )
+
+
+def duration_text(seconds: float) -> str:
+    """'45 s', '40 min', '5.2 h', '12 d': a span as a drain reason or log line names it."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.0f} d"

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bluevela.health.result import Status
+from bluevela.health.result import Status, duration_text
 from bluevela.health.state import read_json, write_json
 
 if TYPE_CHECKING:
@@ -255,16 +255,6 @@ def gather_procs(procs: list[Proc], first_seen: dict[str, float], now: float,
     return ProcFacts(running, d_state, len(users_d), tracked), seen
 
 
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 2 * 3600:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.0f} d"
-
-
 def evaluate_procs(facts: ProcFacts | None, t: NodeThresholds) -> list[tuple[Status, str]]:
     if facts is None:
         return []
@@ -280,7 +270,7 @@ def evaluate_procs(facts: ProcFacts | None, t: NodeThresholds) -> list[tuple[Sta
             more = f" (+{len(long) - 1} more)" if len(long) > 1 else ""
             problems.append((Status.WARNING, f"{len(long)} process(es) in D state over "
                              f"{t.max_d_state_s:g} s: {comm} pid {key.partition(':')[0]} "
-                             f"for {_duration(secs)}{more}"))
+                             f"for {duration_text(secs)}{more}"))
     return problems
 
 

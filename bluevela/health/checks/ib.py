@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bluevela.health.registry import check
-from bluevela.health.result import CheckResult, Status, summarize
+from bluevela.health.result import CheckResult, Status, duration_text, summarize
 from bluevela.health.state import IB_COUNTERS, read_json, write_json
 
 if TYPE_CHECKING:
@@ -274,13 +274,7 @@ def fmt_interval(seconds: float | None) -> str:
     """'in 40 min', 'in 45 s', 'in 5.2 h', 'in 12 d'; 'since the last reading' when unknown."""
     if seconds is None:
         return "since the last reading"
-    if seconds < 120:
-        return f"in {seconds:.0f} s"
-    if seconds < 2 * 3600:
-        return f"in {seconds / 60:.0f} min"
-    if seconds < 2 * 86400:
-        return f"in {seconds / 3600:.1f} h"
-    return f"in {seconds / 86400:.0f} d"
+    return f"in {duration_text(seconds)}"
 
 
 def evaluate_pci(links: tuple[PCILink, ...]) -> list[tuple[Status, str]]:
