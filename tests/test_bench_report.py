@@ -7,19 +7,28 @@ screenshot, decoded here with zlib alone (no imaging library), that must not be 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
 import subprocess
+import time
 import zlib
 from pathlib import Path
 
 import pytest
 
+from bluevela.bench import pairing
+from bluevela.bench.evaluate import evaluate
+from bluevela.bench.nightly import NightlyOutcome, SubjectResult, to_record
+from bluevela.bench.registry import get
 from bluevela.bench.report import render_html, write_report
-from bluevela.bench.store import write_night
+from bluevela.bench.result import Facts
+from bluevela.bench.runner import facts_from_document
+from bluevela.bench.store import NightRecord, write_night
 from bluevela.errors import ArchiveError
-from tests.test_bench_store import sample_record
+from bluevela.nodestate import DrainOutcome
+from tests.test_bench_store import BENCH, _pair_facts, _site, sample_record
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 NIGHTS = ("2026-11-16", "2026-11-17", "2026-11-18", "2026-11-19")
@@ -130,3 +139,104 @@ def test_chromium_renders_the_plots(nightly_root: Path, tmp_path: Path) -> None:
     assert non_white > 0.05 * len(pixels)
     red = sum(1 for p in pixels if p[0] > 180 and p[1] < 140 and p[2] < 140)
     assert red > 100  # the slow node's cells, points and floor lines are drawn in red
+
+
+# -- a 1,000-node night ---------------------------------------------------------------------
+
+BIG_NODES = 1000
+BIG_NIGHTS = tuple(f"2026-11-{d:02d}" for d in range(14, 21))  # 7 nights, the last one judged
+BIG_SLOW = ("gpu0613", "gpu0877")  # tonight's culprits, each slow with both of its partners
+
+
+def big_outcome(night: str, slow: tuple[str, ...] = (), scale: float = 1.0) -> NightlyOutcome:
+    """A 1,000-node night the way the nightly builds it: node1's recorded run stands in for
+    every node, spread over +-5 % (so the histograms have a shape), judged by the real
+    evaluation; 500 pairs (each node once), plus a second round pairing each slow node with
+    another partner: the healthy recorded pair figures, the throttled ones for a slow node."""
+    site = _site()
+    th = site.node_class(name="cpu").bench
+    nodes = [f"gpu{i:04d}" for i in range(1, BIG_NODES + 1)]
+    node_facts = facts_from_document(json.loads((BENCH / "cpu_node1_run.json").read_text()))
+    out = NightlyOutcome(night, nodes, {}, dict.fromkeys(nodes, "cpu"),
+                         started_utc=f"{night}T01:00:00Z", finished_utc=f"{night}T03:10:00Z")
+    for i, node in enumerate(nodes):
+        k = scale * (0.95 + 0.1 * ((i * 37) % 101) / 100)
+        facts = [Facts(f.measurement, tuple(type(x)(x.name, x.value * k, x.unit, x.device, x.size)
+                                            for x in f.figures), f.applicable, f.ran, f.note,
+                       (node,)) for f in node_facts]
+        out.singles[node] = SubjectResult((node,), [evaluate(get(f.measurement), f, th)
+                                                    for f in facts], 10_000 + i)
+    healthy = [[evaluate(get(f.measurement), f, th) for f in _pair_facts(False)]]
+    throttled = [evaluate(get(f.measurement), f, th) for f in _pair_facts(True)]
+    plan = [(nodes[i], nodes[i + 1], 1) for i in range(0, len(nodes), 2)]
+    for s in slow:  # round 2: the slow node with the first node of the next pair
+        j = nodes.index(s)
+        plan.append((s, nodes[(j // 2 * 2 + 2) % len(nodes)], 2))
+    obs = []
+    for n, (a, b, rnd) in enumerate(plan):
+        bad = a in slow or b in slow
+        out.pairs.append(SubjectResult((a, b) if a < b else (b, a),
+                                       throttled if bad else healthy[0], 20_000 + n, rnd))
+        obs.append(pairing.Observation((a, b) if a < b else (b, a), bad))
+    out.verdict = pairing.verdict(obs)
+    for node, partners in out.verdict.culprits.items():
+        out.culprits[node] = f"nightly {night}: pairwise bandwidth slow with {', '.join(partners)}"
+        out.drains.append(DrainOutcome(node, True, "bv: " + out.culprits[node]))
+    return out
+
+
+def big_record(night: str, slow: tuple[str, ...] = (), scale: float = 1.0) -> NightRecord:
+    return to_record(big_outcome(night, slow, scale), _site())
+
+
+@pytest.fixture(scope="module")
+def big_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("big") / "nightly"
+    for i, night in enumerate(BIG_NIGHTS):
+        last = i == len(BIG_NIGHTS) - 1
+        write_night(root, big_record(night, BIG_SLOW if last else (), 1.0 + 0.01 * i))
+    return root
+
+
+def test_a_1000_node_night_is_small_and_failures_come_first(big_root: Path,
+                                                            tmp_path: Path) -> None:
+    """Was 202 MB (a 1,000 x 1,000 heatmap of SVG cells and 3,000 trend panels)."""
+    t0 = time.perf_counter()
+    page = write_report(big_root, None, tmp_path / "big.html")
+    elapsed = time.perf_counter() - t0
+    size = page.stat().st_size
+    text = page.read_text()
+    assert size <= 2 * 1024 * 1024, f"{size / 1e6:.1f} MB"
+    assert elapsed < 10, elapsed
+    assert 'class="cell"' not in text  # no N x N matrix
+    assert text.count('class="trend"') < 300  # not one panel per node and figure
+    assert text.count('class="hist"') >= 5  # the distributions, pairs included
+    # the failing nodes and their slow pairs come before any healthy node is named
+    first_healthy = text.index("gpu0001")
+    for node in BIG_SLOW:
+        assert text.index(node) < first_healthy, node
+    table = text[text.index('id="pairs"'):]
+    assert table.index("gpu0613") < table.index("among the slowest")
+    # every node still has its row, failing first
+    rows = text[text.index('id="node-rows"'):]
+    assert rows.count("\ngpu") == BIG_NODES
+    assert rows.index("gpu0613") < rows.index("gpu0001")
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")
+def test_chromium_opens_the_1000_node_page(big_root: Path, tmp_path: Path) -> None:
+    page = write_report(big_root, None, tmp_path / "big.html")
+    shot = tmp_path / "big.png"
+    t0 = time.perf_counter()
+    res = _chromium([f"--screenshot={shot}", "--window-size=1200,1400", page.as_uri()], tmp_path)
+    elapsed = time.perf_counter() - t0
+    assert res.returncode == 0 and shot.exists(), res.stderr[-2000:]
+    assert elapsed < 30, elapsed
+    if os.environ.get("BV_KEEP_SCREENSHOT"):
+        shutil.copy(shot, os.environ["BV_KEEP_SCREENSHOT"])
+    width, height, pixels = _png_pixels(shot.read_bytes())
+    assert (width, height) == (1200, 1400)
+    assert len(set(pixels)) > 50, "screenshot looks blank"
+    assert sum(1 for p in pixels if p != b"\xff\xff\xff") > 0.05 * len(pixels)
+    red = sum(1 for p in pixels if p[0] > 180 and p[1] < 140 and p[2] < 140)
+    assert red > 100  # the failing nodes are in red at the top
