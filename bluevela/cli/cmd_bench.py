@@ -133,7 +133,7 @@ def nightly_cmd(obj: State, partition: str | None, node_list: str | None, wait: 
               help="Where to write the self-contained HTML page.")
 @click.pass_obj
 def report_cmd(obj: State, night: str | None, html_path: str) -> None:
-    """Write a night's report: failures, drained nodes, pairwise heatmap, per-node trends."""
+    """Write a night's report: failures first, pairs, distributions, trends."""
     from bluevela.bench.report import write_report
     from bluevela.bench.store import check_night, nightly_dir
 
