@@ -99,8 +99,9 @@ def test_prometheus_text(tmp_path: Path) -> None:
     assert 'bluevela_check_status{check="gpu"} 1' in text
     assert "bluevela_node_status 2" in text
     assert "bluevela_ib_symbol_error_total 3" in text
-    assert "bluevela_gpu_temp_max_c 80" in text
-    assert "# TYPE bluevela_gpu_temp_max_c gauge" in text
+    assert "bluevela_gpu_temp_max_celsius 80" in text
+    assert "# TYPE bluevela_gpu_temp_max_celsius gauge" in text
+    assert "# TYPE bluevela_ib_symbol_error_total counter" in text
     path = write_prom(tmp_path / "metrics", merged)
     assert path == tmp_path / "metrics" / PROM_FILE and path.read_text() == text
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temp left

@@ -76,6 +76,23 @@ def _clean_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+def _clean_components(parts: Any) -> tuple[dict[str, Any], ...]:
+    """Per-component readings: `{"kind": "gpu", "labels": {...}, "values": {...}}` each,
+    labels as strings, values cleaned like metrics; malformed entries are dropped."""
+    out: list[dict[str, Any]] = []
+    for part in parts or ():
+        if not isinstance(part, Mapping) or not isinstance(part.get("kind"), str):
+            continue
+        labels = part.get("labels") or {}
+        values = part.get("values") or {}
+        if not isinstance(labels, Mapping) or not isinstance(values, Mapping):
+            continue
+        out.append({"kind": part["kind"],
+                    "labels": {str(k): str(v) for k, v in labels.items() if v is not None},
+                    "values": _clean_metrics(values)})
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class CheckResult:
     """One check's verdict.
@@ -87,6 +104,8 @@ class CheckResult:
             e.g. `mlx5_3/1 state DOWN`. It becomes the drain reason `bv: <name>: <summary>`.
         metrics: numbers with their unit in the name (`temp_max_c`, `busbw_gbs`, `energy_j`).
         duration_s: wall time of the check, probe included.
+        components: per-component readings (one per GPU, per IB port), each
+            `{"kind", "labels", "values"}`; bluevela.health.metrics turns them into labelled series.
     """
 
     name: str
@@ -94,16 +113,21 @@ class CheckResult:
     summary: str
     metrics: Mapping[str, float] = field(default_factory=dict)
     duration_s: float = 0.0
+    components: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", Status(self.status))
         object.__setattr__(self, "summary", " ".join(str(self.summary).split()))
         object.__setattr__(self, "metrics", _clean_metrics(self.metrics))
+        object.__setattr__(self, "components", _clean_components(self.components))
 
     def with_duration(self, duration_s: float) -> CheckResult:
-        return CheckResult(self.name, self.status, self.summary, self.metrics, duration_s)
+        return CheckResult(self.name, self.status, self.summary, self.metrics, duration_s,
+                           self.components)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, components: bool = False) -> dict[str, Any]:
+        """The result as JSON; `components` (for last_results.json, the Prometheus series)
+        only when asked: the spool report keeps to the node-level metrics."""
         return {
             "name": self.name,
             "status": self.status.name,
@@ -111,6 +135,8 @@ class CheckResult:
             "summary": self.summary,
             "metrics": dict(self.metrics),
             "duration_s": round(self.duration_s, 6),
+            **({"components": [dict(c) for c in self.components]}
+               if components and self.components else {}),
         }
 
     @classmethod
@@ -121,6 +147,7 @@ class CheckResult:
             summary=str(data.get("summary", "")),
             metrics=dict(data.get("metrics") or {}),
             duration_s=float(data.get("duration_s") or 0.0),
+            components=tuple(data.get("components") or ()),
         )
 
 

@@ -140,7 +140,7 @@ def _child(chk: Check, ctx: ProbeContext, retries: int, wfd: int) -> None:
         except OSError:
             pass
         result = run_check_tries(chk, ctx, retries)
-        payload = json.dumps(result.to_dict()).encode()
+        payload = json.dumps(result.to_dict(components=True)).encode()
     except BaseException as exc:  # noqa: BLE001 - report anything, then _exit
         payload = json.dumps(CheckResult(chk.name, Status.UNKNOWN,
                                          f"crashed: {type(exc).__name__}: {exc}").to_dict()).encode()

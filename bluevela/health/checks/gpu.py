@@ -323,6 +323,38 @@ def _metrics(gpus: list[GPUInfo], xids: int, facts: GPUFacts) -> dict[str, float
     return m
 
 
+def _components(gpus: list[GPUInfo], facts: GPUFacts, window_s: float) -> tuple[dict[str, object], ...]:
+    """One entry per GPU (labels gpu/uuid/pci_bus_id/model, its NVML readings and its XIDs
+    within the window) for the per-GPU Prometheus series; None readings are left out."""
+    xids: dict[str, list[int]] = {}
+    for x in facts.xids if facts.xid_source is not None else ():
+        if not (window_s > 0 and x.at_s is not None and facts.uptime_s is not None
+                and facts.uptime_s - x.at_s > window_s):
+            xids.setdefault(x.bus, []).append(x.code)
+    out: list[dict[str, object]] = []
+    for g in gpus:
+        values: dict[str, float | None] = {
+            attr: getattr(g, attr) for attr in (
+                "temperature_c", "power_w", "power_limit_w", "ecc_uncorrected_volatile",
+                "ecc_uncorrected_aggregate", "retired_pages_sbe", "retired_pages_dbe",
+                "retired_pages_pending", "remapped_rows_correctable",
+                "remapped_rows_uncorrectable", "remapped_rows_pending", "remapped_rows_failure",
+                "clocks_event_reasons", "pcie_link_gen_current", "pcie_link_width_current",
+                "memory_used_bytes", "memory_total_bytes", "persistence_mode")}
+        if g.total_energy_mj is not None:
+            values["energy_j"] = g.total_energy_mj / 1000.0
+        if facts.xid_source is not None:
+            codes = xids.get(g.bus or "", [])
+            values["xid_count"] = len(codes)
+            values["xid_last"] = codes[-1] if codes else 0
+        values["processes_count"] = len(_leftovers(g, facts)[0])
+        out.append({"kind": "gpu",
+                    "labels": {"gpu": str(g.index), "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
+                               "model": g.name},
+                    "values": {k: v for k, v in values.items() if v is not None}})
+    return tuple(out)
+
+
 def gpu_timed_out(seconds: float, cls: NodeClass) -> CheckResult:
     """The runner killed the gpu check at its timeout: NVML hung (a probe only reads NVML and
     the kernel log). On a class with GPUs the node cannot run a job: CRITICAL."""
@@ -364,4 +396,5 @@ def evaluate_gpu(facts: GPUFacts, cls: NodeClass) -> CheckResult:
         temp = f", max {metrics['temp_max_c']:g} C" if "temp_max_c" in metrics else ""
         drv = f", driver {snap.driver_version}" if snap.driver_version else ""
         summary = f"{len(usable)} x {model} OK{temp}{drv}"
-    return CheckResult("gpu", status, summary, metrics)
+    return CheckResult("gpu", status, summary, metrics,
+                       components=_components(usable, facts, cls.gpu.xid_window_s))

@@ -119,6 +119,33 @@ def parse_state(text: str) -> str:
     return name.strip() if sep else text
 
 
+# IBTA port states and physical states by name (sysfs prints "4: ACTIVE", "5: LinkUp")
+STATE_IDS = {"DOWN": 1, "INIT": 2, "ARMED": 3, "ACTIVE": 4, "ACTIVE_DEFER": 5}
+PHYS_STATE_IDS = {"Sleep": 1, "Polling": 2, "Disabled": 3, "PortConfigurationTraining": 4,
+                  "LinkUp": 5, "LinkErrorRecovery": 6, "PhyTest": 7}
+
+
+def port_components(ports: tuple[PortFacts, ...]) -> tuple[dict[str, object], ...]:
+    """One entry per readable port (labels device/port, state ids, rate, raw counters) for
+    the per-port Prometheus series."""
+    out: list[dict[str, object]] = []
+    for p in ports:
+        if not p.present or p.error:
+            continue
+        device, _, num = p.port.partition("/")
+        values: dict[str, float] = {f"counter_{k}": v for k, v in p.counters.items()}
+        values.update({f"hw_counter_{k}": v for k, v in p.hw_counters.items()})
+        if p.state in STATE_IDS:
+            values["state_id"] = STATE_IDS[p.state]
+        if p.phys_state in PHYS_STATE_IDS:
+            values["phys_state_id"] = PHYS_STATE_IDS[p.phys_state]
+        if p.rate_gbps is not None:
+            values["rate_gbps"] = p.rate_gbps
+        out.append({"kind": "ib_port", "labels": {"device": device, "port": num},
+                    "values": values})
+    return tuple(out)
+
+
 def parse_rate(text: str) -> float | None:
     """'400 Gb/sec (4X NDR)' -> 400.0; '2.5 Gb/sec (1X SDR)' -> 2.5; None when unparsable."""
     m = _RATE.match(text)
@@ -423,4 +450,4 @@ def evaluate_ib(facts: IBFacts, cls: NodeClass) -> CheckResult:
     if summary is None:
         rate_txt = f" at {min(rates):g} Gb/s" if rates else ""
         summary = f"{active}/{len(expected.ports)} ports ACTIVE LinkUp{rate_txt}"
-    return CheckResult("ib", status, summary, metrics)
+    return CheckResult("ib", status, summary, metrics, components=port_components(facts.ports))
