@@ -70,3 +70,25 @@ def percentile(values: Sequence[float], p: float) -> float:
 
 
 PY = sys.executable
+
+
+def devcluster_env(nodes: int = 3) -> dict[str, str] | None:
+    """Bring the dev cluster up (slurm/devcluster; needs root) and return os.environ plus the
+    variables its `env` exports; None when it cannot be brought up."""
+    import shlex
+
+    if os.geteuid() != 0:
+        return None
+    dc = [PY, str(REPO / "slurm" / "devcluster")]
+    up = subprocess.run([*dc, "up", "--nodes", str(nodes)], capture_output=True, text=True,
+                        timeout=600, check=False, env={**os.environ, "BV_PYTHON": PY})
+    if up.returncode != 0:
+        return None
+    out = subprocess.run([*dc, "env"], capture_output=True, text=True, check=True).stdout
+    env = dict(os.environ)
+    for line in out.splitlines():
+        words = shlex.split(line)
+        if len(words) == 2 and words[0] == "export":
+            key, _, value = words[1].partition("=")
+            env[key] = value
+    return env

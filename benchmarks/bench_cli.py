@@ -13,24 +13,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 
-from _common import PY, REPO, Figure, paired_ratio, time_cmd
-
-
-def _cluster_env() -> dict[str, str] | None:
-    dc = [PY, str(REPO / "slurm" / "devcluster")]
-    up = subprocess.run([*dc, "up"], capture_output=True, text=True,
-                        env={**os.environ, "BV_PYTHON": PY})
-    if up.returncode != 0:
-        return None
-    env: dict[str, str] = {}
-    import shlex
-
-    for line in subprocess.run([*dc, "env"], capture_output=True, text=True).stdout.splitlines():
-        words = shlex.split(line)
-        if len(words) == 2 and words[0] == "export":
-            k, _, v = words[1].partition("=")
-            env[k] = v
-    return env
+from _common import PY, REPO, Figure, devcluster_env, paired_ratio, time_cmd
 
 
 def figures(args: argparse.Namespace) -> Iterator[Figure]:
@@ -45,7 +28,7 @@ def figures(args: argparse.Namespace) -> Iterator[Figure]:
     yield Figure("cli.dry_run_vs_import_click", r, "ratio", "<= 2.0",
                  f"dry-run {a * 1e3:.0f} ms, import click {b * 1e3:.0f} ms")
 
-    env = _cluster_env()
+    env = devcluster_env()
     if env is None:
         yield Figure("cli.submit_vs_sbatch", float("nan"), "ratio", "<= 1.2", "dev cluster not up")
         return

@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 
-from _common import PY, REPO, Figure
+from _common import PY, REPO, Figure, devcluster_env
 
 sys.path.insert(0, str(REPO))
 
@@ -82,20 +81,9 @@ def overhead(reps: int) -> dict[int, float]:
 
 
 def _cluster_env() -> dict[str, str] | None:
-    devcluster = str(REPO / "slurm" / "devcluster")
-    if os.geteuid() != 0:
+    env = devcluster_env()
+    if env is None:
         return None
-    up = subprocess.run([PY, devcluster, "up", "--nodes", "3"], capture_output=True, text=True,
-                        timeout=600, check=False, env={**os.environ, "BV_PYTHON": PY})
-    if up.returncode != 0:
-        return None
-    out = subprocess.run([PY, devcluster, "env"], capture_output=True, text=True, check=True)
-    env = dict(os.environ)
-    for line in out.stdout.splitlines():
-        words = shlex.split(line)
-        if len(words) == 2 and words[0] == "export":
-            k, _, v = words[1].partition("=")
-            env[k] = v
     for n in ("node1", "node2", "node3"):
         subprocess.run(["scontrol", "update", f"NodeName={n}", "State=RESUME"], env=env,
                        capture_output=True, check=False)

@@ -25,7 +25,6 @@ prints, not a timed test. Dev cluster: SlurmdTimeout=30, cred_expire=20 (left as
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
 import statistics
@@ -36,7 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _common import PY, REPO, Figure
+from _common import PY, REPO, Figure, devcluster_env
 
 DEVCLUSTER = str(REPO / "slurm" / "devcluster")
 EXAMPLE = str(REPO / "examples" / "train_ddp.py")
@@ -93,23 +92,6 @@ class Tail:
                     return t, line
             time.sleep(0.05)
         return None
-
-
-def _env() -> dict[str, str] | None:
-    if os.geteuid() != 0:
-        return None
-    up = subprocess.run([PY, DEVCLUSTER, "up", "--nodes", "3"], capture_output=True, text=True,
-                        timeout=600, check=False, env={**os.environ, "BV_PYTHON": PY})
-    if up.returncode != 0:
-        return None
-    out = subprocess.run([PY, DEVCLUSTER, "env"], capture_output=True, text=True, check=True)
-    env = dict(os.environ)
-    for line in out.stdout.splitlines():
-        words = shlex.split(line)
-        if len(words) == 2 and words[0] == "export":
-            k, _, v = words[1].partition("=")
-            env[k] = v
-    return env
 
 
 def _sh(env: dict[str, str], *argv: str, check: bool = True) -> str:
@@ -251,7 +233,7 @@ def _phases(runs: list[Run]) -> str:
 
 
 def figures(args: argparse.Namespace) -> Iterator[Figure]:
-    env = _env()
+    env = devcluster_env()
     if env is None:
         yield Figure("recovery.bv_crash_to_resumed_s", float("nan"), "s", "<= 24",
                      "dev cluster unavailable (needs root and slurm/devcluster)")
