@@ -22,8 +22,6 @@ segment files never change after their rename, and writers exclude each other wi
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
 import os
@@ -38,7 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from bluevela.archive import schema as S
 from bluevela.errors import ArchiveError, UnsafeValueError
-from bluevela.util.fs import atomic_write, ensure_dir, fsync_dir, read_no_follow
+from bluevela.util.fs import atomic_write, ensure_dir, fsync_dir, read_no_follow, try_flock
 
 if TYPE_CHECKING:
     import h5py
@@ -270,17 +268,16 @@ class Archive:
             deadline = time.monotonic() + lock_wait_s
             while True:
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
+                    if try_flock(fd):
+                        break
                 except OSError as exc:
-                    if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                        raise ArchiveError(f"cannot lock {path}: {exc.strerror} (on NFS this "
-                                           "needs a working lock service)") from exc
-                    if time.monotonic() >= deadline:
-                        holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-                        raise ArchiveError(f"another ingest holds {path} (pid {holder or '?'})"
-                                           f"; gave up after {lock_wait_s:g} s") from None
-                    time.sleep(0.1)
+                    raise ArchiveError(f"cannot lock {path}: {exc.strerror} (on NFS this "
+                                       "needs a working lock service)") from exc
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+                    raise ArchiveError(f"another ingest holds {path} (pid {holder or '?'})"
+                                       f"; gave up after {lock_wait_s:g} s") from None
+                time.sleep(0.1)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             self._init_manifest()

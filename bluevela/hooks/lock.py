@@ -21,8 +21,6 @@ falls back to `/run/bluevela/hook.lock`.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
 import stat
@@ -31,7 +29,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from bluevela.util.fs import open_dir, owner_problem
+from bluevela.util.fs import open_dir, owner_problem, try_flock
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +87,11 @@ def _acquire(fd: int, phase: str, job_id: int | None, wait: float) -> bool:
     waited = False
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
+            if try_flock(fd):
+                break
         except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                logger.warning("cannot take the hook lock: %s; running without it", exc.strerror)
-                return True
+            logger.warning("cannot take the hook lock: %s; running without it", exc.strerror)
+            return True
         holder = _holder(fd)
         if phase == "healthcheck":
             logger.info("%s is running: healthcheck skipped (the next interval runs it)", holder)

@@ -175,3 +175,21 @@ def read_no_follow(path: Path, limit: int = 64 << 20) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def try_flock(fd: int) -> bool:
+    """Take an exclusive flock on `fd` without blocking: True when taken, False when another
+    process holds it.
+
+    Raises:
+        OSError: any other failure (no lock service on NFS, ...).
+    """
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
