@@ -184,12 +184,28 @@ def _default_tiers() -> dict[str, Tier]:
 
 
 @dataclass(frozen=True)
+class DcgmOptions:
+    """Where `dcgmi diag` runs (the `dcgm` check), by level (0: not there; 1 ~ seconds,
+    2 ~ 2 min, 3 ~ 30 min, 4 ~ hours), each bounded by its own timeout."""
+
+    __pydantic_config__ = _STRICT
+
+    healthcheck_level: Annotated[int, Ge(0), Le(4)] = 0  # in every healthcheck
+    before_resume_level: Annotated[int, Ge(0), Le(4)] = 0  # before bluevela resumes its drain
+    nightly_level: Annotated[int, Ge(0), Le(4)] = 0  # in each node's nightly job
+    healthcheck_timeout_s: Annotated[float, Gt(0)] = 45.0  # slurmd kills it at 60 s
+    before_resume_timeout_s: Annotated[float, Gt(0)] = 600.0
+    nightly_timeout_s: Annotated[float, Gt(0)] = 3600.0
+
+
+@dataclass(frozen=True)
 class Health:
     """How the hooks run the checks."""
 
     __pydantic_config__ = _STRICT
 
     tiers: dict[str, Tier] = field(default_factory=_default_tiers)
+    dcgm: DcgmOptions = field(default_factory=DcgmOptions)
     nccl_freshness_h: NonNegFloat = 6.0  # the prolog reruns nccl when older; 0 = never
     retries: Annotated[int, Ge(1), Le(10)] = 3  # noisy measurements: pass if any try passes
     drain_timeout_s: Annotated[float, Gt(0)] = 5.0
@@ -219,6 +235,16 @@ class IBExpect:
     gpudirect: Literal["off", "peermem", "dmabuf", "any"] = "off"
 
 
+def _default_nvlink_max_increase() -> dict[str, int]:
+    # A link recovery is a retrain (traffic stalls); replays and CRC errors come in bursts.
+    return {"recovery": 0, "replay": 1000, "crc_flit": 1000, "crc_data": 100}
+
+
+def _default_max_throttle_pct() -> dict[str, float]:
+    # A busy H100 sits at its power cap much of the time; thermal throttling should be rare.
+    return {"power": 90.0, "thermal": 5.0}
+
+
 @dataclass(frozen=True)
 class GPUThresholds:
     __pydantic_config__ = _STRICT
@@ -234,6 +260,29 @@ class GPUThresholds:
     # A hardware slowdown or a compute process is read again after this long and counts
     # only when both readings show it (0: one reading decides).
     recheck_s: Annotated[float, Ge(0), Le(2)] = 1.0
+    # NVLink: links per GPU that must be up (0: not checked; 18 on H100/H200 SXM), and error
+    # counters (replay, recovery, crc_flit, crc_data) risen more than this since the last
+    # reading (WARNING).
+    nvlinks: NonNegInt = 0
+    nvlink_max_increase: dict[str, int] = field(default_factory=_default_nvlink_max_increase)
+    # An NVSwitch system: each GPU's fabric (NVML GpuFabricInfo) must be COMPLETED / SUCCESS.
+    nvswitch: bool = False
+    # ECC by location: SRAM uncorrectable (volatile) over this is CRITICAL; corrected errors
+    # (volatile, since the last driver load) over these are WARNING (None: not judged).
+    max_sram_uncorrected: NonNegInt = 0
+    max_sram_corrected_volatile: NonNegInt | None = None
+    max_dram_corrected_volatile: NonNegInt | None = None
+    # Row remapper histogram: banks with few or no spare rows left (low + none) over this: WARNING.
+    max_row_remap_low_banks: NonNegInt = 0
+    # Share of time (%) throttled since the last reading, from NVML's violation counters
+    # (power, thermal, sync_boost, board_limit, low_utilization, reliability, total_app_clocks,
+    # total_base_clocks): WARNING over these, judged when that reading is old enough.
+    max_throttle_pct: dict[str, float] = field(default_factory=_default_max_throttle_pct)
+    throttle_min_interval_s: NonNegFloat = 60.0
+    # What the class expects (None: not checked): enforced power limit, application clocks.
+    power_limit_w: NonNegFloat | None = None
+    app_clock_sm_mhz: NonNegInt | None = None
+    app_clock_mem_mhz: NonNegInt | None = None
 
 
 def _default_max_counters() -> dict[str, int]:
@@ -334,6 +383,38 @@ class BenchThresholds:
     mpi_size_bytes: NonNegInt = 0
 
 
+VERSION_FIELDS = ("driver", "cuda", "vbios", "hca_fw", "kernel")
+VersionField = Literal["driver", "cuda", "vbios", "hca_fw", "kernel"]
+
+
+@dataclass(frozen=True)
+class VersionPins:
+    """Versions a node class must run (the `versions` check): each an exact string or a list
+    of allowed ones (quote them in YAML: `cuda: "12.4"`); None: not pinned. A node that
+    differs is WARNING, CRITICAL for the fields named in `critical`."""
+
+    __pydantic_config__ = _STRICT
+
+    driver: str | list[str] | None = None  # NVIDIA driver (NVML), e.g. "550.90.07"
+    cuda: str | list[str] | None = None  # CUDA driver API version, e.g. "12.4"
+    vbios: str | list[str] | None = None  # every GPU's VBIOS, e.g. "96.00.89.00.01"
+    hca_fw: str | list[str] | None = None  # every HCA's firmware (sysfs fw_ver)
+    kernel: str | list[str] | None = None  # /proc/sys/kernel/osrelease
+    critical: list[VersionField] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        loose = [f for f in self.critical if self.allowed(f) is None]
+        if loose:
+            raise ValueError(f"versions.critical names {', '.join(loose)}, not pinned")
+
+    def allowed(self, name: str) -> tuple[str, ...] | None:
+        """The allowed values of field `name`; None when it is not pinned."""
+        value = getattr(self, name)
+        if value is None:
+            return None
+        return (value,) if isinstance(value, str) else tuple(value)
+
+
 @dataclass(frozen=True)
 class NodeClass:
     __pydantic_config__ = _STRICT
@@ -347,6 +428,7 @@ class NodeClass:
     node: NodeThresholds = field(default_factory=NodeThresholds)
     nccl: NCCLThresholds = field(default_factory=NCCLThresholds)
     bench: BenchThresholds = field(default_factory=BenchThresholds)
+    versions: VersionPins = field(default_factory=VersionPins)
 
     def __post_init__(self) -> None:
         if self.gpus and not self.gpu_model:

@@ -106,6 +106,8 @@ class CheckResult:
         duration_s: wall time of the check, probe included.
         components: per-component readings (one per GPU, per IB port), each
             `{"kind", "labels", "values"}`; bluevela.health.metrics turns them into labelled series.
+        info: observed facts that are text, not numbers (`{"driver": "550.90.07"}`): kept in
+            the spool report and last_results.json, a Prometheus info series.
     """
 
     name: str
@@ -114,16 +116,19 @@ class CheckResult:
     metrics: Mapping[str, float] = field(default_factory=dict)
     duration_s: float = 0.0
     components: tuple[dict[str, Any], ...] = ()
+    info: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", Status(self.status))
         object.__setattr__(self, "summary", " ".join(str(self.summary).split()))
         object.__setattr__(self, "metrics", _clean_metrics(self.metrics))
         object.__setattr__(self, "components", _clean_components(self.components))
+        object.__setattr__(self, "info", {str(k): str(v) for k, v in (self.info or {}).items()
+                                          if v is not None})
 
     def with_duration(self, duration_s: float) -> CheckResult:
         return CheckResult(self.name, self.status, self.summary, self.metrics, duration_s,
-                           self.components)
+                           self.components, self.info)
 
     def to_dict(self, components: bool = False) -> dict[str, Any]:
         """The result as JSON; `components` (for last_results.json, the Prometheus series)
@@ -135,6 +140,7 @@ class CheckResult:
             "summary": self.summary,
             "metrics": dict(self.metrics),
             "duration_s": round(self.duration_s, 6),
+            **({"info": dict(self.info)} if self.info else {}),
             **({"components": [dict(c) for c in self.components]}
                if components and self.components else {}),
         }
@@ -148,6 +154,7 @@ class CheckResult:
             metrics=dict(data.get("metrics") or {}),
             duration_s=float(data.get("duration_s") or 0.0),
             components=tuple(data.get("components") or ()),
+            info=dict(data.get("info") or {}),
         )
 
 

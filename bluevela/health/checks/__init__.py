@@ -3,6 +3,6 @@ torch, numpy or pynvml at import time (the prolog's quick path imports all of th
 
 from __future__ import annotations
 
-from bluevela.health.checks import dcgm, gpu, ib, nccl, node
+from bluevela.health.checks import dcgm, gpu, ib, nccl, node, versions
 
-__all__ = ["dcgm", "gpu", "ib", "nccl", "node"]
+__all__ = ["dcgm", "gpu", "ib", "nccl", "node", "versions"]
