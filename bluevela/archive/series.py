@@ -1,0 +1,540 @@
+"""Per-job time series: `<archive>/series/<job_id>.h5`, one file per job (docs/archive.md).
+
+Built by ingest from the side files the epilog spools (`<spool>/<job>.<node>.series.bvts`,
+format `bluevela.telemetry.format`), one node at a time, so memory stays that of one node's
+window whatever the job's size. Layout (schema 1)::
+
+    attrs: format="bluevela-job-series", schema_version=1, job_id, interval_s, t0_unix_s,
+           n_samples
+    /time            float64 [T]       t0 + k * interval (unix s)
+    /nodes           str [N]           sorted node names
+    /gpu/<metric>    float32 [N, G, T] util_pct, mem_used_bytes, power_w, temp_c, sm_clock_mhz,
+                                       clocks_event_reasons, xid_count (attr `unit`)
+    /gpu/uuid        bytes [N, G]
+    /ib/<metric>     float32 [N, P, T] rx_bytes_per_s, tx_bytes_per_s, errors_per_s
+    /ib/port         bytes [N, P]      "mlx5_0/1"
+    /node/<metric>   float32 [N, T]    cpu_busy_pct, cpu_throttled_pct, mem_used_bytes,
+                                       net_rx_bytes_per_s, net_tx_bytes_per_s
+
+NaN where a node had no such GPU/port or no sample near a grid point (each sample goes to the
+nearest grid point within interval/2). Chunked per node, shuffle + gzip.
+
+`read_series` / `write_series` are the API the efficiency view and the fleet report use.
+A re-ingest adds nothing twice (a node already in the file is kept as it is); a late node's
+side file is added by rewriting the file (temp file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bluevela.errors import ArchiveError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from bluevela.archive.spool import SpoolDir, SpoolEntry
+    from bluevela.archive.store import Writer
+    from bluevela.telemetry.format import Segment
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "bluevela-job-series"
+SCHEMA_VERSION = 1
+SERIES_DIR = "series"
+GPU_METRICS = ("util_pct", "mem_used_bytes", "power_w", "temp_c", "sm_clock_mhz",
+               "clocks_event_reasons", "xid_count")
+IB_METRICS = ("rx_bytes_per_s", "tx_bytes_per_s", "errors_per_s")
+NODE_METRICS = ("cpu_busy_pct", "cpu_throttled_pct", "mem_used_bytes", "net_rx_bytes_per_s",
+                "net_tx_bytes_per_s")
+UNITS = {"util_pct": "%", "mem_used_bytes": "B", "power_w": "W", "temp_c": "Cel",
+         "sm_clock_mhz": "MHz", "clocks_event_reasons": "bitmask", "xid_count": "1",
+         "rx_bytes_per_s": "B/s", "tx_bytes_per_s": "B/s", "errors_per_s": "1/s",
+         "cpu_busy_pct": "%", "cpu_throttled_pct": "%", "net_rx_bytes_per_s": "B/s",
+         "net_tx_bytes_per_s": "B/s"}
+MAX_SAMPLES = 50_000_000  # a window longer than this is refused (a clock gone wild)
+_GPU_COMPONENT = re.compile(r"^gpu([0-9]{1,4})$")
+_CHUNK_T = 4096
+
+
+@dataclass
+class JobSeries:
+    """One job's time series, as numpy arrays (see the module docstring for shapes)."""
+
+    job_id: int
+    interval_s: float
+    time: np.ndarray
+    nodes: list[str]
+    gpu: dict[str, np.ndarray] = field(default_factory=dict)
+    ib: dict[str, np.ndarray] = field(default_factory=dict)
+    node: dict[str, np.ndarray] = field(default_factory=dict)
+    gpu_uuid: np.ndarray | None = None  # bytes [N, G]
+    ib_port: np.ndarray | None = None  # bytes [N, P]
+    units: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def t0(self) -> float:
+        return float(self.time[0]) if len(self.time) else math.nan
+
+
+def series_path(archive_dir: Path, job_id: int) -> Path:
+    return Path(archive_dir) / SERIES_DIR / f"{int(job_id)}.h5"
+
+
+# -- one node's window ------------------------------------------------------------------------
+
+
+@dataclass
+class NodeWindow:
+    """One node's samples on its own times: arrays [G_i, T_i], [P_i, T_i], [T_i]."""
+
+    node: str
+    interval_s: float
+    times: np.ndarray
+    gpu: dict[str, np.ndarray]
+    ib: dict[str, np.ndarray]
+    node_metrics: dict[str, np.ndarray]
+    uuids: list[str]
+    ports: list[str]
+    units: dict[str, str]
+
+
+def window_from_segment(seg: Segment) -> NodeWindow:
+    """Split a BVTS file's columns into the gpu/ib/node groups."""
+    import numpy as np
+
+    h = seg.header
+    n = len(h.columns)
+    rec = np.frombuffer(seg.data, dtype=np.dtype([("t", "<f8"), ("v", "<f4", (n,))]))
+    times = rec["t"].astype(np.float64)
+    vals = rec["v"].reshape(len(rec), n)
+    gpu_cols: dict[str, dict[int, int]] = {}
+    ib_cols: dict[str, dict[str, int]] = {}
+    node_cols: dict[str, int] = {}
+    units: dict[str, str] = {}
+    for j, c in enumerate(h.columns):
+        metric = c.metric
+        units.setdefault(metric, c.unit)
+        m = _GPU_COMPONENT.match(c.component)
+        if m:
+            gpu_cols.setdefault(metric, {})[int(m.group(1))] = j
+        elif c.component.startswith("ib."):
+            ib_cols.setdefault(metric, {})[c.component[3:]] = j
+        elif c.component == "node":
+            node_cols[metric] = j
+    n_gpu = 1 + max((i for cols in gpu_cols.values() for i in cols), default=-1)
+    ports = sorted({p for cols in ib_cols.values() for p in cols})
+    T = len(times)
+    gpu = {}
+    for metric, cols in gpu_cols.items():
+        arr = np.full((n_gpu, T), np.nan, dtype=np.float32)
+        for i, j in cols.items():
+            arr[i] = vals[:, j]
+        gpu[metric] = arr
+    ib = {}
+    for metric, pcols in ib_cols.items():
+        arr = np.full((len(ports), T), np.nan, dtype=np.float32)
+        for pi, p in enumerate(ports):
+            if p in pcols:
+                arr[pi] = vals[:, pcols[p]]
+        ib[metric] = arr
+    node_m = {metric: vals[:, j].astype(np.float32) for metric, j in node_cols.items()}
+    uuids = [h.components.get(f"gpu{i}", {}).get("uuid", "") for i in range(n_gpu)]
+    return NodeWindow(h.node, h.interval_s, times, gpu, ib, node_m, uuids, ports, units)
+
+
+def _grid_index(times: np.ndarray, t0: float, interval: float, T: int) -> tuple[Any, Any]:
+    """Grid positions of `times` and which of them are kept (nearest point within interval/2)."""
+    import numpy as np
+
+    k = np.rint((times - t0) / interval).astype(np.int64)
+    ok = (k >= 0) & (k < T) & (np.abs(times - (t0 + k * interval)) <= interval / 2 + 1e-9) \
+        & np.isfinite(times)
+    return k, ok
+
+
+# -- the HDF5 file ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    job_id: int
+    interval_s: float
+    t0: float
+    T: int
+    nodes: list[str]
+    G: int
+    P: int
+    gpu_metrics: list[str]
+    ib_metrics: list[str]
+    node_metrics: list[str]
+    units: dict[str, str]
+
+
+def _grid(t_min: float, t_max: float, interval: float) -> tuple[float, int]:
+    t0 = math.floor(t_min / interval + 0.5) * interval
+    T = int(round((t_max - t0) / interval)) + 1
+    if T > MAX_SAMPLES:
+        raise ArchiveError(f"series window of {T} samples is too long")
+    return t0, max(T, 1)
+
+
+def _ordered(found: Iterable[str], standard: tuple[str, ...]) -> list[str]:
+    extra = sorted(set(found) - set(standard))
+    return list(standard) + extra
+
+
+def _create(f: Any, plan: _Plan) -> None:
+    import numpy as np
+
+    f.attrs["format"] = FORMAT
+    f.attrs["schema_version"] = SCHEMA_VERSION
+    f.attrs["job_id"] = plan.job_id
+    f.attrs["interval_s"] = plan.interval_s
+    f.attrs["t0_unix_s"] = plan.t0
+    f.attrs["n_samples"] = plan.T
+    f.create_dataset("time", data=plan.t0 + np.arange(plan.T, dtype=np.float64) * plan.interval_s)
+    import h5py
+
+    f.create_dataset("nodes", data=plan.nodes, dtype=h5py.string_dtype())
+    N, T = len(plan.nodes), plan.T
+    tc = min(T, _CHUNK_T)
+
+    def make(group: str, name: str, shape: tuple[int, ...], chunks: tuple[int, ...]) -> None:
+        opts: dict[str, Any] = {}
+        if all(shape):
+            opts = {"chunks": chunks, "shuffle": True, "compression": "gzip",
+                    "compression_opts": 4}
+        ds = f.create_dataset(f"{group}/{name}", shape=shape, dtype="<f4",
+                              fillvalue=np.float32(np.nan), **opts)
+        ds.attrs["unit"] = plan.units.get(name, UNITS.get(name, ""))
+
+    for m in plan.gpu_metrics:
+        make("gpu", m, (N, plan.G, T), (1, max(plan.G, 1), tc))
+    for m in plan.ib_metrics:
+        make("ib", m, (N, plan.P, T), (1, max(plan.P, 1), tc))
+    for m in plan.node_metrics:
+        make("node", m, (N, T), (1, tc))
+    f.create_dataset("gpu/uuid", shape=(N, plan.G), dtype="S64")
+    f.create_dataset("ib/port", shape=(N, plan.P), dtype="S64")
+
+
+def _put(f: Any, plan: _Plan, row: int, w: NodeWindow) -> None:
+    """Write one node's window into row `row` (one node in memory at a time)."""
+    import numpy as np
+
+    k, ok = _grid_index(w.times, plan.t0, plan.interval_s, plan.T)
+    k = k[ok]
+    for m in plan.gpu_metrics:
+        src = w.gpu.get(m)
+        if src is None or not src.shape[0]:
+            continue
+        out = np.full((plan.G, plan.T), np.nan, dtype=np.float32)
+        out[:src.shape[0], k] = src[:, ok]
+        f[f"gpu/{m}"][row] = out
+    for m in plan.ib_metrics:
+        src = w.ib.get(m)
+        if src is None or not src.shape[0]:
+            continue
+        out = np.full((plan.P, plan.T), np.nan, dtype=np.float32)
+        out[:src.shape[0], k] = src[:, ok]
+        f[f"ib/{m}"][row] = out
+    for m in plan.node_metrics:
+        vec = w.node_metrics.get(m)
+        if vec is None:
+            continue
+        out1 = np.full(plan.T, np.nan, dtype=np.float32)
+        out1[k] = vec[ok]
+        f[f"node/{m}"][row] = out1
+    if plan.G:
+        f["gpu/uuid"][row] = np.array([u.encode()[:64] for u in w.uuids]
+                                      + [b""] * (plan.G - len(w.uuids)), dtype="S64")
+    if plan.P:
+        f["ib/port"][row] = np.array([p.encode()[:64] for p in w.ports]
+                                     + [b""] * (plan.P - len(w.ports)), dtype="S64")
+
+
+def _atomic_h5(path: Path, fill: Callable[[Any], None]) -> None:
+    """Write an HDF5 file through a temporary file in the same directory, fsync, rename."""
+    import h5py
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    try:
+        with h5py.File(tmp, "w", libver="latest") as f:
+            fill(f)
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_series(path: Path, series: JobSeries) -> None:
+    """Write `series` to `path` in the archive layout (atomically)."""
+    import numpy as np
+
+    N = len(series.nodes)
+    G = next((a.shape[1] for a in series.gpu.values()), 0)
+    P = next((a.shape[1] for a in series.ib.values()), 0)
+    T = len(series.time)
+    interval = float(series.interval_s)
+    plan = _Plan(int(series.job_id), interval, series.t0 if T else 0.0, T,
+                 list(series.nodes), G, P, _ordered(series.gpu, ()),
+                 _ordered(series.ib, ()), _ordered(series.node, ()), dict(series.units))
+
+    def fill(f: Any) -> None:
+        _create(f, plan)
+        f["time"][...] = np.asarray(series.time, dtype=np.float64)
+        for i in range(N):
+            for m, a in series.gpu.items():
+                f[f"gpu/{m}"][i] = a[i]
+            for m, a in series.ib.items():
+                f[f"ib/{m}"][i] = a[i]
+            for m, a in series.node.items():
+                f[f"node/{m}"][i] = a[i]
+        if series.gpu_uuid is not None and G:
+            f["gpu/uuid"][...] = np.asarray(series.gpu_uuid, dtype="S64")
+        if series.ib_port is not None and P:
+            f["ib/port"][...] = np.asarray(series.ib_port, dtype="S64")
+
+    _atomic_h5(Path(path), fill)
+
+
+def read_series_file(path: Path) -> JobSeries:
+    """Read a series file written by ingest or `write_series`.
+
+    Raises:
+        ArchiveError: not a bluevela job series file.
+    """
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            if f.attrs.get("format") != FORMAT:
+                raise ArchiveError(f"{path} is not a {FORMAT} file")
+            units: dict[str, str] = {}
+
+            def group(name: str, skip: str) -> dict[str, np.ndarray]:
+                out = {}
+                if name in f:
+                    for k, ds in f[name].items():
+                        if k != skip:
+                            out[k] = ds[()]
+                            units[k] = str(ds.attrs.get("unit", ""))
+                return out
+
+            return JobSeries(
+                job_id=int(f.attrs["job_id"]), interval_s=float(f.attrs["interval_s"]),
+                time=f["time"][()],
+                nodes=[n.decode() if isinstance(n, bytes) else str(n) for n in f["nodes"][()]],
+                gpu=group("gpu", "uuid"), ib=group("ib", "port"), node=group("node", ""),
+                gpu_uuid=f["gpu/uuid"][()] if "gpu/uuid" in f else None,
+                ib_port=f["ib/port"][()] if "ib/port" in f else None,
+                units=units)
+    except OSError as exc:
+        raise ArchiveError(f"cannot read {path}: {exc}") from exc
+
+
+def read_series(archive_dir: Path, job_id: int) -> JobSeries | None:
+    """The job's series from the archive, or None when it has none."""
+    path = series_path(archive_dir, job_id)
+    if not path.is_file():
+        return None
+    return read_series_file(path)
+
+
+# -- ingest -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Meta:
+    node: str
+    load: Callable[[], NodeWindow]
+    t_min: float
+    t_max: float
+    interval_s: float
+    n_gpu: int
+    n_port: int
+    gpu: set[str]
+    ib: set[str]
+    node_metrics: set[str]
+    units: dict[str, str]
+
+
+def _meta_of(w: NodeWindow, load: Callable[[], NodeWindow]) -> _Meta | None:
+    import numpy as np
+
+    finite = w.times[np.isfinite(w.times)]
+    if not len(finite):
+        return None
+    n_gpu = next((a.shape[0] for a in w.gpu.values()), 0)
+    return _Meta(w.node, load, float(finite.min()), float(finite.max()), w.interval_s,
+                 n_gpu, len(w.ports), set(w.gpu), set(w.ib), set(w.node_metrics), w.units)
+
+
+def _old_row(path: Path, i: int) -> NodeWindow:
+    """Row `i` of an existing series file as a node window."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        times = f["time"][()]
+        interval = float(f.attrs["interval_s"])
+        node = f["nodes"][i]
+        node = node.decode() if isinstance(node, bytes) else str(node)
+        gpu_names = [k for k in f["gpu"] if k != "uuid"] if "gpu" in f else []
+        ib_names = [k for k in f["ib"] if k != "port"] if "ib" in f else []
+        node_names = list(f["node"]) if "node" in f else []
+        units = {k: str(f[f"{g}/{k}"].attrs.get("unit", "")) for g, names in
+                 (("gpu", gpu_names), ("ib", ib_names), ("node", node_names)) for k in names}
+        uuids = [u.decode() for u in f["gpu/uuid"][i]] if "gpu/uuid" in f else []
+        ports = [p.decode() for p in f["ib/port"][i]] if "ib/port" in f else []
+        ports = [p for p in ports if p]
+        return NodeWindow(node, interval, times,
+                          {m: f[f"gpu/{m}"][i] for m in gpu_names},
+                          {m: f[f"ib/{m}"][i][:len(ports)] for m in ib_names},
+                          {m: f[f"node/{m}"][i] for m in node_names},
+                          uuids, ports, units)
+
+
+def _old_metas(path: Path) -> list[_Meta]:
+    """The nodes of an existing series file, each loaded only when written again."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        if f.attrs.get("format") != FORMAT:
+            raise ValueError("not a job series file")
+        times = f["time"][()]
+        interval = float(f.attrs["interval_s"])
+        nodes = [n.decode() if isinstance(n, bytes) else str(n) for n in f["nodes"][()]]
+        G = f["gpu/uuid"].shape[1] if "gpu/uuid" in f else 0
+        P = f["ib/port"].shape[1] if "ib/port" in f else 0
+        gpu = {k for k in f["gpu"] if k != "uuid"} if "gpu" in f else set()
+        ib = {k for k in f["ib"] if k != "port"} if "ib" in f else set()
+        nm = set(f["node"]) if "node" in f else set()
+        units = {k: str(ds.attrs.get("unit", "")) for g in ("gpu", "ib", "node") if g in f
+                 for k, ds in f[g].items() if k not in ("uuid", "port")}
+    if not len(times):
+        return []
+    out = []
+    for i, node in enumerate(nodes):
+        def load(i: int = i) -> NodeWindow:
+            return _old_row(path, i)
+
+        out.append(_Meta(node, load, float(times[0]), float(times[-1]), interval, G, P,
+                         gpu, ib, nm, units))
+    return out
+
+
+def build_series(path: Path, job_id: int, metas: list[_Meta]) -> int:
+    """Write the series file of `job_id` from node windows (loaded one at a time); returns N."""
+    metas = sorted(metas, key=lambda m: m.node)
+    interval = min(m.interval_s for m in metas)
+    t0, T = _grid(min(m.t_min for m in metas), max(m.t_max for m in metas), interval)
+    units: dict[str, str] = {}
+    for m in metas:
+        for k, v in m.units.items():
+            units.setdefault(k, v)
+    plan = _Plan(job_id, interval, t0, T, [m.node for m in metas],
+                 max(m.n_gpu for m in metas), max(m.n_port for m in metas),
+                 _ordered(set().union(*(m.gpu for m in metas)), GPU_METRICS),
+                 _ordered(set().union(*(m.ib for m in metas)), IB_METRICS),
+                 _ordered(set().union(*(m.node_metrics for m in metas)), NODE_METRICS), units)
+
+    def fill(f: Any) -> None:
+        _create(f, plan)
+        for row, m in enumerate(metas):
+            _put(f, plan, row, m.load())
+
+    _atomic_h5(path, fill)
+    return len(metas)
+
+
+def ingest_side_files(w: Writer, sd: SpoolDir, archive_dir: Path,
+                      entries: list[SpoolEntry]) -> tuple[list[str], list[tuple[str, str]]]:
+    """Add the spooled series side files of archived jobs to their series files.
+
+    Side files of jobs not yet archived wait in the spool. A node already in the job's file is
+    not added again (its side file is just done). A side file that is a symlink, has a bad
+    header, a truncated record or another node's/job's header is quarantined.
+
+    Returns:
+        (spool names now done, [(quarantined name, reason)]).
+    """
+    from bluevela.archive.ingest import archived_jobs
+    from bluevela.archive.spool import quarantine
+    from bluevela.telemetry.format import FormatError, read_file
+
+    if not entries:
+        return [], []
+    archived = archived_jobs(w, sorted({e.job_id for e in entries}))
+    done: list[str] = []
+    bad: list[tuple[str, str]] = []
+    by_job: dict[int, list[SpoolEntry]] = {}
+    for e in entries:
+        if e.job_id in archived:
+            by_job.setdefault(e.job_id, []).append(e)
+    for job_id, job_entries in sorted(by_job.items()):
+        path = series_path(archive_dir, job_id)
+        have: set[str] = set()
+        metas: list[_Meta] = []
+        if path.is_file():
+            try:
+                metas = _old_metas(path)
+                have = {m.node for m in metas}
+            except (OSError, KeyError, ValueError) as exc:
+                logger.error("job %d: series file %s unreadable (%s): rebuilt from the spool",
+                             job_id, path, exc)
+                have, metas = set(), []
+        new = 0
+        for e in job_entries:
+            if e.node in have:
+                done.append(e.name)
+                continue
+
+            def load(e: SpoolEntry = e) -> NodeWindow:
+                return window_from_segment(read_file(e.name, strict=True, dir_fd=sd.fd))
+
+            try:
+                seg = read_file(e.name, strict=True, dir_fd=sd.fd)
+                if seg.header.node != e.node:
+                    raise FormatError(f"header node {seg.header.node!r} does not match the name")
+                if seg.header.job_id is not None and seg.header.job_id != job_id:
+                    raise FormatError(f"header job_id {seg.header.job_id} does not match")
+                meta = _meta_of(window_from_segment(seg), load)
+            except FileNotFoundError:
+                continue
+            except (OSError, FormatError, ValueError) as exc:
+                reason = f"series side file: {getattr(exc, 'strerror', None) or exc}"
+                if isinstance(exc, OSError) and exc.errno == 40:  # ELOOP: a symlink
+                    reason = "series side file: a symlink (never followed)"
+                quarantine(sd, e.name, reason)
+                bad.append((e.name, reason))
+                continue
+            del seg
+            have.add(e.node)
+            done.append(e.name)
+            if meta is not None:
+                metas.append(meta)
+                new += 1
+        if new:
+            n = build_series(path, job_id, metas)
+            logger.info("job %d: series of %d node(s) in %s (%d new)", job_id, n, path, new)
+    return done, bad
