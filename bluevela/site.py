@@ -442,6 +442,17 @@ class NodeClass:
 
 
 @dataclass(frozen=True)
+class Telemetry:
+    """The node sampler (bluevela.telemetry.sampler, docs/install.md)."""
+
+    __pydantic_config__ = _STRICT
+
+    interval_s: Annotated[float, Ge(0.1), Le(3600)] = 10.0
+    retain_h: Annotated[float, Gt(0)] = 48.0  # oldest segments go first
+    max_mb: Annotated[float, Gt(0)] = 256.0  # bound on <state>/samples
+
+
+@dataclass(frozen=True)
 class Site:
     __pydantic_config__ = _STRICT
 
@@ -451,6 +462,7 @@ class Site:
     paths: Paths = field(default_factory=Paths)
     launch: Launch = field(default_factory=Launch)
     health: Health = field(default_factory=Health)
+    telemetry: Telemetry = field(default_factory=Telemetry)
 
     def __post_init__(self) -> None:
         seen: dict[str, str] = {}
