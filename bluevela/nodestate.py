@@ -459,9 +459,28 @@ class ResumeCheck:
     note: str | None
 
 
+def dcgm_gate(site: Site, before_resume: Callable[[], tuple[int, str]] | None
+              ) -> tuple[bool, str | None]:
+    """The site's DCGM diagnostic before a resume (`health.dcgm.before_resume_level`):
+    (passes, note). `before_resume` runs it and gives (Status value, summary); OK or WARNING
+    passes, anything else (a failure, DCGM absent, a timeout) keeps the node drained."""
+    level = site.health.dcgm.before_resume_level
+    if not level:
+        return True, None
+    if before_resume is None:
+        return False, f"DCGM diag r{level} must pass before a resume: not run"
+    code, summary = before_resume()
+    if code not in (0, 1):
+        name = {2: "CRITICAL", 3: "UNKNOWN"}.get(code, str(code))
+        return False, f"DCGM diag r{level} before resume: {name}: {summary}"
+    return True, f"DCGM diag r{level} passes"
+
+
 def resume_if_passing(client: SlurmClient, site: Site, node: str,
-                      statuses: dict[str, int]) -> ResumeCheck:
-    """The healthcheck's resume: a node drained by us whose named check passes again.
+                      statuses: dict[str, int],
+                      before_resume: Callable[[], tuple[int, str]] | None = None) -> ResumeCheck:
+    """The healthcheck's resume: a node drained by us whose named check passes again, and
+    then the site's DCGM diagnostic before a resume (`before_resume`, see `dcgm_gate`).
 
     Operators' drains and nightly drains stay. A node that is not drained frees its stale
     breaker slots (one reservation read per healthcheck run on an idle node).
@@ -479,6 +498,9 @@ def resume_if_passing(client: SlurmClient, site: Site, node: str,
         logger.info("%s %s", node, note)
         return ResumeCheck(False, note)
     ok, note = passes_for_resume(site, info.reason, statuses)
+    if ok:
+        ok, dcgm_note = dcgm_gate(site, before_resume)
+        note = f"{note}; {dcgm_note}" if ok and dcgm_note else dcgm_note or note
     if not ok:
         logger.warning("%s stays drained (%s): %s", node, info.reason, note)
         return ResumeCheck(False, note)

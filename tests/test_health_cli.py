@@ -40,7 +40,7 @@ def test_run_json_on_the_healthy_fixture() -> None:
     assert p.returncode == 0, p.stderr
     data = json.loads(p.stdout)
     assert data["status"] == "OK" and data["tier"] == "quick"
-    assert [c["name"] for c in data["checks"]] == ["gpu", "ib", "node"]
+    assert [c["name"] for c in data["checks"]] == ["gpu", "ib", "node", "versions"]
     for c in data["checks"]:
         assert set(c) >= {"name", "status", "summary", "metrics"}
     assert data["checks"][1]["metrics"]["rate_min_gbps"] == 400

@@ -106,7 +106,7 @@ def test_nccl_attempts_back_off(site: Site, tmp_path: Path) -> None:
     assert tried is not None and tried["failures"] == 1  # one attempt, its retries included
     t = float(tried["time"])
     assert not nccl_is_stale(tmp_path, 6.0, now=t + 60)  # backing off
-    assert plan_prolog(site, nccl_is_stale(tmp_path, 6.0, now=t + 60)).checks == ("gpu", "ib", "node")
+    assert plan_prolog(site, nccl_is_stale(tmp_path, 6.0, now=t + 60)).checks == ("gpu", "ib", "node", "versions")
     assert nccl_is_stale(tmp_path, 6.0, now=t + NCCL_RETRY_BASE_S + 1)
     # Each further attempt without a pass doubles the wait, capped at 6 h.
     for n in range(2, 9):

@@ -162,15 +162,15 @@ def test_only_noisy_checks_are_retried(ctx: ProbeContext, tmp_path: Path,
 
 def test_plans_come_from_site_tiers(site: Site) -> None:
     quick = plan_tier(site, "quick")
-    assert quick.checks == ("gpu", "ib", "node") and quick.cap_s == 5 and quick.timeout("ib") == 3
+    assert quick.checks == ("gpu", "ib", "node", "versions") and quick.cap_s == 5 and quick.timeout("ib") == 3
     assert quick.retries == site.health.retries
     extra = plan_tier(site, "quick", ["ib", "nccl"])
     assert extra.timeout("nccl") == 120 and extra.cap_s == 180 and extra.timeout("ib") == 3
     with pytest.raises(HealthError, match="no health tier 'nope'"):
         plan_tier(site, "nope")
-    assert plan_prolog(site, nccl_stale=False).checks == ("gpu", "ib", "node")
+    assert plan_prolog(site, nccl_stale=False).checks == ("gpu", "ib", "node", "versions")
     stale = plan_prolog(site, nccl_stale=True)
-    assert stale.checks == ("gpu", "ib", "node", "nccl") and stale.tier == "quick+nccl"
+    assert stale.checks == ("gpu", "ib", "node", "versions", "nccl") and stale.tier == "quick+nccl"
     assert stale.timeout("gpu") == 3 and stale.timeout("nccl") == 120
 
 

@@ -197,7 +197,8 @@ def test_prolog_runs_nccl_only_when_stale(tmp_path: Path) -> None:
     (base / "state" / "nccl_last_pass.json").write_text(json.dumps({"time": 9e18}))
     run_hook("prolog", hook_env, {"SLURMD_NODENAME": "gpu001", "SLURM_JOB_ID": "13"})
     checks = json.loads((base / "spool" / "13.gpu001.prolog.json").read_text())["health"]
-    assert checks["tier"] == "quick" and [c["name"] for c in checks["checks"]] == ["gpu", "ib", "node"]
+    assert checks["tier"] == "quick" and [c["name"] for c in checks["checks"]] == ["gpu", "ib", "node",
+                                                                                 "versions"]
 
 
 def test_bv_hook_is_the_same_entry(tmp_path: Path) -> None:

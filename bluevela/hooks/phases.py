@@ -149,11 +149,31 @@ def _run(site: Site, hctx: HookContext, state: Path | None, plan_name: str) -> H
         plan = plan_prolog(site, stale)
     else:
         plan = plan_tier(site, plan_name)
+    pctx = ProbeContext.from_env(cls, class_name, state_dir=state, phase=hctx.phase)
+    if hctx.phase == "healthcheck":  # DCGM diag at health.dcgm.healthcheck_level, if set
+        from bluevela.health.checks.dcgm import with_purpose
+
+        plan, pctx = with_purpose(site, "healthcheck", plan, pctx, limit_s=HEALTHCHECK_LIMIT_S)
     if hctx.phase == "healthcheck" and plan.cap_s > HEALTHCHECK_LIMIT_S:
         # slurmd kills a HealthCheckProgram after 60 s: end the run (and drain) before that.
         plan = replace(plan, cap_s=HEALTHCHECK_LIMIT_S)
-    pctx = ProbeContext.from_env(cls, class_name, state_dir=state, phase=hctx.phase)
     return run_plan(plan, pctx)
+
+
+def _dcgm_before_resume(site: Site, hctx: HookContext, state: Path | None,
+                        started: float) -> tuple[int, str]:
+    """The DCGM diag at health.dcgm.before_resume_level, within what is left of the
+    healthcheck's 60 s (a longer diag ends UNKNOWN: the node stays drained)."""
+    from bluevela.health.checks.dcgm import run_diag, timeout_for
+    from bluevela.health.context import ProbeContext
+
+    class_name = site.class_name_for(hctx.node)
+    pctx = ProbeContext.from_env(site.node_classes[class_name], class_name, state_dir=state,
+                                 phase=hctx.phase)
+    left = HEALTHCHECK_LIMIT_S - (time.monotonic() - started) - 1.0
+    result = run_diag(pctx, site.health.dcgm.before_resume_level,
+                      max(1.0, min(timeout_for(site, "before_resume"), left)))
+    return int(result.status), result.summary
 
 
 def _record(site: Site, state: Path | None, report: HealthReport, phase: str) -> None:
@@ -273,6 +293,7 @@ def epilog(site: Site, hctx: HookContext) -> HookOutcome:
 def healthcheck(site: Site, hctx: HookContext) -> HookOutcome:
     from bluevela.nodestate import hook_client, resume_if_passing
 
+    started = time.monotonic()
     state = _state_dir(site)
     report = _run(site, hctx, state, "full")
     _record(site, state, report, "healthcheck")
@@ -283,7 +304,8 @@ def healthcheck(site: Site, hctx: HookContext) -> HookOutcome:
             # Resumes only our drains whose named check passes again (never a nightly's or
             # an operator's), and frees the breaker slot(s) of the node.
             check = resume_if_passing(hook_client(site), site, hctx.node,
-                                      {c.name: int(c.status) for c in report.checks})
+                                      {c.name: int(c.status) for c in report.checks},
+                                      lambda: _dcgm_before_resume(site, hctx, state, started))
             resumed, note = check.resumed, check.note
         except BluevelaError as exc:
             note = f"could not query/resume: {exc}"

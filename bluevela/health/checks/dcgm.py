@@ -1,10 +1,19 @@
 """`dcgm`: NVIDIA DCGM diagnostics (`dcgmi diag -r <level> -j`) as a check result.
 
 DCGM is NVIDIA's own (not on PyPI or Debian): the probe runs `<root>/usr/bin/dcgmi` (where
-the datacenter-gpu-manager package installs it) with `node.dcgm_level` (1: seconds, 2: about
-2 min, 3: about 30 min, 4: hours) and parses its JSON. Absent DCGM, or a host engine that does
-not answer, is UNKNOWN, never OK: nothing was diagnosed. The site decides where it runs by
-naming `dcgm` in a tier (level 1 in the healthcheck's full tier; level 3 from the nightly).
+the datacenter-gpu-manager package installs it; on a real node also found on PATH) as an argv
+list with the context's level (1: seconds, 2: about 2 min, 3: about 30 min, 4: hours) and
+parses its JSON. It runs in the runner's killable child: the level's timeout kills dcgmi with
+the child's process group. Absent DCGM, or a host engine that does not answer, is UNKNOWN (and
+logged), never OK: nothing was diagnosed.
+
+Where it runs is the site's `health.dcgm` (`bluevela.site.DcgmOptions`), by purpose:
+- `healthcheck_level`: added to the healthcheck hook's run (`with_purpose`);
+- `before_resume_level`: run before bluevela resumes a node it drained (the healthcheck's
+  auto-resume and `bv health resume` on the node; `bluevela.nodestate.resume_if_passing`);
+- `nightly_level`: a step of each node's nightly job (`bv health dcgm`), a failure drains it
+  `bv: nightly <date>: dcgm: diag r3 GPU 3 memory failed: ...`.
+A tier may also name `dcgm`; it then runs at `node.dcgm_level`.
 
 Two JSON shapes are read (both from NVIDIA's documented/emitted format):
 - DCGM 3.x: `{"DCGM GPU Diagnostic": {"test_categories": [{"category", "tests": [{"name",
@@ -26,16 +35,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from bluevela.health.registry import check
 from bluevela.health.result import CheckResult, Status, summarize
 
 if TYPE_CHECKING:
     from bluevela.health.context import ProbeContext
-    from bluevela.site import NodeClass
+    from bluevela.health.runner import RunPlan
+    from bluevela.site import NodeClass, Site
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +125,26 @@ def parse_diag(text: str) -> tuple[tuple[DiagResult, ...], str | None]:
     return tuple(out), str(version) if version is not None else None
 
 
+def find_dcgmi(ctx: ProbeContext) -> Path | None:
+    """`<root>/usr/bin/dcgmi`; on a real root (`/`) also dcgmi on PATH (or the default path)."""
+    dcgmi = ctx.under_root(DCGMI)
+    if os.access(dcgmi, os.X_OK):
+        return dcgmi
+    if ctx.root == Path("/"):
+        found = shutil.which("dcgmi", path=os.environ.get("PATH") or os.defpath)
+        if found:
+            return Path(found)
+    return None
+
+
 def probe_dcgm(ctx: ProbeContext) -> DcgmFacts:
     level = ctx.node_class.node.dcgm_level
-    dcgmi = ctx.under_root(DCGMI)
-    if not os.access(dcgmi, os.X_OK):
-        return DcgmFacts(level, available=False, error=f"DCGM not installed ({dcgmi} not found)")
+    dcgmi = find_dcgmi(ctx)
+    if dcgmi is None:
+        where = ctx.under_root(DCGMI)
+        logger.warning("dcgm diag r%d asked for, but DCGM is not installed (%s not found)",
+                       level, where)
+        return DcgmFacts(level, available=False, error=f"DCGM not installed ({where} not found)")
     try:
         proc = subprocess.run([str(dcgmi), "diag", "-r", str(level), "-j"], capture_output=True,
                               text=True, check=False, stdin=subprocess.DEVNULL)
@@ -128,6 +155,7 @@ def probe_dcgm(ctx: ProbeContext) -> DcgmFacts:
         results, version = parse_diag(proc.stdout)
     except ValueError:
         tail = (proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}")
+        logger.warning("dcgmi diag -r %d gave no diagnostic: %s", level, tail[-200:])
         return DcgmFacts(level, available=True,
                          error=f"dcgmi diag gave no diagnostic: {tail.splitlines()[-1][:200]}")
     return DcgmFacts(level, True, results, version)
@@ -137,7 +165,14 @@ def _gpu_label(gpus: str) -> str:
     return f"GPU {gpus} " if gpus and "," not in gpus else f"GPUs {gpus} " if gpus else ""
 
 
-@check("dcgm", probe=probe_dcgm)
+def dcgm_timed_out(seconds: float, cls: NodeClass) -> CheckResult:
+    """Killed at its timeout: UNKNOWN (nothing was diagnosed), saying which level hung."""
+    return CheckResult("dcgm", Status.UNKNOWN,
+                       f"diag r{cls.node.dcgm_level}: no result in {seconds:g} s, dcgmi killed",
+                       {"level": cls.node.dcgm_level})
+
+
+@check("dcgm", probe=probe_dcgm, on_timeout=dcgm_timed_out)
 def evaluate_dcgm(facts: DcgmFacts, cls: NodeClass) -> CheckResult:
     """DCGM diagnostics (dcgmi diag -r LEVEL -j); absent DCGM is UNKNOWN."""
     if facts.error:
@@ -170,3 +205,52 @@ def evaluate_dcgm(facts: DcgmFacts, cls: NodeClass) -> CheckResult:
                    f"{metrics['skipped_count']:g} skipped"
                    + (f" (DCGM {facts.version})" if facts.version else ""))
     return CheckResult("dcgm", status, summary, metrics)
+
+
+# -- where the diagnostic runs: the site's health.dcgm ------------------------------------------
+
+Purpose = Literal["healthcheck", "before_resume", "nightly"]
+
+
+def level_for(site: Site, purpose: Purpose) -> int:
+    """The `dcgmi diag` level the site runs for `purpose` (0: not run)."""
+    return int(getattr(site.health.dcgm, f"{purpose}_level"))
+
+
+def timeout_for(site: Site, purpose: Purpose) -> float:
+    return float(getattr(site.health.dcgm, f"{purpose}_timeout_s"))
+
+
+def with_level(ctx: ProbeContext, level: int) -> ProbeContext:
+    """`ctx` whose dcgm probe runs `dcgmi diag -r level`."""
+    cls = ctx.node_class
+    return replace(ctx, node_class=replace(cls, node=replace(cls.node, dcgm_level=level)))
+
+
+def with_purpose(site: Site, purpose: Purpose, plan: RunPlan, ctx: ProbeContext, *,
+                 limit_s: float | None = None) -> tuple[RunPlan, ProbeContext]:
+    """`plan` plus the dcgm check at the site's level for `purpose`, bounded by its timeout
+    (and by `limit_s`, the caller's own bound), with a context that asks for that level.
+    Unchanged when the site does not run DCGM for `purpose`."""
+    level = level_for(site, purpose)
+    if not level:
+        return plan, ctx
+    timeout = timeout_for(site, purpose)
+    if limit_s is not None:
+        timeout = max(1.0, min(timeout, limit_s - 1.0))
+    checks = plan.checks if "dcgm" in plan.checks else (*plan.checks, "dcgm")
+    plan = replace(plan, tier=plan.tier if "dcgm" in plan.checks else f"{plan.tier}+dcgm",
+                   checks=checks, cap_s=max(plan.cap_s, timeout + 1.0),
+                   timeouts={**plan.timeouts, "dcgm": timeout})
+    return plan, with_level(ctx, level)
+
+
+def run_diag(ctx: ProbeContext, level: int, timeout_s: float) -> CheckResult:
+    """Only the dcgm check at `level`, in the runner's killable child, bounded by `timeout_s`."""
+    from bluevela.health.runner import run_checks
+
+    report = run_checks(["dcgm"], with_level(ctx, level), timeout_s=timeout_s,
+                        cap_s=timeout_s + 1.0, tier=f"dcgm-r{level}")
+    result = report.result("dcgm")
+    assert result is not None
+    return result
