@@ -267,9 +267,33 @@ def node_job(site: Site, node: str, class_name: str, workdir: Path,
     argv = (opts.python, "-m", "bluevela", *_site_args(site), "bench", "run",
             *NODE_MEASUREMENTS, "--class", class_name, "--budget-s", str(opts.budget_s),
             "--json", "--out", str(out))
-    step = BenchStep(argv, whole_node=True, gpus_per_node=cls.gpus)
-    req = _request(site, (node,), (step,), cls, workdir, opts, f"bv-bench-{node}")
-    return req, Job(node, (node,), {"node": out}, workdir / "bench-%j.out")
+    steps = [BenchStep(argv, whole_node=True, gpus_per_node=cls.gpus)]
+    files = {"node": out}
+    level = site.health.dcgm.nightly_level
+    if level:  # then DCGM's own diagnostic (`bv health dcgm`), bounded by its timeout
+        files["dcgm"] = workdir / f"{node}.dcgm.json"
+        steps.append(BenchStep(
+            (opts.python, "-m", "bluevela", *_site_args(site), "health", "dcgm", "--level",
+             str(level), "--timeout-s", f"{site.health.dcgm.nightly_timeout_s:g}",
+             "--class", class_name, "--out", str(files["dcgm"])),
+            whole_node=True, gpus_per_node=cls.gpus))
+    req = _request(site, (node,), tuple(steps), cls, workdir, opts, f"bv-bench-{node}")
+    return req, Job(node, (node,), files, workdir / "bench-%j.out")
+
+
+def dcgm_verdict(path: Path | None) -> tuple[Status, str] | None:
+    """The nightly DCGM step's result (`bv health dcgm --out`): (status, "dcgm: <summary>");
+    None when the site runs no DCGM at night. A missing or unreadable file is UNKNOWN."""
+    if path is None:
+        return None
+    doc = _load(path)
+    if not isinstance(doc, dict) or "status_code" not in doc:
+        return Status.UNKNOWN, "dcgm: no result (the step did not run or did not finish)"
+    try:
+        status = Status(int(doc["status_code"]))
+    except (TypeError, ValueError):
+        return Status.UNKNOWN, f"dcgm: unreadable result in {path}"
+    return status, f"dcgm: {' '.join(str(doc.get('summary', '')).split())}"
 
 
 def pair_job(site: Site, pair: pairing.Pair, class_name: str, workdir: Path,
@@ -455,10 +479,17 @@ def run_nightly(client: SlurmClient, site: Site, opts: NightlyOptions,
         results = judge(collect_node(job), site, classes[node], hist, [node])
         out.singles[node] = SubjectResult((node,), results, job.job_id)
         status = worst(r.status for r in results)
-        if status is Status.CRITICAL:
-            out.culprits[node] = f"nightly {night}: {_failure_text(results)}"
+        failures = [_failure_text(results)] if status is Status.CRITICAL else []
+        dcgm = dcgm_verdict(job.files.get("dcgm"))
+        if dcgm is not None and dcgm[0] is Status.CRITICAL:
+            failures.append(dcgm[1])  # names the failed test and GPU
+        elif dcgm is not None and dcgm[0] is not Status.OK:
+            events.note(f"{node}: {dcgm[1]}")
+        if failures:
+            out.culprits[node] = f"nightly {night}: {'; '.join(failures)}"
+            status = Status.CRITICAL
         events.done("single-node", node, status,
-                    _failure_text(results) or _short(results))
+                    "; ".join(failures) or _short(results))
 
     # Phase 2: pairs within each class, then follow-ups that isolate the slow ones.
     pairable: dict[str, list[str]] = {}

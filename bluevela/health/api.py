@@ -18,7 +18,7 @@ from bluevela.errors import SlurmError, UnsafeValueError
 from bluevela.util.fs import safe_node_name
 
 if TYPE_CHECKING:
-    from bluevela.health.result import HealthReport
+    from bluevela.health.result import CheckResult, HealthReport
     from bluevela.site import Site
     from bluevela.slurm.client import SlurmClient
 
@@ -57,6 +57,28 @@ def run_local(
     plan = plan_tier(site, tier, checks)
     ctx = ProbeContext.from_env(cls, name, env=env, state_dir=default_state_dir(site), phase=phase)
     return run_plan(plan, ctx)
+
+
+def run_dcgm(site: Site, *, level: int, timeout_s: float, class_name: str | None = None,
+             env: Mapping[str, str] | None = None) -> CheckResult:
+    """`dcgmi diag -r level` on this node as the dcgm check, bounded by `timeout_s` (the
+    nightly's per-node step; `bv health dcgm`)."""
+    from bluevela.health.checks.dcgm import run_diag
+    from bluevela.health.context import ProbeContext
+    from bluevela.health.runner import default_state_dir
+
+    name = class_name or site.class_name_for()
+    ctx = ProbeContext.from_env(site.node_class(name=name), name, env=env,
+                                state_dir=default_state_dir(site))
+    return run_diag(ctx, level, timeout_s)
+
+
+def _diag_before_resume(site: Site) -> tuple[int, str]:
+    from bluevela.health.checks.dcgm import timeout_for
+
+    result = run_dcgm(site, level=site.health.dcgm.before_resume_level,
+                      timeout_s=timeout_for(site, "before_resume"))
+    return int(result.status), result.summary
 
 
 def record_snapshot(out: Path, *, include_kmsg: bool = True) -> dict[str, Any]:
@@ -98,7 +120,17 @@ def _summarize(path: Path, data: Mapping[str, Any]) -> dict[str, Any]:
         "problems": [f"{c.get('name')}: {c.get('status')}: {c.get('summary')}" for c in bad],
         "drained": data.get("drained"), "drain_reason": data.get("drain_reason"),
         "file": str(path),
+        "versions": _versions_info(health),
     }
+
+
+def _versions_info(health: Mapping[str, Any]) -> dict[str, str] | None:
+    """The observed versions (the `versions` check's `info`) of a report's health object."""
+    for c in health.get("checks", []):
+        if isinstance(c, dict) and c.get("name") == "versions" and isinstance(c.get("info"), dict):
+            return {str(k): str(v) for k, v in c["info"].items()
+                    if isinstance(v, str | int | float)}
+    return None
 
 
 def latest_reports(spool: Path) -> dict[str, dict[str, Any]]:
@@ -132,10 +164,9 @@ def latest_reports(spool: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def node_overview(site: Site, client: SlurmClient) -> list[NodeHealth]:
-    """Every node's Slurm state and drain reason with its last bluevela report."""
+def _latest_with_local(site: Site) -> dict[str, dict[str, Any]]:
+    """`latest_reports` of the spool, with this host's own last hook run when newer."""
     from bluevela.health.state import LAST_RUN, read_json
-    from bluevela.nodestate import is_ours
 
     last = latest_reports(site.path("spool"))
     # This node's own last hook run (the healthcheck spools nothing) when it is newer.
@@ -145,8 +176,142 @@ def node_overview(site: Site, client: SlurmClient) -> list[NodeHealth]:
         mine = _summarize(site.path("state") / LAST_RUN, local)
         if here not in last or (mine.get("time") or 0) > (last[here].get("time") or 0):
             last[here] = mine
+    return last
+
+
+def node_overview(site: Site, client: SlurmClient) -> list[NodeHealth]:
+    """Every node's Slurm state and drain reason with its last bluevela report."""
+    from bluevela.nodestate import is_ours
+
+    last = _latest_with_local(site)
     return [NodeHealth(n.name, n.state, n.reason, n.drained and is_ours(site, n.reason),
                        last.get(n.name)) for n in sorted(client.nodes(), key=lambda n: n.name)]
+
+
+# -- versions across the fleet ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VersionGroup:
+    """Nodes of one class that run identical versions.
+
+    Attributes:
+        class_name: their node class ("?" when in none).
+        nodes: the nodes, in natural order.
+        versions: field -> observed value (absent: not observed).
+        drift: fields that differ from the class's pin, or, where unpinned, from the class's
+            majority.
+    """
+
+    class_name: str
+    nodes: tuple[str, ...]
+    versions: Mapping[str, str]
+    drift: tuple[str, ...]
+
+    @property
+    def hostlist(self) -> str:
+        import hostlist
+
+        return str(hostlist.collect_hostlist(list(self.nodes)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"class": self.class_name, "nodes": self.hostlist, "count": len(self.nodes),
+                "versions": dict(self.versions), "drift": list(self.drift)}
+
+
+@dataclass(frozen=True)
+class VersionsView:
+    """The fleet's observed versions: per class the pins and the majority, nodes grouped by
+    identical versions (largest group first), and the nodes with no versions reported."""
+
+    fields: tuple[str, ...]
+    pinned: Mapping[str, Mapping[str, tuple[str, ...]]]  # class -> field -> allowed
+    majority: Mapping[str, Mapping[str, str]]  # class -> field -> most common value
+    groups: tuple[VersionGroup, ...]
+    unreported: Mapping[str, tuple[str, ...]]  # class -> nodes without versions
+
+    @property
+    def drifting(self) -> tuple[VersionGroup, ...]:
+        return tuple(g for g in self.groups if g.drift)
+
+    def to_dict(self, per_node: bool = False) -> dict[str, Any]:
+        import hostlist
+
+        out: dict[str, Any] = {
+            "fields": list(self.fields),
+            "classes": {c: {"pinned": {f: list(v) for f, v in self.pinned.get(c, {}).items()},
+                            "majority": dict(self.majority.get(c, {}))}
+                        for c in sorted(set(self.majority) | set(self.pinned))},
+            "groups": [g.to_dict() for g in self.groups],
+            "unreported": {c: hostlist.collect_hostlist(list(n))
+                           for c, n in self.unreported.items() if n},
+            "drifting_nodes": sum(len(g.nodes) for g in self.drifting),
+        }
+        if per_node:
+            out["nodes"] = {n: {"class": g.class_name, "versions": dict(g.versions),
+                                "drift": list(g.drift)}
+                            for g in self.groups for n in g.nodes}
+        return out
+
+
+def _class_of(site: Site) -> dict[str, str]:
+    return {h: name for name, cls in site.node_classes.items() for h in cls.hostnames}
+
+
+def versions_view(site: Site, observed: Mapping[str, Mapping[str, str] | None],
+                  nodes: Sequence[str]) -> VersionsView:
+    """Group `nodes` by class and identical observed versions (pure: tests feed it directly).
+
+    Args:
+        site: for the node classes and their pins.
+        observed: node -> field -> value (None or absent: nothing reported).
+        nodes: the fleet (Slurm's nodes).
+    """
+    from collections import Counter
+
+    from bluevela.bench.pairing import natural_key
+    from bluevela.health.checks.versions import FIELDS
+
+    classes = _class_of(site)
+    by_class: dict[str, list[str]] = {}
+    for n in sorted(set(nodes), key=natural_key):
+        by_class.setdefault(classes.get(n, "?"), []).append(n)
+    pinned: dict[str, dict[str, tuple[str, ...]]] = {}
+    majority: dict[str, dict[str, str]] = {}
+    groups: list[VersionGroup] = []
+    unreported: dict[str, tuple[str, ...]] = {}
+    for cname, members in sorted(by_class.items()):
+        cls = site.node_classes.get(cname)
+        pins = {f: a for f in FIELDS
+                if cls is not None and (a := cls.versions.allowed(f)) is not None}
+        pinned[cname] = pins
+        seen = {n: dict(observed.get(n) or {}) for n in members}
+        have = {n: v for n, v in seen.items() if v}
+        unreported[cname] = tuple(n for n in members if n not in have)
+        maj: dict[str, str] = {}
+        for f in FIELDS:
+            counts = Counter(v[f] for v in have.values() if f in v)
+            if counts:
+                maj[f] = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[0][0]
+        majority[cname] = maj
+        tuples: dict[tuple[tuple[str, str], ...], list[str]] = {}
+        for n, v in have.items():
+            tuples.setdefault(tuple(sorted(v.items())), []).append(n)
+        for key, group in tuples.items():
+            vers = dict(key)
+            drift = tuple(f for f in FIELDS if f in vers and (
+                vers[f] not in pins[f] if f in pins else vers[f] != maj.get(f)))
+            groups.append(VersionGroup(cname, tuple(group), vers, drift))
+    groups.sort(key=lambda g: (g.class_name, -len(g.nodes), natural_key(g.nodes[0])))
+    return VersionsView(FIELDS, pinned, majority, tuple(groups), unreported)
+
+
+def versions_overview(site: Site, client: SlurmClient) -> VersionsView:
+    """The versions each node last reported (its newest spooled report, or this host's own
+    last hook run), grouped across the fleet."""
+    last = _latest_with_local(site)
+    names = [n.name for n in client.nodes()]
+    return versions_view(site, {n: (last.get(n) or {}).get("versions") for n in names}, names)
 
 
 # -- resume -------------------------------------------------------------------------------------
@@ -172,7 +337,7 @@ def resume_nodes(site: Site, client: SlurmClient, nodes: Sequence[str], *,
     names must pass). For another node (from a login node) the re-check is the node's own:
     its healthcheck, and the prolog before its next job, drain it again if it still fails.
     """
-    from bluevela.nodestate import is_ours, passes_for_resume, resume_node
+    from bluevela.nodestate import dcgm_gate, is_ours, passes_for_resume, resume_node
 
     here = socket.gethostname().split(".")[0]
     out: list[ResumeOutcome] = []
@@ -206,6 +371,9 @@ def resume_nodes(site: Site, client: SlurmClient, nodes: Sequence[str], *,
             report = run_local(site, tier="full", phase="healthcheck")
             ok, note = passes_for_resume(site, info.reason,
                                          {c.name: int(c.status) for c in report.checks})
+            if ok:  # then DCGM at health.dcgm.before_resume_level, when the site sets one
+                ok, dcgm_note = dcgm_gate(site, lambda: _diag_before_resume(site))
+                note = f"{note}; {dcgm_note}" if ok and dcgm_note else dcgm_note or note
             if not ok:
                 out.append(ResumeOutcome(node, False, True, f"re-check failed: {note}"))
                 continue
