@@ -148,6 +148,12 @@ def ingest(
                      spool)
         done_names = _archive(w, by_job, result, now=now, timeout_s=timeout_s,
                               prolog_only_timeout_s=prolog_only_timeout_s, spool=spool)
+        if scan.series:  # the epilogs' sampler windows -> <archive>/series/<job>.h5
+            from bluevela.archive.series import ingest_side_files
+
+            series_done, series_bad = ingest_side_files(w, sd, archive_dir, scan.series)
+            done_names += series_done
+            result.quarantined += series_bad
         mark_done(sd, done_names, delete=delete)
         logger.debug("moved %d spool file(s) out of %s", len(done_names), spool)
         if compact:

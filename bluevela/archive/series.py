@@ -479,8 +479,6 @@ def ingest_side_files(w: Writer, sd: SpoolDir, archive_dir: Path,
         (spool names now done, [(quarantined name, reason)]).
     """
     from bluevela.archive.ingest import archived_jobs
-    from bluevela.archive.spool import quarantine
-    from bluevela.telemetry.format import FormatError, read_file
 
     if not entries:
         return [], []
@@ -492,49 +490,67 @@ def ingest_side_files(w: Writer, sd: SpoolDir, archive_dir: Path,
         if e.job_id in archived:
             by_job.setdefault(e.job_id, []).append(e)
     for job_id, job_entries in sorted(by_job.items()):
-        path = series_path(archive_dir, job_id)
-        have: set[str] = set()
-        metas: list[_Meta] = []
-        if path.is_file():
-            try:
-                metas = _old_metas(path)
-                have = {m.node for m in metas}
-            except (OSError, KeyError, ValueError) as exc:
-                logger.error("job %d: series file %s unreadable (%s): rebuilt from the spool",
-                             job_id, path, exc)
-                have, metas = set(), []
-        new = 0
-        for e in job_entries:
-            if e.node in have:
-                done.append(e.name)
-                continue
+        try:
+            names, quarantined = _ingest_job(sd, archive_dir, job_id, job_entries)
+        except (OSError, ArchiveError) as exc:
+            # The reports are durable already; the side files stay for the next ingest.
+            logger.error("job %d: series file not written: %s", job_id, exc)
+            continue
+        done += names
+        bad += quarantined
+    return done, bad
 
-            def load(e: SpoolEntry = e) -> NodeWindow:
-                return window_from_segment(read_file(e.name, strict=True, dir_fd=sd.fd))
 
-            try:
-                seg = read_file(e.name, strict=True, dir_fd=sd.fd)
-                if seg.header.node != e.node:
-                    raise FormatError(f"header node {seg.header.node!r} does not match the name")
-                if seg.header.job_id is not None and seg.header.job_id != job_id:
-                    raise FormatError(f"header job_id {seg.header.job_id} does not match")
-                meta = _meta_of(window_from_segment(seg), load)
-            except FileNotFoundError:
-                continue
-            except (OSError, FormatError, ValueError) as exc:
-                reason = f"series side file: {getattr(exc, 'strerror', None) or exc}"
-                if isinstance(exc, OSError) and exc.errno == 40:  # ELOOP: a symlink
-                    reason = "series side file: a symlink (never followed)"
-                quarantine(sd, e.name, reason)
-                bad.append((e.name, reason))
-                continue
-            del seg
-            have.add(e.node)
+def _ingest_job(sd: SpoolDir, archive_dir: Path, job_id: int,
+                job_entries: list[SpoolEntry]) -> tuple[list[str], list[tuple[str, str]]]:
+    from bluevela.archive.spool import quarantine
+    from bluevela.telemetry.format import FormatError, read_file
+
+    done: list[str] = []
+    bad: list[tuple[str, str]] = []
+    path = series_path(archive_dir, job_id)
+    have: set[str] = set()
+    metas: list[_Meta] = []
+    if path.is_file():
+        try:
+            metas = _old_metas(path)
+            have = {m.node for m in metas}
+        except (OSError, KeyError, ValueError) as exc:
+            logger.error("job %d: series file %s unreadable (%s): rebuilt from the spool",
+                         job_id, path, exc)
+            have, metas = set(), []
+    new = 0
+    for e in job_entries:
+        if e.node in have:
             done.append(e.name)
-            if meta is not None:
-                metas.append(meta)
-                new += 1
-        if new:
-            n = build_series(path, job_id, metas)
-            logger.info("job %d: series of %d node(s) in %s (%d new)", job_id, n, path, new)
+            continue
+
+        def load(e: SpoolEntry = e) -> NodeWindow:
+            return window_from_segment(read_file(e.name, strict=True, dir_fd=sd.fd))
+
+        try:
+            seg = read_file(e.name, strict=True, dir_fd=sd.fd)
+            if seg.header.node != e.node:
+                raise FormatError(f"header node {seg.header.node!r} does not match the name")
+            if seg.header.job_id is not None and seg.header.job_id != job_id:
+                raise FormatError(f"header job_id {seg.header.job_id} does not match")
+            meta = _meta_of(window_from_segment(seg), load)
+        except FileNotFoundError:
+            continue
+        except (OSError, FormatError, ValueError) as exc:
+            reason = f"series side file: {getattr(exc, 'strerror', None) or exc}"
+            if isinstance(exc, OSError) and exc.errno == 40:  # ELOOP: a symlink
+                reason = "series side file: a symlink (never followed)"
+            quarantine(sd, e.name, reason)
+            bad.append((e.name, reason))
+            continue
+        del seg
+        have.add(e.node)
+        done.append(e.name)
+        if meta is not None:
+            metas.append(meta)
+            new += 1
+    if new:
+        n = build_series(path, job_id, metas)
+        logger.info("job %d: series of %d node(s) in %s (%d new)", job_id, n, path, new)
     return done, bad

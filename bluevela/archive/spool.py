@@ -64,6 +64,9 @@ MAX_REPORT_BYTES = 4 << 20
 STALE_TEMP_S = 3600.0  # a writer's temporary file older than this belongs to a dead writer
 
 _NAME_RE = re.compile(r"^([0-9]{1,12})\.(.+)\.(prolog|epilog)\.json$")
+# The epilog's window of sampler data (bluevela.telemetry.window, archive/series.py).
+SERIES_SUFFIX = ".series.bvts"
+_SERIES_RE = re.compile(r"^([0-9]{1,12})\.(.+)\.series\.bvts$")
 _TEMP_RE = re.compile(r"^\..+\.[0-9]+\.tmp$")
 # Limits shared with the archive schema (bluevela/archive/schema.py): identifier columns are
 # fixed-width, so a longer value is refused here rather than truncated there.
@@ -104,6 +107,11 @@ def write_report(spool: Path, report: dict[str, Any]) -> Path:
     return path
 
 
+def series_name(job_id: int | str, node: str) -> str:
+    """The spool file name of a node's series side file; raises UnsafeValueError."""
+    return f"{safe_job_id(job_id)}.{safe_node_name(node)}{SERIES_SUFFIX}"
+
+
 def parse_report_name(name: str) -> tuple[int, str, str]:
     """Split `<job>.<node>.<phase>.json` into its validated parts.
 
@@ -138,6 +146,7 @@ class SpoolScan:
 
     entries: list[SpoolEntry] = field(default_factory=list)
     refused: list[tuple[str, str]] = field(default_factory=list)
+    series: list[SpoolEntry] = field(default_factory=list)  # phase "series" side files
 
 
 def check_spool_dir(spool: Path) -> None:
@@ -254,6 +263,15 @@ def _scan(sd: SpoolDir, job_id: int | None) -> SpoolScan:
                     continue
                 if not de.is_file(follow_symlinks=False):
                     scan.refused.append((name, "not a regular file"))
+                    continue
+                series = _SERIES_RE.match(name)
+                if series:
+                    try:
+                        job, node = safe_job_id(series.group(1)), safe_node_name(series.group(2))
+                    except UnsafeValueError as exc:
+                        scan.refused.append((name, str(exc)))
+                        continue
+                    scan.series.append(SpoolEntry(name, job, node, "series"))
                     continue
                 try:
                     job, node, phase = parse_report_name(name)

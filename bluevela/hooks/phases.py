@@ -6,6 +6,7 @@
   before a breaker slot was won (a non-zero exit would make Slurm drain the node itself,
   outside the breaker). WARNING/UNKNOWN: exit 0, recorded.
 - epilog: quick tier after the job, with its exit status and per-job telemetry, spooled.
+  The sampler's window of the job goes to the spool beside it (bluevela.telemetry.window).
   CRITICAL: drain with the precise reason; always exit 0 (a non-zero exit would drain with
   Slurm's vague "Epilog error").
 - healthcheck: full tier on an idle node; drain on CRITICAL; resume a node only when its drain
@@ -284,6 +285,10 @@ def epilog(site: Site, hctx: HookContext) -> HookOutcome:
     _record(site, state, report, "epilog")
     reading = pop_job_reading(state, hctx.job_id) if state and hctx.job_id is not None else None
     telemetry = job_telemetry(reading, report, time.time())
+    if hctx.job_id is not None:  # the sampler's window of this job, before the report
+        from bluevela.telemetry.window import spool_series
+
+        spool_series(site, hctx.job_id, hctx.node, reading)
     drain = _drain_if_critical(site, hctx.node, report)
     spooled = _spool(site, hctx, report, drain, telemetry)
     return _finish(state, HookOutcome("epilog", hctx.node, hctx.job_id, report, drain,

@@ -1,0 +1,647 @@
+"""The node sampler: `python -I -m bluevela.telemetry.sampler` (systemd `bv-sampler.service`).
+
+Every `telemetry.interval_s` (site.yaml; `BV_SAMPLER_INTERVAL_S` overrides it, e.g. in the dev
+cluster's hook.env) it appends one record to `<state>/samples/seg-<unix_start>.bvts`
+(`bluevela.telemetry.format`): per GPU, per InfiniBand port and for the node. Samples are taken
+on multiples of the interval of the wall clock, so every node of a job samples at the same
+instants and the archive's common time grid loses nothing.
+
+Sources are the health checks' own probes, so the same fixtures drive both:
+- GPUs: the NVML source (`BV_NVML_SNAPSHOT` replayed, else live NVML through pynvml via
+  `bluevela.health.nvml.LiveNVML`). Utilisation and the SM clock are not in the health
+  snapshot: live NVML reads them here (`live_util_clocks`); a snapshot may carry them as
+  optional `util_pct` / `sm_clock_mhz` keys per GPU. XIDs: kernel log lines (`BV_KMSG`, the
+  snapshot's `kmsg`, else /dev/kmsg read incrementally), counted per GPU since the sampler
+  started.
+- IB ports: `<BV_SYSFS_ROOT>/sys/class/infiniband` as `checks/ib.py` reads it; byte rates from
+  `port_rcv_data`/`port_xmit_data` (4-byte words), errors/s from the increase of the error
+  counters (every `counters/` file but data, packets and xmit_wait).
+- Node: `/proc/stat` (CPU busy share), `/proc/meminfo` (MemTotal - MemAvailable),
+  `/proc/net/dev` (non-lo interfaces of the sampler's network namespace), each read under
+  `BV_SYSFS_ROOT` when the fixture tree has the file, else from the real /proc. With
+  `BV_SAMPLER_CGROUP` naming a cgroup directory, CPU busy and throttled come from that cgroup:
+  v2 `cpu.stat` (usage_usec, nr_periods, nr_throttled); v1 `cpuacct.usage` (in the directory
+  or the same path under the `cpuacct` hierarchy) and the `cpu` controller's `cpu.stat`.
+
+Disk is bounded: a new segment every hour, at every start and when the column set changes;
+segments older than `telemetry.retain_h` go, then the oldest while the directory is over
+`telemetry.max_mb`. SIGTERM/SIGINT end the loop after the current sample and close the segment.
+Only the standard library runs in the loop (no numpy, torch, h5py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bluevela.telemetry.format import Column, Header, SegmentWriter, list_segments
+
+if TYPE_CHECKING:
+    from bluevela.health.context import ProbeContext
+    from bluevela.health.nvml import NVMLSnapshot
+
+logger = logging.getLogger(__name__)
+
+NAN = float("nan")
+GPU_UNITS = (("util_pct", "%"), ("mem_used_bytes", "B"), ("power_w", "W"), ("temp_c", "Cel"),
+             ("sm_clock_mhz", "MHz"), ("clocks_event_reasons", "bitmask"), ("xid_count", "1"))
+IB_UNITS = (("rx_bytes_per_s", "B/s"), ("tx_bytes_per_s", "B/s"), ("errors_per_s", "1/s"))
+NODE_UNITS = (("cpu_busy_pct", "%"), ("cpu_throttled_pct", "%"), ("mem_used_bytes", "B"),
+              ("net_rx_bytes_per_s", "B/s"), ("net_tx_bytes_per_s", "B/s"))
+_NOT_ERRORS = ("data", "packets", "xmit_wait")
+
+
+def _num(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return NAN
+    return float(v)
+
+
+def _rate(cur: float | None, prev: float | None, dt: float, scale: float = 1.0) -> float:
+    """Increase per second; NaN without a previous reading or after a reset."""
+    if cur is None or prev is None or dt <= 0 or cur < prev:
+        return NAN
+    return (cur - prev) * scale / dt
+
+
+# -- GPUs -------------------------------------------------------------------------------------
+
+
+def live_util_clocks() -> dict[int, dict[str, float]]:
+    """Utilisation (%) and SM clock (MHz) per GPU index from live NVML (not in the health
+    snapshot). {} when pynvml is missing or NVML does not start."""
+    try:
+        import pynvml
+    except ImportError:
+        return {}
+    out: dict[int, dict[str, float]] = {}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return {}
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            vals: dict[str, float] = {}
+            try:
+                h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                vals["util_pct"] = float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+                vals["sm_clock_mhz"] = float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))
+            except pynvml.NVMLError:
+                pass
+            out[i] = vals
+    except pynvml.NVMLError:
+        pass
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+    return out
+
+
+class XidCounter:
+    """XIDs per PCI bus seen since the sampler started."""
+
+    def __init__(self) -> None:
+        self.baseline: set[str] | None = None
+        self.counts: dict[str, int] = {}
+        self._seen: set[str] = set()
+        self._kmsg_fd: int | None = None
+        self._kmsg_failed = False
+
+    def add_lines(self, lines: list[str] | tuple[str, ...]) -> None:
+        """Lines of a file or snapshot re-read each time: only lines new since the first."""
+        from bluevela.health.nvml import parse_xids
+
+        if self.baseline is None:
+            self.baseline = set(lines)
+            return
+        new = [ln for ln in lines if ln not in self.baseline and ln not in self._seen]
+        self._seen.update(new)
+        for x in parse_xids(new):
+            self.counts[x.bus] = self.counts.get(x.bus, 0) + 1
+
+    def read_kmsg(self) -> None:
+        """New /dev/kmsg records (from the end at the first call: only XIDs after the start)."""
+        from bluevela.health.nvml import kmsg_record_line, parse_xids
+
+        if self._kmsg_failed:
+            return
+        if self._kmsg_fd is None:
+            try:
+                self._kmsg_fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                os.lseek(self._kmsg_fd, 0, os.SEEK_END)
+            except OSError as exc:
+                logger.warning("no XIDs: /dev/kmsg: %s", exc.strerror or exc)
+                self._kmsg_failed = True
+                return
+            return
+        lines = []
+        for _ in range(100_000):
+            try:
+                rec = os.read(self._kmsg_fd, 8192)
+            except BlockingIOError:
+                break
+            except BrokenPipeError:
+                continue
+            if not rec:
+                break
+            line = kmsg_record_line(rec.decode("utf-8", "replace"))
+            if line is not None:
+                lines.append(line)
+        for x in parse_xids(lines):
+            self.counts[x.bus] = self.counts.get(x.bus, 0) + 1
+
+    def count(self, bus: str | None) -> float:
+        if bus is None:
+            return NAN
+        return float(self.counts.get(bus, 0))
+
+
+class GPUReader:
+    """One reading of every GPU through the NVML source the gpu check uses."""
+
+    def __init__(self, ctx: ProbeContext) -> None:
+        self.ctx = ctx
+        self.xids = XidCounter()
+        self._cache: tuple[tuple[int, int, int], NVMLSnapshot, dict[int, dict[str, Any]]] | None
+        self._cache = None
+        self._warned: set[str] = set()
+
+    def _warn_once(self, what: str, msg: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning("%s", msg)
+
+    def _replay(self, path: Path) -> tuple[NVMLSnapshot | None, dict[int, dict[str, Any]]]:
+        from bluevela.health.nvml import parse_snapshot
+
+        try:
+            st = os.stat(path)
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if self._cache is not None and self._cache[0] == key:
+                return self._cache[1], self._cache[2]
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+            snap = parse_snapshot(data, source=f"snapshot {path}")
+        except (OSError, ValueError) as exc:
+            self._warn_once("replay", f"NVML snapshot {path} unreadable: {exc}")
+            return None, {}
+        extra = {g["index"]: g for g in data.get("gpus") or ()
+                 if isinstance(g, dict) and isinstance(g.get("index"), int)}
+        self._cache = (key, snap, extra)
+        return snap, extra
+
+    def read(self) -> tuple[list[tuple[int, str | None, dict[str, float]]], str]:
+        """[(index, uuid, {metric: value})] and where NVML was read from."""
+        from bluevela.health.nvml import LiveNVML, NVMLMissingError
+
+        extra: dict[int, dict[str, Any]] = {}
+        if self.ctx.nvml_snapshot is not None:
+            snap, extra = self._replay(self.ctx.nvml_snapshot)
+            source = "snapshot"
+            if snap is not None and snap.hang is not None:
+                self._warn_once("hang", "the NVML snapshot records a hung call: no GPU values")
+                snap = None
+        else:
+            source = "live"
+            try:
+                # No second reading: a sampler never sleeps inside a sample.
+                snap = LiveNVML(include_kmsg=False, recheck_s=0.0).read()
+            except (NVMLMissingError, OSError, ValueError) as exc:
+                self._warn_once("live", f"no GPU values: {exc}")
+                snap = None
+            if snap is not None and snap.gpus:
+                extra = {i: dict(v) for i, v in live_util_clocks().items()}
+        if snap is None or snap.init_error:
+            if snap is not None:
+                self._warn_once("init", f"NVML: {snap.init_error}")
+            return [], source
+        if self.ctx.kmsg is not None:
+            try:
+                with open(self.ctx.kmsg, encoding="utf-8", errors="replace") as fh:
+                    self.xids.add_lines([ln.rstrip("\n") for ln in fh if "NVRM" in ln])
+            except OSError as exc:
+                self._warn_once("kmsg", f"no XIDs: {self.ctx.kmsg}: {exc.strerror or exc}")
+        elif source == "snapshot":
+            self.xids.add_lines(list(snap.kmsg or ()))
+        else:
+            self.xids.read_kmsg()
+        out = []
+        for g in snap.gpus:
+            if g.error:
+                continue
+            more = extra.get(g.index) or {}
+            out.append((g.index, g.uuid, {
+                "util_pct": _num(more.get("util_pct")),
+                "mem_used_bytes": _num(g.memory_used_bytes),
+                "power_w": _num(g.power_w),
+                "temp_c": _num(g.temperature_c),
+                "sm_clock_mhz": _num(more.get("sm_clock_mhz")),
+                "clocks_event_reasons": _num(g.clocks_event_reasons),
+                "xid_count": self.xids.count(g.bus),
+            }))
+        return out, source
+
+
+# -- IB ports ---------------------------------------------------------------------------------
+
+
+class IBReader:
+    """Byte and error rates per port from sysfs, as the ib check reads it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.prev: dict[str, tuple[float, dict[str, int]]] = {}
+
+    def read(self, now: float) -> list[tuple[str, dict[str, float]]]:
+        from bluevela.health.checks.ib import list_ports, read_port
+
+        try:
+            ports = list_ports(self.root)
+        except OSError:
+            return []
+        out = []
+        for port in ports:
+            facts = read_port(self.root, port)
+            if not facts.present or facts.error:
+                continue
+            c = facts.counters
+            before = self.prev.get(port)
+            self.prev[port] = (now, dict(c))
+            if before is None:
+                out.append((port, dict.fromkeys(("rx_bytes_per_s", "tx_bytes_per_s",
+                                                 "errors_per_s"), NAN)))
+                continue
+            t0, p = before
+            dt = now - t0
+            errs = [k for k in c if not any(s in k for s in _NOT_ERRORS)]
+            if all(k in p and c[k] >= p[k] for k in errs) and dt > 0:
+                err_rate = sum(c[k] - p[k] for k in errs) / dt
+            else:
+                err_rate = NAN
+            out.append((port, {
+                "rx_bytes_per_s": _rate(c.get("port_rcv_data"), p.get("port_rcv_data"), dt, 4.0),
+                "tx_bytes_per_s": _rate(c.get("port_xmit_data"), p.get("port_xmit_data"), dt, 4.0),
+                "errors_per_s": err_rate,
+            }))
+        return out
+
+
+# -- node -------------------------------------------------------------------------------------
+
+
+def _read_text(path: Path, limit: int = 1 << 20) -> str:
+    with open(path, encoding="ascii", errors="replace") as fh:
+        return fh.read(limit)
+
+
+def _kv(text: str) -> dict[str, int]:
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[1].lstrip("-").isdigit():
+            out[parts[0].rstrip(":")] = int(parts[1])
+    return out
+
+
+@dataclass
+class CgroupCPU:
+    """A CPU cgroup, v1 (cpu + cpuacct, maybe separate hierarchies) or v2."""
+
+    cpu_dir: Path
+    usage_file: Path | None = None  # v1 cpuacct.usage (ns)
+    v2: bool = False
+
+    @classmethod
+    def find(cls, path: Path) -> CgroupCPU:
+        stat_text = ""
+        try:
+            stat_text = _read_text(path / "cpu.stat")
+        except OSError:
+            pass
+        if "usage_usec" in stat_text:
+            return cls(path, None, True)
+        usage = path / "cpuacct.usage"
+        if not usage.exists():
+            # v1 with cpu and cpuacct mounted apart: the same path in the cpuacct hierarchy.
+            parts = list(path.parts)
+            for i, part in enumerate(parts):
+                if part == "cpu":
+                    cand = Path(*parts[:i], "cpuacct", *parts[i + 1:]) / "cpuacct.usage"
+                    if cand.exists():
+                        usage = cand
+                        break
+        return cls(path, usage, False)
+
+    def read(self) -> tuple[float | None, float | None, float | None]:
+        """(usage seconds, periods, throttled periods); None where unreadable."""
+        try:
+            st = _kv(_read_text(self.cpu_dir / "cpu.stat"))
+        except OSError:
+            st = {}
+        usage: float | None = None
+        if self.v2:
+            usage = st["usage_usec"] / 1e6 if "usage_usec" in st else None
+        elif self.usage_file is not None:
+            try:
+                usage = int(_read_text(self.usage_file).strip()) / 1e9
+            except (OSError, ValueError):
+                usage = None
+        periods = st.get("nr_periods")
+        throttled = st.get("nr_throttled")
+        return usage, (float(periods) if periods is not None else None), \
+            (float(throttled) if throttled is not None else None)
+
+
+@dataclass
+class NodeReader:
+    root: Path
+    cgroup: CgroupCPU | None = None
+    ncpu: int = field(default_factory=lambda: len(os.sched_getaffinity(0)) or 1)
+    prev: dict[str, float] = field(default_factory=dict)
+    prev_t: float | None = None
+
+    def _proc(self, name: str) -> Path:
+        under = self.root / "proc" / name
+        if str(self.root) != "/" and under.exists():
+            return under
+        return Path("/proc") / name
+
+    def read(self, now: float) -> dict[str, float]:
+        cur: dict[str, float] = {}
+        if self.cgroup is not None:
+            usage, periods, throttled = self.cgroup.read()
+            if usage is not None:
+                cur["cg_usage"] = usage
+            if periods is not None and throttled is not None:
+                cur["cg_periods"], cur["cg_throttled"] = periods, throttled
+        else:
+            try:
+                first = _read_text(self._proc("stat"), 4096).splitlines()[0].split()
+                ticks = [int(x) for x in first[1:9]]
+                cur["cpu_total"] = float(sum(ticks))
+                cur["cpu_idle"] = float(ticks[3] + ticks[4])
+            except (OSError, IndexError, ValueError):
+                pass
+        try:
+            dev = _read_text(self._proc("net/dev"))
+            rx = tx = 0
+            for line in dev.splitlines()[2:]:
+                name, _, rest = line.partition(":")
+                f = rest.split()
+                if name.strip() != "lo" and len(f) >= 9:
+                    rx += int(f[0])
+                    tx += int(f[8])
+            cur["net_rx"], cur["net_tx"] = float(rx), float(tx)
+        except (OSError, ValueError):
+            pass
+        out = dict.fromkeys((k for k, _ in NODE_UNITS), NAN)
+        try:
+            mem = _kv(_read_text(self._proc("meminfo")))
+            out["mem_used_bytes"] = float((mem["MemTotal"] - mem["MemAvailable"]) * 1024)
+        except (OSError, KeyError):
+            pass
+        p, dt = self.prev, (now - self.prev_t) if self.prev_t is not None else 0.0
+        if dt > 0:
+            if "cg_usage" in cur and "cg_usage" in p:
+                busy = _rate(cur["cg_usage"], p["cg_usage"], dt)
+                out["cpu_busy_pct"] = busy * 100.0 / self.ncpu
+            if "cg_periods" in cur and "cg_periods" in p:
+                dp = cur["cg_periods"] - p["cg_periods"]
+                dtr = cur["cg_throttled"] - p["cg_throttled"]
+                out["cpu_throttled_pct"] = 100.0 * dtr / dp if dp > 0 and dtr >= 0 else 0.0
+            if "cpu_total" in cur and "cpu_total" in p:
+                total = cur["cpu_total"] - p["cpu_total"]
+                idle = cur["cpu_idle"] - p["cpu_idle"]
+                if total > 0:
+                    out["cpu_busy_pct"] = 100.0 * (total - idle) / total
+                    out["cpu_throttled_pct"] = 0.0  # no cap outside a cgroup
+            out["net_rx_bytes_per_s"] = _rate(cur.get("net_rx"), p.get("net_rx"), dt)
+            out["net_tx_bytes_per_s"] = _rate(cur.get("net_tx"), p.get("net_tx"), dt)
+        self.prev, self.prev_t = cur, now
+        return out
+
+
+# -- the loop ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    samples: Path
+    node: str
+    interval_s: float
+    retain_s: float
+    max_bytes: int
+
+
+class Sampler:
+    """Takes samples and keeps the segments of `<state>/samples` within their bounds."""
+
+    def __init__(self, ctx: ProbeContext, cfg: Config, cgroup: Path | None = None) -> None:
+        self.cfg = cfg
+        self.gpu = GPUReader(ctx)
+        self.ib = IBReader(ctx.root)
+        self.node = NodeReader(ctx.root, CgroupCPU.find(cgroup) if cgroup else None)
+        self.writer: SegmentWriter | None = None
+        self._hour: int | None = None
+        self.samples_taken = 0
+
+    def sample(self, now: float) -> tuple[list[Column], list[float], dict[str, dict[str, str]]]:
+        """One record: its columns, values and component labels."""
+        cols: list[Column] = []
+        vals: list[float] = []
+        comps: dict[str, dict[str, str]] = {}
+        gpus, _ = self.gpu.read()
+        for index, uuid, values in gpus:
+            comp = f"gpu{index}"
+            if uuid:
+                comps[comp] = {"uuid": uuid}
+            for metric, unit in GPU_UNITS:
+                cols.append(Column(f"{comp}.{metric}", comp, unit))
+                vals.append(values[metric])
+        for port, values in self.ib.read(now):
+            comp = f"ib.{port}"
+            for metric, unit in IB_UNITS:
+                cols.append(Column(f"{comp}.{metric}", comp, unit))
+                vals.append(values[metric])
+        node = self.node.read(now)
+        for metric, unit in NODE_UNITS:
+            cols.append(Column(f"node.{metric}", "node", unit))
+            vals.append(node[metric])
+        return cols, vals, comps
+
+    def record(self, now: float) -> None:
+        cols, vals, comps = self.sample(now)
+        hour = int(now // 3600)
+        w = self.writer
+        if w is None or hour != self._hour or w.header.columns != tuple(cols) \
+                or w.header.components != comps:
+            self._roll(now, tuple(cols), comps)
+            self._hour = hour
+        assert self.writer is not None
+        self.writer.append(now, vals)
+        self.samples_taken += 1
+
+    def _roll(self, now: float, cols: tuple[Column, ...], comps: dict[str, dict[str, str]]) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        self.cfg.samples.mkdir(mode=0o750, parents=True, exist_ok=True)
+        start = int(now)
+        while (self.cfg.samples / f"seg-{start}.bvts").exists():
+            start += 1  # a restart within the same second: never append to an old segment
+        header = Header(self.cfg.node, self.cfg.interval_s, cols, float(now), comps)
+        self.writer = SegmentWriter(self.cfg.samples / f"seg-{start}.bvts", header)
+        self.prune(now)
+
+    def prune(self, now: float) -> list[str]:
+        """Remove segments past `retain_s`, then the oldest while over `max_bytes` (never the
+        one being written). Returns the names removed."""
+        segs = list_segments(self.cfg.samples)
+        current = self.writer.path.name if self.writer is not None else None
+        removed = []
+        sizes = {}
+        for _, name in segs:
+            try:
+                sizes[name] = os.stat(self.cfg.samples / name, follow_symlinks=False).st_size
+            except OSError:
+                sizes[name] = 0
+        total = sum(sizes.values())
+        for i, (_, name) in enumerate(segs):
+            if name == current:
+                break
+            ended = segs[i + 1][0] if i + 1 < len(segs) else now
+            if ended >= now - self.cfg.retain_s and total <= self.cfg.max_bytes:
+                continue
+            try:
+                os.unlink(self.cfg.samples / name)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                logger.warning("cannot remove %s: %s", self.cfg.samples / name, exc.strerror)
+                continue
+            total -= sizes[name]
+            removed.append(name)
+        return removed
+
+    def run(self, stop: threading.Event, *, duration_s: float | None = None) -> int:
+        """Sample on multiples of the interval until `stop` is set (or `duration_s` passes)."""
+        interval = self.cfg.interval_s
+        end = time.time() + duration_s if duration_s is not None else math.inf
+        logger.info("sampling every %g s into %s", interval, self.cfg.samples)
+        try:
+            while not stop.is_set():
+                now = time.time()
+                try:
+                    self.record(now)
+                except OSError as exc:  # ENOSPC and friends: try again next time
+                    logger.error("sample not written: %s", exc)
+                    if self.writer is not None:
+                        self.writer.close(sync=False)
+                        self.writer = None
+                nxt = (math.floor(time.time() / interval) + 1) * interval
+                if nxt > end:
+                    break
+                stop.wait(max(0.0, nxt - time.time()))
+        finally:
+            if self.writer is not None:
+                self.writer.close()
+                self.writer = None
+        logger.info("stopped after %d samples", self.samples_taken)
+        return 0
+
+
+def _daemonize(pidfile: Path | None, log: Path | None) -> None:
+    """Double fork (the dev cluster starts the sampler like slurmd: it must return)."""
+    if os.fork() > 0:
+        os._exit(0)
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    fd = os.open(os.devnull, os.O_RDWR)
+    os.dup2(fd, 0)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640) if log else fd
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    if pidfile is not None:
+        pidfile.write_text(f"{os.getpid()}\n")
+
+
+def build(cgroup_env: str | None = None) -> Sampler:
+    """A sampler for this node from hook.env, the site file and the environment."""
+    from bluevela.health.context import ProbeContext
+    from bluevela.site import load_site
+
+    site = load_site(cwd=False)
+    node = socket.gethostname().split(".")[0]
+    class_name = site.class_name_for(node)
+    ctx = ProbeContext.from_env(site.node_classes[class_name], class_name)
+    env_interval = os.environ.get("BV_SAMPLER_INTERVAL_S")
+    try:
+        interval = float(env_interval) if env_interval else site.telemetry.interval_s
+    except ValueError:
+        interval = site.telemetry.interval_s
+    if not 0.05 <= interval <= 3600:
+        interval = site.telemetry.interval_s
+    cfg = Config(site.path("state") / "samples", node, interval,
+                 site.telemetry.retain_h * 3600.0, int(site.telemetry.max_mb * (1 << 20)))
+    cg = cgroup_env if cgroup_env is not None else os.environ.get("BV_SAMPLER_CGROUP")
+    return Sampler(ctx, cfg, Path(cg) if cg else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bv-sampler", description=__doc__.splitlines()[0])
+    parser.add_argument("--once", action="store_true", help="print one sample as JSON and exit")
+    parser.add_argument("--duration", type=float, default=None, help="stop after this many s")
+    parser.add_argument("--daemonize", action="store_true", help="fork into the background")
+    parser.add_argument("--pidfile", type=Path, default=None)
+    parser.add_argument("--log", type=Path, default=None)
+    args = parser.parse_args(argv)
+    from bluevela.errors import BluevelaError
+    from bluevela.hooks.env import load_hook_env
+
+    if args.daemonize:
+        _daemonize(args.pidfile, args.log)
+    load_hook_env()
+    level = getattr(logging, os.environ.get("BV_HOOK_LOG_LEVEL", "INFO").upper(), logging.INFO)
+    logging.basicConfig(level=level if isinstance(level, int) else logging.INFO,
+                        format="bv-sampler: %(levelname)s: %(message)s", stream=sys.stderr)
+    try:
+        sampler = build()
+    except BluevelaError as exc:
+        print(f"bv-sampler: {exc}", file=sys.stderr)
+        return 2
+    if args.once:
+        cols, vals, comps = sampler.sample(time.time())
+        time.sleep(min(1.0, sampler.cfg.interval_s))
+        cols, vals, comps = sampler.sample(time.time())
+        print(json.dumps({"node": sampler.cfg.node, "components": comps,
+                          "values": {c.name: (None if math.isnan(v) else v)
+                                     for c, v in zip(cols, vals, strict=True)}}, indent=1))
+        return 0
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        del frame
+        logger.info("signal %d: stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return sampler.run(stop, duration_s=args.duration)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
