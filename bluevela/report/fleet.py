@@ -161,7 +161,7 @@ def _gather_segments(segs: list[tuple[Any, Path]], since: float, now: float) -> 
             pro_ok = in_win & ~is_crit & (rep["phase"] == S.PHASE_CODES["prolog"])
             for i in np.unique(node_of[pro_ok]).tolist():
                 passing[names[i]].append(rep["time_unix_s"][pro_ok & (node_of == i)])
-            rows = np.flatnonzero(is_crit & (rep["time_unix_s"] <= now)).tolist()
+            rows = np.flatnonzero(is_crit & in_win).tolist()
             if rows:
                 reasons = f["reports"].fields("drain_reason")[rows]
                 for row, reason in zip(rows, reasons, strict=True):
