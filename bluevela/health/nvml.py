@@ -35,8 +35,23 @@ so replaying a snapshot exercises the same code as a live node. Format (docs/hea
       "pcie_link_width_current": 16, "pcie_link_width_max": 16,
       "compute_processes": [{"pid": 1234, "used_memory_bytes": 524288000}],
       "memory_total_bytes": 85520809984, "memory_used_bytes": 553648128,
+      "vbios_version": "96.00.74.00.0D",
+      "nvlink_state": [true, ..., false],            # per link until NVML says Not Supported
+      "nvlink_errors": [{"replay": 0, "recovery": 0, "crc_flit": 0, "crc_data": 0}, ...],
+      "fabric_state": 3, "fabric_status": 0,         # GpuFabricInfo: COMPLETED, NVML_SUCCESS
+      "ecc_sram_uncorrected_volatile": 0, "ecc_sram_uncorrected_aggregate": 0,
+      "ecc_dram_uncorrected_volatile": 0, "ecc_dram_uncorrected_aggregate": 0,
+      "ecc_sram_corrected_volatile": 0, "ecc_sram_corrected_aggregate": 0,
+      "ecc_dram_corrected_volatile": 0, "ecc_dram_corrected_aggregate": 0,
+      "row_remap_histogram": {"max": 2560, "high": 0, "partial": 0, "low": 0, "none": 0},
+      "clocks_violation": {"power": {"reference_us": 1768467600000000, "violation_ns": 0}, ...},
+      "app_clock_sm_mhz": 1980, "app_clock_mem_mhz": 2619,
       "errors": {"retired_pages_sbe": "Not Supported"}   # each field NVML refused: null above
     }
+
+The fields from `vbios_version` on (issue 11) are absent from older recordings: a snapshot
+without them parses with None there, and the gpu check does not judge what is None.
+`cuda_driver_version` is NVML's integer (12040), the parsed snapshot's is "12.4".
 
 A GPU whose handle NVML cannot open (fallen off the bus) is recorded as
 `{"index": i, "error": "..."}` and counts as missing.
@@ -65,7 +80,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -91,6 +106,39 @@ HW_REASONS = 0x8 | 0x40 | 0x80
 SW_THERMAL = 0x20
 
 _XID = re.compile(r"NVRM: Xid \(PCI:([0-9A-Fa-f:.]+)\): (\d+)")
+# nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 24007, Fatal, Link 30 sourcetrack timeout error
+_SXID = re.compile(r"(nvidia-nvswitch\d*): SXid \(PCI:([0-9A-Fa-f:.]+)\): (\d+), "
+                   r"(Fatal|Non-fatal)?,?\s*(.*)$", re.IGNORECASE)
+KMSG_MARKS = ("NVRM", "SXid")  # the kernel log lines the gpu check keeps
+# nvmlDeviceGetNvLinkErrorCounter counters (nvml.h nvmlNvLinkErrorCounter_t), by our name.
+NVLINK_COUNTERS = {"replay": "NVML_NVLINK_ERROR_DL_REPLAY",
+                   "recovery": "NVML_NVLINK_ERROR_DL_RECOVERY",
+                   "crc_flit": "NVML_NVLINK_ERROR_DL_CRC_FLIT",
+                   "crc_data": "NVML_NVLINK_ERROR_DL_CRC_DATA"}
+# nvmlDeviceGetViolationStatus policies (nvml.h nvmlPerfPolicyType_t), by our name.
+VIOLATION_POLICIES = {"power": "NVML_PERF_POLICY_POWER",
+                      "thermal": "NVML_PERF_POLICY_THERMAL",
+                      "sync_boost": "NVML_PERF_POLICY_SYNC_BOOST",
+                      "board_limit": "NVML_PERF_POLICY_BOARD_LIMIT",
+                      "low_utilization": "NVML_PERF_POLICY_LOW_UTILIZATION",
+                      "reliability": "NVML_PERF_POLICY_RELIABILITY",
+                      "total_app_clocks": "NVML_PERF_POLICY_TOTAL_APP_CLOCKS",
+                      "total_base_clocks": "NVML_PERF_POLICY_TOTAL_BASE_CLOCKS"}
+ROW_REMAP_BANKS = ("max", "high", "partial", "low", "none")
+# GpuFabricInfo.state (nvml.h NVML_GPU_FABRIC_STATE_*)
+FABRIC_STATES = {0: "NOT_SUPPORTED", 1: "NOT_STARTED", 2: "IN_PROGRESS", 3: "COMPLETED"}
+FABRIC_COMPLETED = 3
+# ECC counters by location: (our field, error type, counter type, location), nvml.h names.
+ECC_LOCATIONS = tuple(
+    (f"ecc_{loc}_{kind}_{counter}", f"NVML_MEMORY_ERROR_TYPE_{kind.upper()}",
+     f"NVML_{counter.upper()}_ECC", f"NVML_MEMORY_LOCATION_{loc.upper()}")
+    for loc in ("sram", "dram") for kind in ("uncorrected", "corrected")
+    for counter in ("volatile", "aggregate"))
+ECC_LOCATION_FIELDS = tuple(f for f, *_ in ECC_LOCATIONS)
+# The GPU fields issue 11 added to the snapshot (absent from older recordings).
+ISSUE11_GPU_FIELDS = ("vbios_version", "nvlink_state", "nvlink_errors", "fabric_state",
+                      "fabric_status", *ECC_LOCATION_FIELDS, "row_remap_histogram",
+                      "clocks_violation", "app_clock_sm_mhz", "app_clock_mem_mhz")
 _STAMP = re.compile(r"^\s*\[\s*([0-9]+(?:\.[0-9]+)?)\]")
 
 
@@ -149,6 +197,25 @@ class GPUInfo:
     memory_total_bytes: int | None = None
     memory_used_bytes: int | None = None
     error: str | None = None  # the handle itself could not be opened
+    # Issue 11 (None: not in the snapshot, or NVML did not support it)
+    vbios_version: str | None = None
+    nvlink_state: tuple[bool | None, ...] | None = None  # per link: up, down, None unreadable
+    nvlink_errors: tuple[Mapping[str, int] | None, ...] | None = None  # per link, NVLINK_COUNTERS
+    fabric_state: int | None = None  # FABRIC_STATES
+    fabric_status: int | None = None  # an NVML return code (0 NVML_SUCCESS)
+    ecc_sram_uncorrected_volatile: int | None = None
+    ecc_sram_uncorrected_aggregate: int | None = None
+    ecc_sram_corrected_volatile: int | None = None
+    ecc_sram_corrected_aggregate: int | None = None
+    ecc_dram_uncorrected_volatile: int | None = None
+    ecc_dram_uncorrected_aggregate: int | None = None
+    ecc_dram_corrected_volatile: int | None = None
+    ecc_dram_corrected_aggregate: int | None = None
+    row_remap_histogram: Mapping[str, int] | None = None  # ROW_REMAP_BANKS -> banks
+    # VIOLATION_POLICIES -> (referenceTime µs or None, violationTime ns, cumulative)
+    clocks_violation: Mapping[str, tuple[int | None, int]] | None = None
+    app_clock_sm_mhz: int | None = None
+    app_clock_mem_mhz: int | None = None
     # The second reading (snapshot `recheck`), None when there was none.
     clocks_event_reasons_recheck: int | None = None
     compute_processes_recheck: tuple[ProcessInfo, ...] | None = None
@@ -161,6 +228,12 @@ class GPUInfo:
     def bus(self) -> str | None:
         return bus_key(self.pci_bus_id) if self.pci_bus_id else None
 
+    @property
+    def where(self) -> str:
+        """`GPU 3 (0000:5D:00.0)`: the index and the PCI id with a 4-digit domain, as drain
+        reasons name a GPU."""
+        return f"GPU {self.index} ({short_pci(self.pci_bus_id)})" if self.pci_bus_id else f"GPU {self.index}"
+
 
 @dataclass(frozen=True)
 class Xid:
@@ -172,6 +245,19 @@ class Xid:
     @property
     def bus(self) -> str:
         return bus_key(self.pci)
+
+
+@dataclass(frozen=True)
+class SXid:
+    """An NVSwitch error line (`nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 24007, Fatal, ...`)."""
+
+    switch: str  # nvidia-nvswitch0
+    pci: str
+    code: int
+    fatal: bool | None  # the driver's own word: Fatal / Non-fatal; None when the line has none
+    text: str  # what follows (`Link 30 sourcetrack timeout error`)
+    line: str
+    at_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -189,6 +275,7 @@ class NVMLSnapshot:
     hang: dict[str, Any] | None = None  # a call that never returned (replay blocks there)
     uptime_s: float | None = None  # CLOCK_MONOTONIC when recorded (dates kmsg lines)
     recheck_after_s: float | None = None
+    cuda_driver_version: str | None = None  # "12.4" (NVML's 12040)
 
 
 def bus_key(pci: str) -> str:
@@ -196,6 +283,40 @@ def bus_key(pci: str) -> str:
     head = pci.split(".")[0].lower()
     parts = head.split(":")
     return ":".join(parts[-2:]) if len(parts) >= 2 else head
+
+
+def short_pci(pci: str | None) -> str:
+    """NVML's '00000000:5D:00.0' -> '0000:5D:00.0' (lspci's form); other forms unchanged."""
+    if not pci:
+        return "?"
+    head, sep, rest = pci.partition(":")
+    return f"{head[-4:]}{sep}{rest}" if sep and len(head) > 4 else pci
+
+
+def cuda_version_text(value: Any) -> str | None:
+    """NVML's CUDA driver version 12040 -> "12.4" (nvml.h NVML_CUDA_DRIVER_VERSION_MAJOR/MINOR);
+    a string is kept."""
+    if isinstance(value, str):
+        return value or None
+    v = _opt_int(value)
+    if v is None or v <= 0:
+        return None
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def parse_sxids(lines: list[str] | tuple[str, ...] | None) -> list[SXid]:
+    """NVSwitch SXid events in kernel log lines; the driver says Fatal or Non-fatal itself."""
+    out = []
+    for line in lines or ():
+        m = _SXID.search(line)
+        if m:
+            stamp = _STAMP.match(line)
+            word = (m.group(4) or "").lower()
+            out.append(SXid(m.group(1), m.group(2), int(m.group(3)),
+                            True if word == "fatal" else False if word else None,
+                            m.group(5).strip(), line.strip(),
+                            float(stamp.group(1)) if stamp else None))
+    return out
 
 
 def parse_xids(lines: list[str] | tuple[str, ...] | None) -> list[Xid]:
@@ -254,6 +375,38 @@ def _procs(raw: Any) -> tuple[ProcessInfo, ...] | None:
                  for p in raw if isinstance(p, dict) and isinstance(p.get("pid"), int))
 
 
+def _nvlink_state(raw: Any) -> tuple[bool | None, ...] | None:
+    if not isinstance(raw, list):
+        return None
+    return tuple(_opt_bool(v) for v in raw)
+
+
+def _nvlink_errors(raw: Any) -> tuple[Mapping[str, int] | None, ...] | None:
+    if not isinstance(raw, list):
+        return None
+    return tuple({k: int(v) for k, v in e.items() if k in NVLINK_COUNTERS and _opt_int(v) is not None}
+                 if isinstance(e, dict) else None for e in raw)
+
+
+def _histogram(raw: Any) -> Mapping[str, int] | None:
+    if not isinstance(raw, dict):
+        return None
+    out = {k: v for k in ROW_REMAP_BANKS if (v := _opt_int(raw.get(k))) is not None}
+    return out or None
+
+
+def _violations(raw: Any) -> Mapping[str, tuple[int | None, int]] | None:
+    if not isinstance(raw, dict):
+        return None
+    out: dict[str, tuple[int | None, int]] = {}
+    for name, v in raw.items():
+        if name in VIOLATION_POLICIES and isinstance(v, dict):
+            ns = _opt_int(v.get("violation_ns"))
+            if ns is not None:
+                out[name] = (_opt_int(v.get("reference_us")), ns)
+    return out or None
+
+
 def parse_gpu(raw: dict[str, Any], position: int,
               recheck: dict[str, Any] | None = None) -> GPUInfo:
     procs = _procs(raw.get("compute_processes"))
@@ -290,6 +443,16 @@ def parse_gpu(raw: dict[str, Any], position: int,
         error=_opt_str(raw.get("error")),
         clocks_event_reasons_recheck=_opt_int(again.get("clocks_event_reasons")),
         compute_processes_recheck=_procs(again.get("compute_processes")),
+        vbios_version=_opt_str(raw.get("vbios_version")),
+        nvlink_state=_nvlink_state(raw.get("nvlink_state")),
+        nvlink_errors=_nvlink_errors(raw.get("nvlink_errors")),
+        fabric_state=_opt_int(raw.get("fabric_state")),
+        fabric_status=_opt_int(raw.get("fabric_status")),
+        row_remap_histogram=_histogram(raw.get("row_remap_histogram")),
+        clocks_violation=_violations(raw.get("clocks_violation")),
+        app_clock_sm_mhz=_opt_int(raw.get("app_clock_sm_mhz")),
+        app_clock_mem_mhz=_opt_int(raw.get("app_clock_mem_mhz")),
+        **{f: _opt_int(raw.get(f)) for f in ECC_LOCATION_FIELDS},
     )
 
 
@@ -326,6 +489,7 @@ def parse_snapshot(data: Any, source: str = "") -> NVMLSnapshot:
         hang=dict(hang) if isinstance(hang, dict) else ({"call": str(hang)} if hang else None),
         uptime_s=_opt_float(data.get("uptime_s")),
         recheck_after_s=_opt_float(recheck.get("after_s")),
+        cuda_driver_version=cuda_version_text(data.get("cuda_driver_version")),
     )
 
 
@@ -344,7 +508,7 @@ def load_snapshot(path: Path) -> NVMLSnapshot:
 
 
 def read_kmsg_nvrm(path: str = "/dev/kmsg", max_records: int = 200_000) -> list[str]:
-    """NVRM lines of the kernel ring buffer, read without blocking (root only), each with its
+    """NVRM (and NVSwitch SXid) lines of the kernel ring buffer, read without blocking (root only), each with its
     record's time since boot in dmesg's form (`[  812.345678] NVRM: Xid ...`).
 
     Raises:
@@ -372,9 +536,10 @@ def read_kmsg_nvrm(path: str = "/dev/kmsg", max_records: int = 200_000) -> list[
 
 def kmsg_record_line(record: str) -> str | None:
     """One /dev/kmsg record (`6,1234,812345678,-;NVRM: ...`, kernel Documentation/ABI/testing/
-    dev-kmsg) as a dmesg line `[  812.345678] NVRM: ...`; None unless it is an NVRM line."""
+    dev-kmsg) as a dmesg line `[  812.345678] NVRM: ...`; None unless it is an NVRM or an
+    NVSwitch SXid line."""
     head, _, msg = record.partition(";")
-    if "NVRM" not in msg:
+    if not any(mark in msg for mark in KMSG_MARKS):
         return None
     first = msg.splitlines()[0]
     fields = head.split(",")  # priority,sequence,microseconds since boot,flags
@@ -391,7 +556,8 @@ def _read_kmsg(out: dict[str, Any], errors: dict[str, str]) -> None:
     try:
         if kmsg:
             with open(kmsg, encoding="utf-8", errors="replace") as fh:
-                out["kmsg"] = [ln.rstrip("\n") for ln in fh if "NVRM" in ln]
+                out["kmsg"] = [ln.rstrip("\n") for ln in fh
+                               if any(mark in ln for mark in KMSG_MARKS)]
         else:
             out["kmsg"] = read_kmsg_nvrm()
     except OSError as exc:
@@ -479,7 +645,8 @@ def _gather(nv: Any, include_kmsg: bool, recheck_s: float = 0.0,
         return None
 
     count = call(errors, "device_count", nv.nvmlDeviceGetCount)
-    cuda = call(errors, "cuda_driver_version", nv.nvmlSystemGetCudaDriverVersion)
+    cuda = call(errors, "cuda_driver_version", getattr(
+        nv, "nvmlSystemGetCudaDriverVersion_v2", None) or nv.nvmlSystemGetCudaDriverVersion)
     out = _header(f"live NVML via pynvml (nvidia-ml-py {_binding_version()})")
     out.update({
         "driver_version": _opt(call(errors, "driver_version", nv.nvmlSystemGetDriverVersion), _text),
@@ -598,8 +765,93 @@ def _gather_gpu(nv: Any, index: int, call: Callable[..., Any]) -> dict[str, Any]
     mem = get("memory", lambda: nv.nvmlDeviceGetMemoryInfo(h))
     g["memory_total_bytes"] = getattr(mem, "total", None) if mem is not None else None
     g["memory_used_bytes"] = getattr(mem, "used", None) if mem is not None else None
+    _gather_gpu_issue11(nv, h, g, get, errs)
     g["errors"] = errs
     return g
+
+
+def _nvml_code(nv: Any, exc: Exception) -> int | None:
+    value = getattr(exc, "value", None)
+    return value if isinstance(value, int) else None
+
+
+def _gather_nvlinks(nv: Any, h: Any, g: dict[str, Any], errs: dict[str, str]) -> None:
+    """Link states 0.. until NVML says the link does not exist (Not Supported, or Invalid
+    Argument past the GPU's last link), then each link's error counters."""
+    end = {getattr(nv, "NVML_ERROR_NOT_SUPPORTED", 3), getattr(nv, "NVML_ERROR_INVALID_ARGUMENT", 2)}
+    states: list[bool | None] = []
+    try:
+        enabled = nv.NVML_FEATURE_ENABLED
+        for link in range(int(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18))):
+            try:
+                states.append(nv.nvmlDeviceGetNvLinkState(h, link) == enabled)
+            except nv.NVMLError as exc:
+                if _nvml_code(nv, exc) in end:
+                    if link == 0:
+                        errs["nvlink_state"] = str(exc)
+                    break
+                states.append(None)
+                errs[f"nvlink_state[{link}]"] = str(exc)
+    except (AttributeError, TypeError, ValueError) as exc:  # a binding without NVLink calls
+        errs["nvlink_state"] = f"{type(exc).__name__}: {exc}"
+        g["nvlink_state"] = g["nvlink_errors"] = None
+        return
+    g["nvlink_state"] = states
+    counters = {name: getattr(nv, const, None) for name, const in NVLINK_COUNTERS.items()}
+    per_link: list[dict[str, int] | None] = []
+    for link in range(len(states)):
+        found: dict[str, int] = {}
+        for name, counter in counters.items():
+            if counter is None:
+                continue
+            try:
+                found[name] = int(nv.nvmlDeviceGetNvLinkErrorCounter(h, link, counter))
+            except nv.NVMLError as exc:
+                errs[f"nvlink_errors[{link}].{name}"] = str(exc)
+            except (AttributeError, TypeError, ValueError) as exc:
+                errs[f"nvlink_errors[{link}].{name}"] = f"{type(exc).__name__}: {exc}"
+        per_link.append(found or None)
+    g["nvlink_errors"] = per_link
+
+
+def _fabric_info(nv: Any, h: Any) -> tuple[int, int]:
+    """GpuFabricInfo (state, status): the versioned call where the binding has it."""
+    import ctypes
+
+    if hasattr(nv, "nvmlDeviceGetGpuFabricInfoV") and hasattr(nv, "c_nvmlGpuFabricInfoV_t"):
+        info: Any = nv.c_nvmlGpuFabricInfoV_t()
+        nv.nvmlDeviceGetGpuFabricInfoV(h, ctypes.byref(info))
+    else:
+        info = nv.c_nvmlGpuFabricInfo_t()
+        nv.nvmlDeviceGetGpuFabricInfo(h, ctypes.byref(info))
+    return int(info.state), int(info.status)
+
+
+def _gather_gpu_issue11(nv: Any, h: Any, g: dict[str, Any], get: Callable[..., Any],
+                        errs: dict[str, str]) -> None:
+    """VBIOS, NVLink, fabric, ECC by location, row remapper histogram, violation counters,
+    application clocks: each call guarded, null (with its error) where NVML refuses."""
+    g["vbios_version"] = _opt(get("vbios_version", lambda: nv.nvmlDeviceGetVbiosVersion(h)), _text)
+    _gather_nvlinks(nv, h, g, errs)
+    fabric = get("fabric", lambda: _fabric_info(nv, h))
+    g["fabric_state"], g["fabric_status"] = fabric if fabric is not None else (None, None)
+    for name, kind, counter, loc in ECC_LOCATIONS:
+        g[name] = get(name, lambda k=kind, c=counter, lo=loc: nv.nvmlDeviceGetMemoryErrorCounter(
+            h, getattr(nv, k), getattr(nv, c), getattr(nv, lo)))
+    hist = get("row_remap_histogram", lambda: nv.nvmlDeviceGetRowRemapperHistogram(h))
+    g["row_remap_histogram"] = (None if hist is None else
+                                {k: int(getattr(hist, k)) for k in ROW_REMAP_BANKS})
+    viol: dict[str, dict[str, int]] = {}
+    for name, const in VIOLATION_POLICIES.items():
+        v = get(f"clocks_violation.{name}",
+                lambda c=const: nv.nvmlDeviceGetViolationStatus(h, getattr(nv, c)))
+        if v is not None:
+            viol[name] = {"reference_us": int(v.referenceTime), "violation_ns": int(v.violationTime)}
+    g["clocks_violation"] = viol or None
+    g["app_clock_sm_mhz"] = get(
+        "app_clock_sm_mhz", lambda: nv.nvmlDeviceGetApplicationsClock(h, nv.NVML_CLOCK_SM))
+    g["app_clock_mem_mhz"] = get(
+        "app_clock_mem_mhz", lambda: nv.nvmlDeviceGetApplicationsClock(h, nv.NVML_CLOCK_MEM))
 
 
 def _mem(value: Any) -> int | None:

@@ -33,6 +33,11 @@ _spec = importlib.util.spec_from_file_location("make_fixtures_host", HERE / "mak
 assert _spec and _spec.loader
 host = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(host)
+# Issue 11's GPU parts (NVLink, fabric, ECC by location, ...) live in make_fixtures_gpu.py.
+_spec = importlib.util.spec_from_file_location("make_fixtures_gpu", HERE / "make_fixtures_gpu.py")
+assert _spec and _spec.loader
+gpu11 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu11)
 
 # -- the healthy HGX H100 node ----------------------------------------------------------------
 
@@ -352,7 +357,8 @@ def build(out: Path, regen_healthy: bool = False) -> list[str]:
         healthy_nvml = json.loads(healthy_nvml_path.read_text())
     else:
         healthy_nvml = healthy_gpus()
-    failures = {**FAILURES, **host.FAILURES}
+    gpu11.extend(healthy_nvml)
+    failures = {**FAILURES, **host.FAILURES, **gpu11.FAILURES}
     names = [HEALTHY, *failures]
     for name in names:
         target = out / name

@@ -13,6 +13,10 @@ WARNING: more GPUs than expected, aggregate (lifetime) uncorrected ECC over the 
 retired pages pending, software thermal slowdown, a hardware slowdown gone at the second
 reading, a PCIe link whose maximum generation is below the GPU's, persistence mode off, any
 other XID in the window.
+NVLink and fabric state, ECC by location, the row remapper histogram, throttle shares from the
+violation counters, expected power limit and application clocks, and NVSwitch SXids: see
+checks/gpu_fabric.py (their rates compare with the previous reading in the state dir,
+`gpu_counters.json`).
 UNKNOWN (could not run, says nothing about the node): pynvml missing (bluevela's own
 installation, logged as an installation error), a snapshot file that cannot be read, a kernel
 log that cannot be read (the XID part; the rest is still judged and a CRITICAL wins).
@@ -25,12 +29,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bluevela.health.checks import gpu_fabric as fabric
 from bluevela.health.nvml import (
+    FABRIC_COMPLETED,
     HW_REASONS,
+    KMSG_MARKS,
     SW_THERMAL,
     GPUInfo,
     LiveNVML,
@@ -39,12 +47,15 @@ from bluevela.health.nvml import (
     NVMLSource,
     ProcessInfo,
     ReplayNVML,
+    SXid,
     Xid,
+    parse_sxids,
     parse_xids,
     reason_names,
 )
 from bluevela.health.registry import check
 from bluevela.health.result import CheckResult, Status, summarize
+from bluevela.health.state import read_json, write_json
 
 if TYPE_CHECKING:
     from bluevela.health.context import ProbeContext
@@ -100,13 +111,16 @@ class GPUFacts:
     uptime_s: float | None = None  # time since boot at the reading (dates the XIDs)
     job_gpus: tuple[int, ...] | None = None  # the job's GPUs; None: every GPU
     own_pids: frozenset[int] = frozenset()  # compute processes that are this hook's own
+    sxids: tuple[SXid, ...] = ()  # NVSwitch errors in the kernel log
+    # Each GPU's previous counter reading (state dir), by fabric.gpu_key; empty: none.
+    baselines: Mapping[str, fabric.Baseline] = field(default_factory=dict)
 
 
 def _kmsg_lines(ctx: ProbeContext, snap: NVMLSnapshot | None) -> tuple[list[str] | None, str | None]:
     if ctx.kmsg is not None:
         try:
             with open(ctx.kmsg, encoding="utf-8", errors="replace") as fh:
-                return [ln for ln in fh if "NVRM" in ln], str(ctx.kmsg)
+                return [ln for ln in fh if any(m in ln for m in KMSG_MARKS)], str(ctx.kmsg)
         except OSError as exc:
             logger.info("cannot read %s: %s", ctx.kmsg, exc)
             return None, None
@@ -175,7 +189,34 @@ def probe_gpu(ctx: ProbeContext) -> GPUFacts:
             for p in (*(g.compute_processes or ()), *(g.compute_processes_recheck or ()))}
     return GPUFacts(snap, tuple(parse_xids(lines)), source, ctx.phase,
                     init_error=snap.init_error, uptime_s=uptime, job_gpus=ctx.job_gpus,
-                    own_pids=own_processes(ctx, pids) if pids else frozenset())
+                    own_pids=own_processes(ctx, pids) if pids else frozenset(),
+                    sxids=tuple(parse_sxids(lines)),
+                    baselines=_counter_baselines(ctx, snap))
+
+
+def _counter_baselines(ctx: ProbeContext, snap: NVMLSnapshot) -> dict[str, fabric.Baseline]:
+    """The previous NVLink/violation counter readings (state dir), then this reading stored
+    in their place, unless the stored one is younger than `gpu.throttle_min_interval_s` (kept,
+    so frequent prologs still see a long enough interval for a throttle share)."""
+    if ctx.state_dir is None:
+        return {}
+    path = ctx.state_dir / fabric.GPU_COUNTERS
+    stored = read_json(path)
+    age: float | None = None
+    out: dict[str, fabric.Baseline] = {}
+    if isinstance(stored, dict) and isinstance(stored.get("gpus"), dict):
+        if isinstance(stored.get("time"), int | float):
+            age = max(0.0, time.time() - float(stored["time"]))
+        for key, raw in stored["gpus"].items():
+            base = fabric.parse_baseline(raw, age)
+            if base is not None:
+                out[str(key)] = base
+    current = {fabric.gpu_key(g): rec for g in snap.gpus if g.error is None
+               and (rec := fabric.counters_record(g))}
+    if current and (age is None or not out
+                    or age >= ctx.node_class.gpu.throttle_min_interval_s):
+        write_json(path, {"time": time.time(), "gpus": current})
+    return out
 
 
 def _leftovers(g: GPUInfo, facts: GPUFacts) -> tuple[list[ProcessInfo], list[ProcessInfo]]:
@@ -233,6 +274,14 @@ def _gpu_problems(g: GPUInfo, cls: NodeClass, facts: GPUFacts) -> list[tuple[Sta
             p.append((Status.WARNING, f"{lab} process(es) {pids} exited within {_secs(facts)}"))
     if t.require_persistence_mode and g.persistence_mode is False:
         p.append((Status.WARNING, f"{lab} persistence mode off"))
+    base = facts.baselines.get(fabric.gpu_key(g))
+    p += fabric.nvlink_problems(g, t, base)
+    p += fabric.fabric_problems(g, t)
+    p += fabric.ecc_location_problems(g, t)
+    p += fabric.row_remap_problems(g, t)
+    p += fabric.throttle_problems(g, t, fabric.throttle_shares(g, base, t.throttle_min_interval_s),
+                                  base)
+    p += fabric.settings_problems(g, t)
     return p
 
 
@@ -292,7 +341,8 @@ def _xid_problems(facts: GPUFacts, usable: list[GPUInfo], window_s: float
     return problems, counted, old
 
 
-def _metrics(gpus: list[GPUInfo], xids: int, facts: GPUFacts) -> dict[str, float]:
+def _metrics(gpus: list[GPUInfo], xids: int, facts: GPUFacts,
+             throttle_min_interval_s: float = 0.0) -> dict[str, float]:
     m: dict[str, float] = {"gpus_count": len(gpus), "xid_count": xids}
 
     def vals(attr: str) -> list[float]:
@@ -319,6 +369,29 @@ def _metrics(gpus: list[GPUInfo], xids: int, facts: GPUFacts) -> dict[str, float
     m["retired_pages_total"] = sum((g.retired_pages_sbe or 0) + (g.retired_pages_dbe or 0)
                                    for g in gpus)
     m["throttle_hw_count"] = sum(1 for g in gpus if _confirmed_hw(g))
+    links = [s for g in gpus for s in (g.nvlink_state or ())]
+    if any(g.nvlink_state is not None for g in gpus):
+        m["nvlink_up_count"] = sum(1 for s in links if s)
+        m["nvlink_down_count"] = sum(1 for s in links if s is False)
+    for attr in ("ecc_sram_uncorrected_volatile", "ecc_dram_uncorrected_volatile",
+                 "ecc_sram_corrected_volatile", "ecc_dram_corrected_volatile"):
+        v = vals(attr)
+        if v:
+            m[f"{attr}_total"] = sum(v)
+    low = [h.get("low", 0) + h.get("none", 0) for g in gpus if (h := g.row_remap_histogram)]
+    if low:
+        m["row_remap_low_banks_max"] = max(low)
+    fab = [g for g in gpus if g.fabric_state is not None]
+    if fab:
+        m["fabric_not_completed_count"] = sum(
+            1 for g in fab if g.fabric_state != FABRIC_COMPLETED or (g.fabric_status or 0) != 0)
+    for g in gpus:
+        shares = fabric.throttle_shares(g, facts.baselines.get(fabric.gpu_key(g)),
+                                        throttle_min_interval_s)
+        for name in ("power", "thermal"):
+            if name in shares:
+                key = f"throttle_{name}_pct_max"
+                m[key] = max(m.get(key, 0.0), shares[name])
     m["processes_count"] = sum(len(_leftovers(g, facts)[0]) for g in gpus)
     return m
 
@@ -340,7 +413,13 @@ def _components(gpus: list[GPUInfo], facts: GPUFacts, window_s: float) -> tuple[
                 "retired_pages_pending", "remapped_rows_correctable",
                 "remapped_rows_uncorrectable", "remapped_rows_pending", "remapped_rows_failure",
                 "clocks_event_reasons", "pcie_link_gen_current", "pcie_link_width_current",
-                "memory_used_bytes", "memory_total_bytes", "persistence_mode")}
+                "memory_used_bytes", "memory_total_bytes", "persistence_mode",
+                "ecc_sram_uncorrected_volatile", "ecc_dram_uncorrected_volatile",
+                "ecc_sram_corrected_volatile", "ecc_dram_corrected_volatile",
+                "app_clock_sm_mhz", "app_clock_mem_mhz")}
+        if g.nvlink_state is not None:
+            values["nvlink_up_count"] = sum(1 for s in g.nvlink_state if s)
+            values["nvlink_down_count"] = sum(1 for s in g.nvlink_state if s is False)
         if g.total_energy_mj is not None:
             values["energy_j"] = g.total_energy_mj / 1000.0
         if facts.xid_source is not None:
@@ -388,13 +467,21 @@ def evaluate_gpu(facts: GPUFacts, cls: NodeClass) -> CheckResult:
         problems += _gpu_problems(g, cls, facts)
     xid_problems, counted, old = _xid_problems(facts, usable, cls.gpu.xid_window_s)
     problems += xid_problems
-    metrics = _metrics(usable, counted, facts)
+    sxid_problems, sxids = fabric.sxid_problems(facts.sxids, facts.uptime_s, cls.gpu.xid_window_s)
+    problems += sxid_problems
+    metrics = _metrics(usable, counted, facts, cls.gpu.throttle_min_interval_s)
     metrics["xid_outside_window_count"] = old
+    if facts.xid_source is not None:
+        metrics["sxid_count"] = sxids
     status, summary = summarize(problems)
     if summary is None:
         model = usable[0].name if usable else "GPU"
         temp = f", max {metrics['temp_max_c']:g} C" if "temp_max_c" in metrics else ""
         drv = f", driver {snap.driver_version}" if snap.driver_version else ""
-        summary = f"{len(usable)} x {model} OK{temp}{drv}"
+        links = (f", {metrics['nvlink_up_count']:g} NVLinks up"
+                 if metrics.get("nvlink_up_count") else "")
+        missing = fabric.not_reported(usable, cls.gpu)
+        unsup = f"; not reported by NVML: {', '.join(missing)}" if missing else ""
+        summary = f"{len(usable)} x {model} OK{temp}{drv}{links}{unsup}"
     return CheckResult("gpu", status, summary, metrics,
                        components=_components(usable, facts, cls.gpu.xid_window_s))
