@@ -11,6 +11,7 @@ include (nccl after a quick prolog) keeps its last value. Families (docs/health.
     bluevela_ib_symbol_error_total 0              # each check metric, in base units
     bluevela_gpu_temp_celsius{gpu="0",UUID="GPU-...",pci_bus_id="...",...} 33
     bluevela_infiniband_link_downed_total{device="mlx5_0",port="1"} 0
+    bluevela_versions_info{driver="550.90.07",kernel="6.1.0-18-amd64",...} 1
 
 Per-GPU and per-port series come from the checks' `components` and are named after
 dcgm-exporter's fields (`DCGM_FI_DEV_GPU_TEMP` -> `bluevela_gpu_temp_celsius`) and
@@ -292,6 +293,11 @@ def render(last: Mapping[str, Mapping[str, Any]], hostname: str | None = None) -
             prom, type_, value = node_metric(r.name, metric, r.metrics[metric])
             family(prom, f"bluevela {_help(r.name)} check: {_help(metric)} (node).",
                    [("", value)], type_)
+    for r in checks:  # text facts (the versions check's) as an info series, value 1
+        if r.info:
+            family(f"bluevela_{_name(r.name)}_info",
+                   f"bluevela {_help(r.name)} check: observed values as labels.",
+                   [(_labels(r.info), 1)])
     for name, (type_, help_, samples) in sorted(_component_samples(checks, host).items()):
         family(name, help_, samples, type_)
     return "\n".join(lines) + "\n"
