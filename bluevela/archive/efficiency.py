@@ -166,7 +166,7 @@ class Straggler:
     node: str
     gpu: int | None
     evidence: str
-    metrics: dict[str, dict[str, float]]  # metric -> {value, job_median[, others_max]}
+    metrics: dict[str, dict[str, float | None]]  # metric -> {value, job_median, ...}
     score: float  # how far out (robust z or share); for sorting
 
     @property
@@ -237,16 +237,25 @@ class _Acc:
     cpu_cnt: np.ndarray  # [T]
 
 
-def job_efficiency(archive_dir: Path, job_id: int, *, thresholds: Thresholds | None = None,
-                   block_nodes: int = 32) -> Efficiency:
+def job_efficiency(archive_dir: Path, job_id: int, *, job: dict[str, Any] | None = None,
+                   thresholds: Thresholds | None = None, block_nodes: int = 32) -> Efficiency:
     """Efficiency and stragglers of an archived job, from its series file and its rows.
+
+    Args:
+        archive_dir: the archive directory.
+        job_id: the job.
+        job: the job as `query.show_job` returned it (read here when not given).
+        thresholds: straggler and idle thresholds.
+        block_nodes: nodes read at a time (memory: block_nodes x GPUs x samples x 4 bytes
+            per metric).
 
     Raises:
         ArchiveError: the job is not archived, or has no (readable) time series.
     """
-    from bluevela.archive.query import show_job
+    if job is None:
+        from bluevela.archive.query import show_job
 
-    job = show_job(archive_dir, job_id)
+        job = show_job(archive_dir, job_id)
     path = series_path(archive_dir, job_id)
     if not path.is_file():
         raise ArchiveError(f"job {job_id} has no time series in the archive (no {path}; the "
@@ -562,6 +571,9 @@ def _evaluate(src: _Source, acc: _Acc, job: dict[str, Any] | None, th: Threshold
         idle_gpus=idle_list, per_node=per_node, stragglers=stragglers, missing=missing,
         notes=notes, thresholds=th)
     eff.bins = _bins_for_plots(src, acc, starts, bin_len, use_gpu, stragglers, sb)
+    if g:
+        eff.bins["gpu_util"] = np.where(gpu_present & ~idle, util_s, np.nan)
+        eff.bins["gpu_power"] = np.where(gpu_present & ~idle, power_s, np.nan)
     return eff
 
 
@@ -615,7 +627,7 @@ def _gpu_stragglers(nodes: Sequence[str], pool: np.ndarray, util: np.ndarray,
     import numpy as np
 
     n, g = pool.shape
-    findings: dict[tuple[int, int], list[tuple[str, str, dict[str, float], float]]] = {}
+    findings: dict[tuple[int, int], list[tuple[str, str, dict[str, float | None], float]]] = {}
 
     def add(mask: np.ndarray, key: str, text_of: Any, med: float, vals: np.ndarray,
             score: np.ndarray) -> None:
@@ -641,7 +653,7 @@ def _gpu_stragglers(nodes: Sequence[str], pool: np.ndarray, util: np.ndarray,
         add(m, c, lambda v, md, name=name: f"{name} {_pct(v)} of samples (job median "
             f"{_pct(md)})", med, shares[c], shares[c] * 10)
     out: list[Straggler] = []
-    by_node: dict[int, dict[int, list[tuple[str, str, dict[str, float], float]]]] = {}
+    by_node: dict[int, dict[int, list[tuple[str, str, dict[str, float | None], float]]]] = {}
     for (i, j), f in findings.items():
         by_node.setdefault(i, {})[j] = f
     for i, gpus in sorted(by_node.items()):
@@ -649,13 +661,15 @@ def _gpu_stragglers(nodes: Sequence[str], pool: np.ndarray, util: np.ndarray,
         keys_all = set.intersection(*(set(k for k, *_ in f) for f in gpus.values()))
         if present >= 2 and len(gpus) == present and keys_all:
             # every GPU of the node is out on the same metric(s): name the node once
-            parts, metrics, score = [], {}, 0.0
+            parts: list[str] = []
+            metrics: dict[str, dict[str, float | None]] = {}
+            score = 0.0
             for key in sorted(keys_all, key=_metric_order):
                 vals = [next(x for x in f if x[0] == key) for f in gpus.values()]
                 mean_v = float(np.mean([v[2]["value"] for v in vals if v[2]["value"] is not None]))
-                med = vals[0][2]["job_median"]
-                metrics[key] = {"value": _r(mean_v, 3), "job_median": med}
-                parts.append(_describe(key, mean_v, med))
+                gm = vals[0][2]["job_median"]
+                metrics[key] = {"value": _r(mean_v, 3), "job_median": gm}
+                parts.append(_describe(key, mean_v, gm))
                 score = max(score, max(v[3] for v in vals))
             temp_note = _temp_note(temp, pool, i, None) if "thermal" in keys_all else ""
             out.append(Straggler(nodes[i], None, f"{nodes[i]} (all {present} GPUs): "
@@ -707,13 +721,13 @@ def _cpu_stragglers(nodes: Sequence[str], covered: np.ndarray, busy: np.ndarray,
                     ) -> list[Straggler]:
     import numpy as np
 
-    found: dict[int, list[tuple[str, str, dict[str, float], float]]] = {}
+    found: dict[int, list[tuple[str, str, dict[str, float | None], float]]] = {}
     m, med = _share_outliers(thr_share, covered, th, th.cpu_throttled_min_share,
                              th.cpu_throttled_min_share / 2)
     if m.any():
         others = np.where(covered & ~m, thr_share, np.nan)
         omax = float(np.nanmax(others)) if np.isfinite(others).any() else math.nan
-        for i in np.flatnonzero(m):
+        for i in np.flatnonzero(m).tolist():
             text = (f"CPU throttled {_pct(thr_share[i])} of samples (others ≤{_pct(omax)})"
                     if not math.isnan(omax) else
                     f"CPU throttled {_pct(thr_share[i])} of samples")
@@ -725,10 +739,10 @@ def _cpu_stragglers(nodes: Sequence[str], covered: np.ndarray, busy: np.ndarray,
                                          "throttled_pct": _r(thr_pct[i])},
                  float(thr_share[i]) * 10))
     m, med, z = _low(busy, covered, th, th.cpu_busy_min_drop_pct, 0.0)
-    for i in np.flatnonzero(m):
-        found.setdefault(int(i), []).append(
-            ("cpu_busy_pct", f"CPU busy {busy[i]:.0f}% vs job median {med:.0f}%",
-             {"value": _r(busy[i]), "job_median": _r(med)}, float(z[i])))
+    for k in np.flatnonzero(m).tolist():
+        found.setdefault(k, []).append(
+            ("cpu_busy_pct", f"CPU busy {busy[k]:.0f}% vs job median {med:.0f}%",
+             {"value": _r(busy[k]), "job_median": _r(med)}, float(z[k])))
     out = []
     for i, f in sorted(found.items()):
         out.append(Straggler(nodes[i], None, f"{nodes[i]}: " + ", ".join(x[1] for x in f),
@@ -795,10 +809,10 @@ def _bins_for_plots(src: _Source, acc: _Acc, starts: np.ndarray, bin_len: np.nda
                            "steady": sb}
     heat_metric = "util_pct" if use_gpu else "cpu_busy_pct"
     if heat_metric in acc.sums:
-        s, c = acc.sums[heat_metric], acc.counts[heat_metric]
-        if s.ndim == 3:
-            s, c = s.sum(axis=1), c.sum(axis=1)
-        out["heat"] = (_div(s, c), heat_metric)
+        hs, hc = acc.sums[heat_metric], acc.counts[heat_metric]
+        if hs.ndim == 3:
+            hs, hc = hs.sum(axis=1), hc.sum(axis=1)
+        out["heat"] = (_div(hs, hc), heat_metric)
     if "cpu_throttled_pct" in acc.sums and np.nansum(acc.sums["cpu_throttled_pct"]) > 0:
         out["heat_throttled"] = _div(acc.sums["cpu_throttled_pct"],
                                      acc.counts["cpu_throttled_pct"])
@@ -824,3 +838,59 @@ def _bins_for_plots(src: _Source, acc: _Acc, starts: np.ndarray, bin_len: np.nda
         lines.append({"label": s.label, "metric": metric, "series": mine, "band": band})
     out["lines"] = lines
     return out
+
+
+# --------------------------------------------------------------------------------- text
+
+
+def _dur(s: float | None) -> str:
+    if s is None:
+        return "?"
+    if s >= 3600:
+        return f"{s / 3600:.1f} h"
+    if s >= 60:
+        return f"{s / 60:.0f} min"
+    return f"{s:.0f} s"
+
+
+def summary_lines(eff: Efficiency) -> list[str]:
+    """The terminal summary: the job's figures in a few lines (stragglers go in a table)."""
+    d = eff.to_dict()
+    g, cpu, en, rs = d["gpu"], d["cpu"], d["energy"], d["restarts"]
+    lines = [f"job {eff.job_id}: {len(eff.nodes)} node(s) x {eff.n_gpus} GPU(s), "
+             f"{_dur(eff.duration_s)} at {eff.interval_s:g} s ({eff.n_samples} samples); "
+             f"steady state {_dur(d['steady']['samples'] * eff.interval_s)} "
+             f"(by {d['steady']['basis']})"]
+    if g:
+        lines.append(f"GPU util {g['util_steady_pct']}% steady, {g['util_mean_pct']}% whole job; "
+                     f"power {g['power_steady_w']} W per GPU, {g['power_total_steady_kw']} kW "
+                     f"the job; SM clock {g['sm_clock_steady_mhz']} MHz")
+    parts = []
+    if en["series_kwh"] is not None:
+        parts.append(f"GPU energy {en['series_kwh']} kWh from the samples "
+                     f"({en['series_coverage']:.0%} covered)")
+    if en["epilog_j"] is not None:
+        parts.append(f"{en['epilog_j'] / 3.6e6:.3f} kWh from the epilogs' NVML counters "
+                     f"({en['epilog_nodes']} node(s))")
+    if parts:
+        lines.append("; ".join(parts))
+    if cpu["busy_mean_pct"] is not None:
+        lines.append(f"CPU busy {cpu['busy_mean_pct']}%, throttled {cpu['throttled_mean_pct']}%"
+                     " of the time")
+    if eff.idle_gpus:
+        shown = ", ".join(f"{x['node']} GPU {x['gpu']}" for x in eff.idle_gpus[:6])
+        more = f" (+{len(eff.idle_gpus) - 6})" if len(eff.idle_gpus) > 6 else ""
+        lines.append(f"idle GPUs: {len(eff.idle_gpus)}: {shown}{more}")
+    if rs["count"]:
+        lines.append(f"restarts: {rs['count']} gap(s), {_dur(rs['lost_s'])} lost "
+                     f"({rs['lost_unit_h']} {rs.get('unit', 'GPU')} h; approximate, from the "
+                     "series)")
+    for m in eff.missing[:10]:
+        lines.append(f"no verdict on {m['node']}: {m['why']}")
+    if len(eff.missing) > 10:
+        lines.append(f"no verdict on {len(eff.missing) - 10} more node(s)")
+    lines.extend(eff.notes)
+    n = len(eff.straggler_nodes)
+    lines.append(f"stragglers: {n} node(s)" + (":" if n else " (every GPU and node within "
+                                               "the thresholds of the job's median)"))
+    return lines

@@ -209,10 +209,16 @@ def _health_cell(report: dict[str, Any] | None) -> str:
 @command.command("show")
 @click.argument("job_id", type=click.IntRange(min=1))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (includes the archive file).")
+@click.option("--efficiency", is_flag=True,
+              help="From the job's time series: GPU/CPU utilisation, power, energy, idle GPUs, "
+              "restart gaps and stragglers (docs/archive.md).")
+@click.option("--html", "html_out", type=click.Path(path_type=Path, dir_okay=False),
+              default=None, help="With --efficiency: also write a self-contained HTML page.")
 @click.pass_context
-def show_cmd(ctx: click.Context, job_id: int, as_json: bool) -> None:
+def show_cmd(ctx: click.Context, job_id: int, as_json: bool, efficiency: bool,
+             html_out: Path | None) -> None:
     """Show one archived job: its nodes, each node's prolog and epilog health, exit status,
-    telemetry."""
+    telemetry; or with --efficiency, how well it used its nodes and which lagged."""
     from bluevela.archive.query import show_job
     from bluevela.errors import BluevelaError
 
@@ -221,6 +227,9 @@ def show_cmd(ctx: click.Context, job_id: int, as_json: bool) -> None:
     except BluevelaError:  # the spool only adds a hint to "not archived"
         spool = None
     job = show_job(_path(ctx, "archive"), job_id, spool=spool)
+    if efficiency or html_out is not None:
+        _show_efficiency(_path(ctx, "archive"), job, as_json, html_out)
+        return
     if as_json:
         emit_json(job)
         return
@@ -234,6 +243,32 @@ def show_cmd(ctx: click.Context, job_id: int, as_json: bool) -> None:
     table(f"Job {job_id}", ["NODE", "PROLOG", "EPILOG", "EXIT", "TELEMETRY"],
           [(n["node"], _health_cell(n["prolog"]), _health_cell(n["epilog"]),
             _exit(n["epilog"] or {}), _telemetry_cell(n["epilog"])) for n in job["nodes"]])
+
+
+def _show_efficiency(archive: Path, job: dict[str, Any], as_json: bool,
+                     html_out: Path | None) -> None:
+    from bluevela.archive.efficiency import job_efficiency, summary_lines
+    from bluevela.errors import ArchiveError
+    from bluevela.util.fs import atomic_write
+
+    eff = job_efficiency(archive, job["job_id"], job=job)
+    if html_out is not None:
+        from bluevela.archive.efficiency_html import render_html
+
+        try:
+            atomic_write(html_out, render_html(eff).encode(), 0o644)
+        except OSError as exc:
+            raise ArchiveError(f"cannot write {html_out}: {exc.strerror or exc}") from exc
+    if as_json:
+        emit_json(eff.to_dict())
+        return
+    for line in summary_lines(eff):
+        click.echo(printable(line))
+    if eff.stragglers:
+        table(None, ["NODE", "GPU", "EVIDENCE"],
+              [(s.node, "" if s.gpu is None else s.gpu, s.evidence) for s in eff.stragglers])
+    if html_out is not None:
+        click.echo(printable(f"wrote {html_out}"))
 
 
 def _telemetry_cell(report: dict[str, Any] | None, limit: int = 4) -> str:
