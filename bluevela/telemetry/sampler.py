@@ -208,6 +208,8 @@ class GPUReader:
         from bluevela.health.nvml import LiveNVML, NVMLMissingError
 
         extra: dict[int, dict[str, Any]] = {}
+        if self.ctx.nvml_snapshot is None and not self.ctx.node_class.gpus:
+            return [], "none"  # a class without GPUs: NVML is not even looked for
         if self.ctx.nvml_snapshot is not None:
             snap, extra = self._replay(self.ctx.nvml_snapshot)
             source = "snapshot"
