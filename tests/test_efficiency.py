@@ -1,6 +1,6 @@
 """Job efficiency and straggler detection (`bluevela.archive.efficiency`) on synthetic series.
 
-Each series is written to an HDF5 file in the issue-12 layout and read back through
+Each series is written with `write_series` (the archive's layout) and read back through
 `efficiency_of_file` (the path `bv archive show --efficiency` takes), so the block-wise reader is
 exercised too. The healthy jobs carry realistic noise; a straggler must be named with its evidence
 and the healthy nodes must not be.
@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from bluevela.archive.efficiency import Thresholds, analyze, efficiency_of_file
+from bluevela.archive.series import JobSeries, write_series
 from bluevela.errors import ArchiveError
 
 T0 = 1_790_000_000.0
@@ -54,24 +55,9 @@ def make_series(nodes: int = 8, gpus: int = 4, samples: int = 120, *, interval: 
 
 
 def write_h5(path: Path, s: SimpleNamespace) -> Path:
-    """The contract's layout (issue 12), written with h5py directly."""
-    import h5py
-
-    with h5py.File(path, "w") as f:
-        f.attrs.update({"format": "bluevela-job-series", "schema_version": 1,
-                        "job_id": s.job_id, "interval_s": s.interval_s,
-                        "t0_unix_s": float(s.time[0]), "n_samples": len(s.time)})
-        f["time"] = np.asarray(s.time, np.float64)
-        f["nodes"] = np.array([n.encode() for n in s.nodes], dtype="S65")
-        for k, v in s.gpu.items():
-            if v.size:
-                f.create_dataset(f"gpu/{k}", data=v, shuffle=True, compression="gzip",
-                                 chunks=(1, v.shape[1], min(v.shape[2], 4096)))
-            else:
-                f.create_dataset(f"gpu/{k}", data=v)
-        for k, v in s.node.items():
-            f.create_dataset(f"node/{k}", data=v, chunks=(1, min(v.shape[1], 4096)),
-                             shuffle=True, compression="gzip")
+    """The archive's layout, through H3's `write_series` (what ingest reads and writes)."""
+    write_series(path, JobSeries(job_id=s.job_id, interval_s=s.interval_s, time=s.time,
+                                 nodes=list(s.nodes), gpu=s.gpu, ib={}, node=s.node))
     return path
 
 

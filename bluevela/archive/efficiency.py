@@ -152,8 +152,10 @@ def _mem_source(series: SeriesLike) -> _Source:
 
 
 def series_path(archive_dir: Path, job_id: int) -> Path:
-    """Where ingest puts a job's series (contract of issue 12; docs/archive.md)."""
-    return Path(archive_dir) / "series" / f"{int(job_id)}.h5"
+    """Where ingest puts a job's series (`bluevela.archive.series`; docs/archive.md)."""
+    from bluevela.archive import series
+
+    return series.series_path(Path(archive_dir), int(job_id))
 
 
 # --------------------------------------------------------------------------------- result
