@@ -22,7 +22,7 @@ def bv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPro
 
 @pytest.mark.parametrize("args", [
     ("health",), ("health", "run"), ("health", "snapshot"), ("health", "nodes"),
-    ("health", "resume"), ("hook",),
+    ("health", "resume"), ("health", "dcgm"), ("hook",),
 ])
 def test_help(args: tuple[str, ...]) -> None:
     p = bv(*args, "--help")

@@ -172,7 +172,9 @@ def probe_versions(ctx: ProbeContext) -> VersionFacts:
     hca_fw, err = read_hca_fw(ctx)
     if err:
         errors["hca_fw"] = err
-    driver, cuda, vbios = None, None, ()
+    driver: str | None = None
+    cuda: str | None = None
+    vbios: tuple[tuple[str, str], ...] = ()
     if ctx.nvml_snapshot is not None or ctx.node_class.gpus > 0:
         driver, cuda, vbios, err = read_nvml_versions(ctx)
         if err:
