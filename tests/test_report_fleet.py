@@ -21,7 +21,7 @@ import pytest
 
 from bluevela.archive.ingest import ingest, store_reports
 from bluevela.archive.sample import sample_report
-from bluevela.archive.spool import write_report
+from bluevela.archive.spool import SpoolEntry, report_name, validate_report, write_report
 from bluevela.bench.store import NightRecord, NodeRow, ResultRow, nightly_dir, write_night
 from bluevela.report.fleet import NodeClassInfo, compute, fleet_report, gather
 from tests.test_bench_report import CHROMIUM, _chromium, _png_pixels
@@ -252,7 +252,8 @@ def test_chromium_renders_the_page(page: Path, tmp_path: Path) -> None:
 
 
 def big_fleet(archive: Path, nodes: int = 1000, days: int = 30, jobs: int = 6000,
-              seed: int = 7) -> tuple[float, float]:
+              seed: int = 7, widths: tuple[int, ...] = (1, 1, 1, 2, 4, 8, 16, 64),
+              batch: int = 40000) -> tuple[float, float]:
     """A synthetic `nodes`-node fleet over `days` days, archived through `store_reports` (the
     ingest writer without a spool) and the nightly store; returns (since, now).
 
@@ -271,7 +272,7 @@ def big_fleet(archive: Path, nodes: int = 1000, days: int = 30, jobs: int = 6000
     for day in range(days):
         for _ in range(per_day):
             jid += 1
-            width = rnd.choice((1, 1, 1, 2, 4, 8, 16, 64))
+            width = rnd.choice(widths)
             first = rnd.randrange(0, nodes - width)
             group = names[first:first + width]
             start = max(since + day * 86400.0 + rnd.uniform(0, 86400.0),
@@ -298,8 +299,9 @@ def big_fleet(archive: Path, nodes: int = 1000, days: int = 30, jobs: int = 6000
                     e.update(drained=True, drain_reason="bv: gpu: XID 79 on GPU 1")
                     free_at[n] = start + dur + rnd.uniform(2, 72) * 3600
                 reports.append(e)
-    for i in range(0, len(reports), 40000):
-        store_reports(archive, reports[i:i + 40000])
+            if len(reports) >= batch:
+                _store(archive, reports)
+    _store(archive, reports)
     for week in range(days // 7):
         night = f"2026-11-{1 + 7 * week + 3:02d}"
         rec = NightRecord(night=night, cluster="big", started_utc=f"{night}T02:00:00+00:00",
@@ -311,6 +313,17 @@ def big_fleet(archive: Path, nodes: int = 1000, days: int = 30, jobs: int = 6000
                                          "", ""))
         write_night(nightly_dir(archive), rec)
     return since, now
+
+
+def _store(archive: Path, reports: list[dict[str, Any]]) -> None:
+    """Validate (as ingest does) and archive `reports`, then empty the list."""
+    checked = [validate_report({"schema": 1, "kind": "node_report", **r},
+                               SpoolEntry(report_name(r["job_id"], r["node"], r["phase"]),
+                                          r["job_id"], r["node"], r["phase"]))
+               for r in reports]
+    if checked:
+        store_reports(archive, checked)
+    reports.clear()
 
 
 @pytest.fixture(scope="module")

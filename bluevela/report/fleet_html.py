@@ -146,11 +146,14 @@ def _mtbf_chart(plt: Any, rep: dict[str, Any]) -> str:
         ax.hist(vals, bins=min(40, max(5, len(vals) // 3)), range=(0, max(window, max(vals))),
                 color="#1f77b4")
     cmap = plt.get_cmap("tab10")
+    lines = 0
     for k, c in enumerate(rep["mtbf"]["by_class"]):
+        # a class MTBF beyond the window (few failures over many nodes) is in the table only
         if c["mtbf_h"] is not None and c["mtbf_h"] <= window * 1.05:
             ax.axvline(c["mtbf_h"], color=cmap((k + 3) % 10), linestyle="--",
                        label=f"class {c['class']}: {_num(c['mtbf_h'])} h")
-    if rep["mtbf"]["by_class"]:
+            lines += 1
+    if lines:
         ax.legend(frameon=False, fontsize=8)
     ax.set_xlabel("MTBF per node (hours in service / incidents)")
     ax.set_ylabel("nodes")
@@ -193,6 +196,7 @@ def _goodput_chart(plt: Any, rep: dict[str, Any]) -> str:
                 label=f"{OUTCOME_LABELS[kind]}: {_num(v, 0)} ({100 * v / total:.1f} %)")
         left += v
     ax.set_yticks([])
+    ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
     ax.set_xlabel(unit)
     ax.legend(ncol=2, frameon=False, fontsize=8, loc="upper center",
               bbox_to_anchor=(0.5, -0.55))
