@@ -2,6 +2,7 @@
 
 Layout:
     ib_counters.json      last IB counter reading (for "increase since the last run")
+    gpu_counters.json     last NVLink error / NVML violation counter reading (checks/gpu_fabric.py)
     nccl_last_pass.json   time and busbw of the last PASSING nccl check (prolog freshness)
     nccl_attempts.json    the last nccl attempt and how many since the last pass (back-off)
     last_results.json     the last result of each check (the Prometheus file is rendered from it)
