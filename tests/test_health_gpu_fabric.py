@@ -138,12 +138,16 @@ def test_missing_links_and_fabric_status(h100: NodeClass, tmp_path: Path) -> Non
     data = json.loads((FIXTURES / "h100-healthy" / "nvml.json").read_text())
     data["gpus"][1]["nvlink_state"] = data["gpus"][1]["nvlink_state"][:12]
     data["gpus"][5]["fabric_status"] = 28  # NVML_ERROR_GPU_NOT_FOUND
+    data["gpus"][6]["nvlink_state"] = [False] * 18  # every link of a GPU down: one reason
+    data["gpus"][7]["nvlink_state"][2] = data["gpus"][7]["nvlink_state"][9] = False
     snap = tmp_path / "nvml.json"
     snap.write_text(json.dumps(data))
     r = run_gpu(h100, "h100-healthy", tmp_path, snapshot=snap)
     assert r.status is Status.CRITICAL
     assert "GPU 1 (0000:2A:00.0) 12 of 18 NVLinks" in r.summary
     assert "GPU 5 (0000:AB:00.0) NVLink fabric COMPLETED with status GPU_NOT_FOUND" in r.summary
+    assert "GPU 6 (0000:BA:00.0) NVLinks 0,1,2,3,4,5... (18) down" in r.summary
+    assert "GPU 7 (0000:DB:00.0) NVLinks 2,9 down" in r.summary
     # Not an NVSwitch class, no link count: neither is judged.
     loose = dataclasses.replace(h100, gpu=dataclasses.replace(h100.gpu, nvlinks=0, nvswitch=False))
     assert run_gpu(loose, "h100-healthy", tmp_path / "b", snapshot=snap).status is Status.OK

@@ -109,16 +109,25 @@ def interval_s(g: GPUInfo, base: Baseline | None) -> float | None:
     return base.age_s
 
 
+def _links(links: list[int], most: int = 6) -> str:
+    """'NVLink 7', 'NVLinks 2,7,9', 'NVLinks 0,1,2,3,4,5... (18)': one reason per GPU."""
+    if len(links) == 1:
+        return f"NVLink {links[0]}"
+    shown = ",".join(str(x) for x in links[:most])
+    return f"NVLinks {shown}" + (f"... ({len(links)})" if len(links) > most else "")
+
+
 def nvlink_problems(g: GPUInfo, t: GPUThresholds, base: Baseline | None) -> list[Problem]:
     """Every link up (the first `gpu.nvlinks` must exist); error counters not rising fast."""
     p: list[Problem] = []
     states = g.nvlink_state
     if states is not None and t.nvlinks > 0:
-        for link, up in enumerate(states[:t.nvlinks]):
-            if up is False:
-                p.append((Status.CRITICAL, f"{g.where} NVLink {link} down"))
-            elif up is None:
-                p.append((Status.CRITICAL, f"{g.where} NVLink {link} state unreadable"))
+        down = [link for link, up in enumerate(states[:t.nvlinks]) if up is False]
+        unread = [link for link, up in enumerate(states[:t.nvlinks]) if up is None]
+        if down:
+            p.append((Status.CRITICAL, f"{g.where} {_links(down)} down"))
+        if unread:
+            p.append((Status.CRITICAL, f"{g.where} {_links(unread)} state unreadable"))
         if len(states) < t.nvlinks:
             p.append((Status.CRITICAL, f"{g.where} {len(states)} of {t.nvlinks} NVLinks"))
     errs = g.nvlink_errors
