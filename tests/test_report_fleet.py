@@ -253,7 +253,7 @@ def test_chromium_renders_the_page(page: Path, tmp_path: Path) -> None:
 
 def big_fleet(archive: Path, nodes: int = 1000, days: int = 30, jobs: int = 6000,
               seed: int = 7, widths: tuple[int, ...] = (1, 1, 1, 2, 4, 8, 16, 64),
-              batch: int = 40000) -> tuple[float, float]:
+              batch: int = 40000, max_hours: float = 8.0) -> tuple[float, float]:
     """A synthetic `nodes`-node fleet over `days` days, archived through `store_reports` (the
     ingest writer without a spool) and the nightly store; returns (since, now).
 
@@ -277,7 +277,7 @@ def big_fleet(archive: Path, nodes: int = 1000, days: int = 30, jobs: int = 6000
             group = names[first:first + width]
             start = max(since + day * 86400.0 + rnd.uniform(0, 86400.0),
                         *(free_at[n] for n in group))
-            dur = rnd.uniform(600, 8 * 3600)
+            dur = rnd.uniform(600, max_hours * 3600)
             if start + dur > now:
                 continue
             nl = f"gpu[{first + 1:04d}-{first + width:04d}]" if width > 1 else group[0]

@@ -136,6 +136,7 @@ def _gather_segments(segs: list[tuple[Any, Path]], since: float, now: float) -> 
 
     facts = FleetFacts()
     job_parts: list[np.ndarray] = []
+    seg_parts: list[np.ndarray] = []
     jn_parts: dict[int, np.ndarray] = {}
     crit: dict[tuple[int, str, int], tuple[float, str, bool, str]] = {}
     passing: dict[str, list[np.ndarray]] = defaultdict(list)
@@ -159,8 +160,12 @@ def _gather_segments(segs: list[tuple[Any, Path]], since: float, now: float) -> 
             facts.reports += int(in_win.sum())
             is_crit = rep["health_status"] == CRITICAL
             pro_ok = in_win & ~is_crit & (rep["phase"] == S.PHASE_CODES["prolog"])
-            for i in np.unique(node_of[pro_ok]).tolist():
-                passing[names[i]].append(rep["time_unix_s"][pro_ok & (node_of == i)])
+            times = rep["time_unix_s"]
+            for i, (first, count) in enumerate(zip(index["report_first"].tolist(),
+                                                   index["report_count"].tolist(), strict=True)):
+                ok = times[first:first + count][pro_ok[first:first + count]]
+                if len(ok):
+                    passing[names[i]].append(ok)
             rows = np.flatnonzero(is_crit & in_win).tolist()
             if rows:
                 reasons = f["reports"].fields("drain_reason")[rows]
@@ -176,21 +181,17 @@ def _gather_segments(segs: list[tuple[Any, Path]], since: float, now: float) -> 
                                               phase, cause, bool(r["drained"]),
                                               int(r["job_id"]), why))
             jobs = f["jobs"].fields(jcols)[()]
-            job_parts.append(_with_seg(jobs, seg_no))
+            job_parts.append(jobs)
+            seg_parts.append(np.full(len(jobs), seg_no))
             jn = f["job_nodes"].fields(["job_id", "node", "expected", "has_prolog",
                                         "has_epilog"])[()]
             jn_parts[seg_no] = jn
     facts.passing_prologs = {n: sorted(np.concatenate(p).tolist()) for n, p in passing.items()}
     if job_parts:
-        _fold_jobs(facts, np.concatenate(job_parts), jn_parts, crit, since, now)
+        _fold_jobs(facts, np.concatenate(job_parts), np.concatenate(seg_parts), jn_parts, crit,
+                   since, now)
     facts.events.sort(key=lambda e: (e.time, e.node, e.source))
     return facts
-
-
-def _with_seg(jobs: np.ndarray, seg_no: int) -> np.ndarray:
-    import numpy.lib.recfunctions as rfn
-
-    return rfn.append_fields(jobs, "seg", [seg_no] * len(jobs), usemask=False)
 
 
 def _first_critical_check(f: Any, first: int, count: int) -> str:
@@ -203,27 +204,29 @@ def _first_critical_check(f: Any, first: int, count: int) -> str:
     return "unknown"
 
 
-def _fold_jobs(facts: FleetFacts, jobs: np.ndarray, jn_parts: dict[int, np.ndarray],
+def _fold_jobs(facts: FleetFacts, jobs: np.ndarray, segs: np.ndarray,
+               jn_parts: dict[int, np.ndarray],
                crit: Mapping[tuple[int, str, int], tuple[float, str, bool, str]],
                since: float, now: float) -> None:
     """Newest revision of each job that ended in the window, with its nodes."""
     import numpy as np
 
     order = np.lexsort((jobs["revision"], jobs["job_id"]))
-    jobs = jobs[order]
+    jobs, segs = jobs[order], segs[order]
     last = np.ones(len(jobs), dtype=bool)
     last[:-1] = jobs["job_id"][1:] != jobs["job_id"][:-1]
-    jobs = jobs[last]
+    jobs, segs = jobs[last], segs[last]
     ended = np.where(np.isnan(jobs["end_unix_s"]), jobs["last_report_unix_s"],
                      jobs["end_unix_s"])
-    jobs = jobs[(ended >= since) & (ended <= now)]
+    keep = (ended >= since) & (ended <= now)
+    jobs, segs = jobs[keep], segs[keep]
     crit_jobs = {k[0] for k in crit}
-    for seg in np.unique(jobs["seg"]).tolist():
+    for seg in np.unique(segs).tolist():
         jn = jn_parts[seg]
         uniq, inv = np.unique(jn["node"], return_inverse=True)
         names = [_text(n) for n in uniq]
         expected, has_epilog = jn["expected"].astype(bool), jn["has_epilog"].astype(bool)
-        for row in jobs[jobs["seg"] == seg]:
+        for row in jobs[segs == seg]:
             first, count = int(row["node_first"]), int(row["node_count"])
             sl = slice(first, first + count)
             jid = int(row["job_id"])
@@ -363,7 +366,7 @@ class _Incident:
 def _job_events(jobs: list[JobFacts], since: float, now: float) -> tuple[list[Event], dict[str, Any]]:
     """Lost nodes and requeues, derived from the jobs' node rows."""
     events: list[Event] = []
-    req = {"jobs_requeued": 0, "requeues_min": 0, "by_cause": Counter()}
+    req: dict[str, Any] = {"jobs_requeued": 0, "requeues_min": 0, "by_cause": Counter()}
     for j in jobs:
         when = j.end if not math.isnan(j.end) else j.start
         if math.isnan(when):
