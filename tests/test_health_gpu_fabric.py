@@ -182,6 +182,20 @@ def test_aggregate_sram_only_warns(h100: NodeClass, tmp_path: Path) -> None:
     assert "GPU 6 (0000:BA:00.0) 2 SRAM uncorrectable ECC errors (aggregate)" in r.summary
 
 
+def test_per_gpu_prometheus_series(h100: NodeClass, tmp_path: Path) -> None:
+    from bluevela.health.metrics import merge_last_results, render
+    from bluevela.health.result import HealthReport
+
+    r = run_gpu(h100, "h100-gpu-nvlink-recovery-rising", tmp_path)
+    text = render(merge_last_results(tmp_path, HealthReport("quick", (r,)), "healthcheck"), "n1")
+    lines = {line.split("{")[0] + "/" + line.split('gpu="')[1].split('"')[0]: line.rsplit(" ", 1)[1]
+             for line in text.splitlines()
+             if line.startswith("bluevela_gpu_nvlink_") and 'gpu="' in line}
+    assert lines["bluevela_gpu_nvlink_recovery_error_count_total/2"] == "4"
+    assert lines["bluevela_gpu_nvlink_replay_error_count_total/2"] == "2051"
+    assert lines["bluevela_gpu_nvlink_down/3"] == "0"
+
+
 # -- older recordings: the new fields absent, not judged ---------------------------------------
 
 

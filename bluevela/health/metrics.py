@@ -163,6 +163,17 @@ GPU_FAMILIES: tuple[Family, ...] = (
            "XIDs on the GPU within gpu.xid_window_s.", "-"),
     Family("bluevela_gpu_foreign_processes", "gauge", "processes_count",
            "Compute processes on the GPU that are not the job's.", "-"),
+    Family("bluevela_gpu_nvlink_down", "gauge", "nvlink_down_count",
+           "NVLinks of the GPU that are down.", "-"),
+    *(Family(f"bluevela_gpu_nvlink_{name}_error_count_total", "counter", f"nvlink_{name}_total",
+             f"NVLink {name} errors over all links since the driver loaded.",
+             f"DCGM_FI_DEV_NVLINK_{name.upper()}_ERROR_COUNT_TOTAL")
+      for name in ("crc_flit", "crc_data", "replay", "recovery")),
+    Family("bluevela_gpu_ecc_sram_uncorrected_vol_total", "counter",
+           "ecc_sram_uncorrected_volatile", "SRAM uncorrected ECC errors since the driver loaded.",
+           "-"),
+    Family("bluevela_gpu_fabric_state", "gauge", "fabric_state",
+           "NVML GpuFabricInfo state (3 COMPLETED, 2 IN_PROGRESS, 1 NOT_STARTED, 0 none).", "-"),
 )
 
 # node_exporter's infiniband collector: sysfs counter -> metric (data counters in 4-byte words)

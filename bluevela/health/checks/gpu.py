@@ -39,6 +39,7 @@ from bluevela.health.nvml import (
     FABRIC_COMPLETED,
     HW_REASONS,
     KMSG_MARKS,
+    NVLINK_COUNTERS,
     SW_THERMAL,
     GPUInfo,
     LiveNVML,
@@ -420,6 +421,11 @@ def _components(gpus: list[GPUInfo], facts: GPUFacts, window_s: float) -> tuple[
         if g.nvlink_state is not None:
             values["nvlink_up_count"] = sum(1 for s in g.nvlink_state if s)
             values["nvlink_down_count"] = sum(1 for s in g.nvlink_state if s is False)
+        for name in NVLINK_COUNTERS:
+            per_link = [e[name] for e in g.nvlink_errors or () if e is not None and name in e]
+            if per_link:
+                values[f"nvlink_{name}_total"] = sum(per_link)
+        values["fabric_state"] = g.fabric_state
         if g.total_energy_mj is not None:
             values["energy_j"] = g.total_energy_mj / 1000.0
         if facts.xid_source is not None:
