@@ -6,7 +6,7 @@ healthcheck drains, and the level-2 diagnostic gates the resume.
   machine runs (CRITICAL). node2 reads a root whose `proc/sys/kernel/osrelease` says
   6.1.0-17-amd64 (its meminfo and mounts copied from this machine): its prolog drains it.
 - DCGM: node3 reads the healthy H100 fixture with a replaying `dcgmi` installed in the copied
-  root (tests/data/health/dcgm-replay/dcgmi prints documented-format fixtures verbatim).
+  root (tests/data/dcgm-replay/dcgmi prints documented-format fixtures verbatim).
 
     BV_DEVCLUSTER_ID=2 python -m pytest tests/test_health_versions_cluster.py
 """
@@ -125,7 +125,7 @@ def test_dcgm_level1_failure_drains_and_level2_gates_the_resume(cluster: DevClus
     root = tmp_path / "root"
     shutil.copytree(FIXTURES / "h100-healthy" / "root", root, symlinks=True)
     (root / "usr/bin").mkdir(parents=True, exist_ok=True)
-    shutil.copy2(FIXTURES / "dcgm-replay" / "dcgmi", root / "usr/bin/dcgmi")
+    shutil.copy2(FIXTURES.parent / "dcgm-replay" / "dcgmi", root / "usr/bin/dcgmi")
     (root / "usr/share/bv-dcgm-replay").mkdir(parents=True)
     _replay(root, 1, "dcgm-diag-4x-r1-rowremap-fail.json")
     _replay(root, 2, "dcgm-diag-4x-r2-memory-fail.json")

@@ -3,7 +3,7 @@ and DCGM diagnostics wired by purpose (healthcheck, before resume, nightly).
 
 Probes read fixture roots (tests/data/health): a copy of `h100-healthy` with one file changed
 where a test needs a drift. DCGM runs as a real subprocess of the check's forked child: a
-stand-in `dcgmi` (tests/data/health/dcgm-replay/dcgmi) installed in the copied root that prints
+stand-in `dcgmi` (tests/data/dcgm-replay/dcgmi) installed in the copied root that prints
 a documented-format fixture byte for byte, or never answers.
 """
 
@@ -198,7 +198,7 @@ def dcgm_root(tmp_path: Path, replays: dict[int, str]) -> Path:
     name under tests/data/health) or "hang"."""
     root = copy_root(tmp_path)
     (root / "usr/bin").mkdir(parents=True, exist_ok=True)
-    shutil.copy2(FIXTURES / "dcgm-replay" / "dcgmi", root / "usr/bin/dcgmi")
+    shutil.copy2(FIXTURES.parent / "dcgm-replay" / "dcgmi", root / "usr/bin/dcgmi")
     share = root / "usr/share/bv-dcgm-replay"
     share.mkdir(parents=True, exist_ok=True)
     for level, what in replays.items():
