@@ -270,13 +270,17 @@ def big_fleet(archive: Path, nodes: int = 1000, days: int = 30, jobs: int = 6000
     jid = 1000
     per_day = jobs // days
     for day in range(days):
-        for _ in range(per_day):
+        # submissions in time order, each started when its nodes are free
+        for submit in sorted(since + day * 86400.0 + rnd.uniform(0, 86400.0)
+                             for _ in range(per_day)):
             jid += 1
             width = rnd.choice(widths)
-            first = rnd.randrange(0, nodes - width)
-            group = names[first:first + width]
-            start = max(since + day * 86400.0 + rnd.uniform(0, 86400.0),
-                        *(free_at[n] for n in group))
+            for _try in range(8):  # the scheduler places a job away from drained nodes
+                first = rnd.randrange(0, nodes - width)
+                group = names[first:first + width]
+                start = max(submit, *(free_at[n] for n in group))
+                if start - submit < 3600:
+                    break
             dur = rnd.uniform(600, max_hours * 3600)
             if start + dur > now:
                 continue

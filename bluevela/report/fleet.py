@@ -98,8 +98,12 @@ class FleetFacts:
 # ------------------------------------------------------------------------------------ gather
 
 
-def gather(archive_dir: Path, since: float, now: float, *, nightly: bool = True) -> FleetFacts:
+def gather(archive_dir: Path, since: float, now: float, *, nightly: bool = True,
+           prefix: str = "bv:") -> FleetFacts:
     """Read the window [since, now] from the archive at `archive_dir` and its nightly store.
+
+    `prefix` is the site's drain prefix (`health.drain_prefix`): a drain reason that starts
+    with it names the failed check.
 
     Raises:
         ArchiveError: the archive is missing or unreadable.
@@ -107,7 +111,7 @@ def gather(archive_dir: Path, since: float, now: float, *, nightly: bool = True)
     from bluevela.archive.store import Archive
 
     archive = Archive(archive_dir)
-    facts = archive.read_segments(lambda segs: _gather_segments(segs, since, now))
+    facts = archive.read_segments(lambda segs: _gather_segments(segs, since, now, prefix))
     if nightly:
         from bluevela.bench.store import nightly_dir
 
@@ -128,7 +132,8 @@ def cause_of_reason(reason: str, prefix: str = "bv:") -> str | None:
     return name if sep and name.isidentifier() else None
 
 
-def _gather_segments(segs: list[tuple[Any, Path]], since: float, now: float) -> FleetFacts:
+def _gather_segments(segs: list[tuple[Any, Path]], since: float, now: float,
+                     prefix: str) -> FleetFacts:
     import numpy as np
 
     from bluevela.archive import schema as S
@@ -172,7 +177,7 @@ def _gather_segments(segs: list[tuple[Any, Path]], since: float, now: float) -> 
                 for row, reason in zip(rows, reasons, strict=True):
                     r = rep[row]
                     why = _text(reason)
-                    cause = cause_of_reason(why) or _first_critical_check(
+                    cause = cause_of_reason(why, prefix) or _first_critical_check(
                         f, int(r["check_first"]), int(r["check_count"]))
                     phase = S.PHASE_NAMES[int(r["phase"])]
                     crit[(int(r["job_id"]), names[node_of[row]], int(r["phase"]))] = (
@@ -588,7 +593,8 @@ def fleet_report(archive_dir: Path, *, since: float, now: float | None = None,
     now = time.time() if now is None else now
     if since >= now:
         raise ArchiveError(f"--since {iso(since)} is not before now ({iso(now)})")
-    facts = gather(archive_dir, since, now)
+    facts = gather(archive_dir, since, now,
+                   prefix=site.health.drain_prefix if site is not None else "bv:")
     return compute(facts, since=since, now=now, classes=classes_of(site), top=top)
 
 
