@@ -203,9 +203,11 @@ def test_restart_gap_measured(tmp_path: Path) -> None:
     s.gpu["util_pct"][:, :, 100:130] = 0  # every GPU idle for 30 samples = 300 s
     s.gpu["power_w"][:, :, 100:130] = 80
     s.node["cpu_busy_pct"][:, 100:130] = 1
+    s.gpu["util_pct"][:, :, 50:53] = 1  # a 30 s checkpoint: a stall, not a restart
     eff = run(tmp_path, s)
     assert eff.restarts["count"] == 1
     assert eff.restarts["lost_s"] == 300.0
+    assert (eff.restarts["stalls"], eff.restarts["stalls_s"]) == (1, 30.0)
     assert eff.restarts["lost_unit_h"] == pytest.approx(300 * 16 / 3600, abs=0.01)
     assert eff.stragglers == []
 

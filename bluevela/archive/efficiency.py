@@ -76,7 +76,7 @@ class Thresholds:
     idle_min_share: float = 0.90  # idle GPU: idle in >= 90 % of its steady samples
     steady_frac: float = 0.5  # steady state: activity >= 50 % of its 90th percentile
     gap_activity_frac: float = 0.1  # restart gap: activity < 10 % of its 90th percentile ...
-    gap_min_s: float = 30.0  # ... for at least this long, between active stretches
+    gap_min_s: float = 60.0  # ... for at least this long (shorter: a stall, e.g. a checkpoint)
     min_coverage: float = 0.5  # a unit with samples in < 50 % of the steady state: no verdict
     min_peers: int = 3  # fewer units than this with data: no comparison
 
@@ -771,6 +771,7 @@ def _restart_gaps(time: np.ndarray, act: np.ndarray, p90: float, interval: float
 
     out: dict[str, Any] = {
         "gaps": [], "count": 0, "lost_s": 0.0, "lost_unit_h": 0.0, "startup_s": None,
+        "stalls": 0, "stalls_s": 0.0,
         "source": f"job-wide {basis} in the time series (approximate: resolution one "
                   "sample interval; a Slurm requeue's wait before the last attempt is outside "
                   "the series window)",
@@ -792,7 +793,11 @@ def _restart_gaps(time: np.ndarray, act: np.ndarray, p90: float, interval: float
             if e - s >= min_n:
                 out["gaps"].append({"start_unix_s": _r(time[first + s], 1),
                                     "duration_s": _r((e - s) * interval, 1)})
+            else:
+                out["stalls"] += 1
+                out["stalls_s"] += float((e - s) * interval)
     out["count"] = len(out["gaps"])
+    out["stalls_s"] = _r(out["stalls_s"], 1)
     out["lost_s"] = _r(sum(x["duration_s"] for x in out["gaps"]), 1)
     out["lost_unit_h"] = _r(out["lost_s"] * units / 3600.0, 2)
     out["unit"] = "GPU" if basis == "GPU utilisation" else "node"
@@ -887,6 +892,9 @@ def summary_lines(eff: Efficiency) -> list[str]:
         lines.append(f"restarts: {rs['count']} gap(s), {_dur(rs['lost_s'])} lost "
                      f"({rs['lost_unit_h']} {rs.get('unit', 'GPU')} h; approximate, from the "
                      "series)")
+    if rs["stalls"]:
+        lines.append(f"stalls (job-wide idle < {_dur(eff.thresholds.gap_min_s)}, e.g. "
+                     f"checkpoints): {rs['stalls']}, {_dur(rs['stalls_s'])} in all")
     for m in eff.missing[:10]:
         lines.append(f"no verdict on {m['node']}: {m['why']}")
     if len(eff.missing) > 10:
