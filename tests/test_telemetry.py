@@ -373,3 +373,14 @@ def test_sampler_stop_event_ends_the_loop(tmp_path: Path) -> None:
     t = time.monotonic()
     assert s.run(stop) == 0 and time.monotonic() - t < 5
     assert s.writer is None and s.samples_taken >= 2
+
+
+@pytest.mark.parametrize("site", ["/nonexistent/site.yaml", "relative/site.yaml"])
+def test_sampler_bad_site_is_one_line_and_exit_2(tmp_path: Path, site: str) -> None:
+    env = dict(os.environ, BV_HOOK_ENV="none", BV_SITE=site, BV_CACHE_DIR="off",
+               BV_STATE_DIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-I", "-m", "bluevela.telemetry.sampler"], env=env,
+                       cwd="/", capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith("bv-sampler: "), p.stderr
+    assert not (tmp_path / "samples").exists()
