@@ -270,7 +270,7 @@ def test_dcgm_purposes_plan_and_resume_gate(site: Site, h100: NodeClass) -> None
 
 
 def test_nightly_dcgm_step_and_verdict(site: Site, tmp_path: Path) -> None:
-    from bluevela.bench.nightly import NightlyOptions, dcgm_verdict, node_job
+    from bluevela.bench.nightly import NightlyOptions, dcgm_verdict, node_job, node_verdict
 
     on = replace(site, health=replace(site.health, dcgm=replace(
         site.health.dcgm, nightly_level=2, nightly_timeout_s=900)))
@@ -294,6 +294,10 @@ def test_nightly_dcgm_step_and_verdict(site: Site, tmp_path: Path) -> None:
     status, text = dcgm_verdict(out) or (None, "")
     assert status is Status.CRITICAL
     assert text.startswith("dcgm: diag r2 GPU 3 memory failed: A memory mismatch was detected")
+    # The night's verdict on the node: culprit with the DCGM summary, even with good figures.
+    status, why = node_verdict([], (status, text))
+    assert status is Status.CRITICAL and why == text
+    assert node_verdict([], (Status.UNKNOWN, "dcgm: no result")) == (Status.OK, None)
     assert dcgm_verdict(tmp_path / "missing.json") == (
         Status.UNKNOWN, "dcgm: no result (the step did not run or did not finish)")
     assert dcgm_verdict(None) is None

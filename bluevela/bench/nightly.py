@@ -281,6 +281,19 @@ def node_job(site: Site, node: str, class_name: str, workdir: Path,
     return req, Job(node, (node,), files, workdir / "bench-%j.out")
 
 
+def node_verdict(results: Sequence[BenchResult], dcgm: tuple[Status, str] | None
+                 ) -> tuple[Status, str | None]:
+    """A node's nightly status and, when it is a culprit, why: its failed figures and a
+    CRITICAL DCGM result (which names the failed test and GPU). A DCGM result that could not
+    be had (UNKNOWN) or warned does not make a culprit."""
+    status = worst(r.status for r in results)
+    failures = [_failure_text(results)] if status is Status.CRITICAL else []
+    if dcgm is not None and dcgm[0] is Status.CRITICAL:
+        failures.append(dcgm[1])
+        status = Status.CRITICAL
+    return status, ("; ".join(failures) if failures else None)
+
+
 def dcgm_verdict(path: Path | None) -> tuple[Status, str] | None:
     """The nightly DCGM step's result (`bv health dcgm --out`): (status, "dcgm: <summary>");
     None when the site runs no DCGM at night. A missing or unreadable file is UNKNOWN."""
@@ -478,18 +491,13 @@ def run_nightly(client: SlurmClient, site: Site, opts: NightlyOptions,
         node = job.subject
         results = judge(collect_node(job), site, classes[node], hist, [node])
         out.singles[node] = SubjectResult((node,), results, job.job_id)
-        status = worst(r.status for r in results)
-        failures = [_failure_text(results)] if status is Status.CRITICAL else []
         dcgm = dcgm_verdict(job.files.get("dcgm"))
-        if dcgm is not None and dcgm[0] is Status.CRITICAL:
-            failures.append(dcgm[1])  # names the failed test and GPU
-        elif dcgm is not None and dcgm[0] is not Status.OK:
+        status, failed = node_verdict(results, dcgm)
+        if failed is not None:
+            out.culprits[node] = f"nightly {night}: {failed}"
+        if dcgm is not None and dcgm[0] not in (Status.OK, Status.CRITICAL):
             events.note(f"{node}: {dcgm[1]}")
-        if failures:
-            out.culprits[node] = f"nightly {night}: {'; '.join(failures)}"
-            status = Status.CRITICAL
-        events.done("single-node", node, status,
-                    "; ".join(failures) or _short(results))
+        events.done("single-node", node, status, failed or _short(results))
 
     # Phase 2: pairs within each class, then follow-ups that isolate the slow ones.
     pairable: dict[str, list[str]] = {}
