@@ -497,7 +497,8 @@ def run_nightly(client: SlurmClient, site: Site, opts: NightlyOptions,
             out.culprits[node] = f"nightly {night}: {failed}"
         if dcgm is not None and dcgm[0] not in (Status.OK, Status.CRITICAL):
             events.note(f"{node}: {dcgm[1]}")
-        events.done("single-node", node, status, failed or _short(results))
+        events.done("single-node", node, status,
+                    failed or _failure_text(results) or _short(results))
 
     # Phase 2: pairs within each class, then follow-ups that isolate the slow ones.
     pairable: dict[str, list[str]] = {}
