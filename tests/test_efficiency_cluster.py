@@ -25,13 +25,19 @@ def test_cpu_throttled_node_is_named_the_straggler(devcluster, tmp_path: Path) -
     devcluster.resume_all()
     devcluster.wait_idle(timeout=120)
     throttle = [sys.executable, str(DEVCLUSTER), "throttle", "node2"]
+    ident = devcluster.env.get("BV_DEVCLUSTER_ID", "0")
+    v1 = Path(f"/sys/fs/cgroup/cpu/bv{ident}/node2/cpu.cfs_quota_us")
+    v2 = Path(f"/sys/fs/cgroup/bv{ident}/node2/cpu.max")
+    quota = v1 if v1.exists() else v2
     devcluster.run([*throttle, "--cpu", "25"])
     try:
+        assert quota.read_text().split()[0] != ("-1" if quota == v1 else "max")
         proc = devcluster.bv("submit", "--wait", "-N", "3", "--procs-per-node", "1", "--json",
                              str(REPO / "examples" / "train_ddp.py"), "--steps", "1500",
                              check=False, cwd=tmp_path, timeout=240)
     finally:
         devcluster.run([*throttle, "--cpu", "off"])
+    assert quota.read_text().split()[0] == ("-1" if quota == v1 else "max")
     assert proc.stdout.strip(), proc.stderr
     sub = json.loads(proc.stdout)
     job_id = sub["job_id"]

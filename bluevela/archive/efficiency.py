@@ -17,7 +17,7 @@ From those:
   HW throttle reason / CPU cgroup throttling is present in a minimum share of its steady samples
   while the job's median share is near zero. Every straggler comes with its evidence as text.
 
-See docs/archive.md, "Job efficiency and stragglers", for the figures and thresholds.
+See docs/efficiency.md for the figures and thresholds.
 """
 
 from __future__ import annotations

@@ -211,7 +211,7 @@ def _health_cell(report: dict[str, Any] | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (includes the archive file).")
 @click.option("--efficiency", is_flag=True,
               help="From the job's time series: GPU/CPU utilisation, power, energy, idle GPUs, "
-              "restart gaps and stragglers (docs/archive.md).")
+              "restart gaps and stragglers (docs/efficiency.md).")
 @click.option("--html", "html_out", type=click.Path(path_type=Path, dir_okay=False),
               default=None, help="With --efficiency: also write a self-contained HTML page.")
 @click.pass_context
