@@ -76,6 +76,13 @@ def _svg(plt: Any, fig: Any, label: str) -> str:
     return text.replace("<svg ", f'<svg role="img" aria-label="{_e(label)}" ', 1)
 
 
+def _ints(plt: Any) -> Any:
+    """Whole-number ticks for an axis of counts."""
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
+
+
 def _causes_chart(plt: Any, rep: dict[str, Any]) -> str:
     rows = rep["interruptions"]["by_cause"]
     per: dict[str, Counter[str]] = defaultdict(Counter)
@@ -92,6 +99,7 @@ def _causes_chart(plt: Any, rep: dict[str, Any]) -> str:
     for y, total in enumerate(left):
         ax.text(total, y, f" {total}", va="center")
     ax.invert_yaxis()
+    ax.xaxis.set_major_locator(_ints(plt))
     ax.set_xlabel("interruptions")
     ax.legend(title="found by", loc="lower right", frameon=False)
     ax.set_title("Interruptions by cause")
@@ -132,8 +140,9 @@ def _time_chart(plt: Any, rep: dict[str, Any]) -> str:
     step = max(1, len(days) // 10)
     ax.set_xticks(x[::step], [d[5:] for d in days[::step]])
     ax.set_ylabel("interruptions per day")
+    ax.yaxis.set_major_locator(_ints(plt))
     if series:
-        ax.legend(ncol=min(4, len(series)), frameon=False, fontsize=8, loc="upper left")
+        ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title("Interruptions over time (UTC days)")
     return _svg(plt, fig, "interruptions per day by cause")
 
@@ -155,6 +164,7 @@ def _mtbf_chart(plt: Any, rep: dict[str, Any]) -> str:
             lines += 1
     if lines:
         ax.legend(frameon=False, fontsize=8)
+    ax.yaxis.set_major_locator(_ints(plt))
     ax.set_xlabel("MTBF per node (hours in service / incidents)")
     ax.set_ylabel("nodes")
     ax.set_title(f"MTBF of the {len(vals)} nodes that failed "
@@ -174,6 +184,7 @@ def _rts_chart(plt: Any, rep: dict[str, Any]) -> str:
                 ax.axvline(q, color="black", linestyle=":" if name == "p90" else "--",
                            label=f"{name} {_num(q)} h")
         ax.legend(frameon=False, fontsize=8)
+    ax.yaxis.set_major_locator(_ints(plt))
     ax.set_xlabel("hours from the failure to the node's next passing prolog")
     ax.set_ylabel("incidents")
     ax.set_title(f"Time to return to service ({rts['returned']} returned, "
