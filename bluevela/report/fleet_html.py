@@ -101,7 +101,7 @@ def _causes_chart(plt: Any, rep: dict[str, Any]) -> str:
     ax.invert_yaxis()
     ax.xaxis.set_major_locator(_ints(plt))
     ax.set_xlabel("interruptions")
-    ax.legend(title="found by", loc="lower right", frameon=False)
+    ax.legend(title="found by", loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
     ax.set_title("Interruptions by cause")
     return _svg(plt, fig, "interruptions by cause")
 
