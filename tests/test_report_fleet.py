@@ -353,3 +353,16 @@ def test_1000_nodes_stays_small_and_readable(big: tuple[Path, float, float],
     assert text.count("<tr") <= 20 + 40  # top-20 worst nodes plus the small tables
     worst = rep["worst_nodes"][0]["node"]
     assert worst in text
+
+
+def test_text_from_the_records_is_escaped(fleet: Path, tmp_path: Path) -> None:
+    from bluevela.report.fleet_html import write_html
+
+    rec = fleet_night()
+    rec.night, rec.finished_utc = "2026-11-06", "2026-11-06T06:00:00+00:00"
+    rec.results = [ResultRow("node", "a2", "", "<script>", 2, True, True, "", "")]
+    write_night(nightly_dir(fleet), rec)
+    rep = compute(gather(fleet, T0, NOW), since=T0, now=NOW, classes=CLASSES)
+    assert any(c["cause"] == "<script>" for c in rep["interruptions"]["by_cause"])
+    text = write_html(rep, tmp_path / "x.html").read_text()
+    assert "<script" not in text and "&lt;script&gt;" in text
