@@ -435,7 +435,7 @@ def _evaluate(src: _Source, acc: _Acc, job: dict[str, Any] | None, th: Threshold
         cnt = acc.counts[cov_metric][..., sb].sum(-1)
         node_cov = (cnt.max(axis=1) if cnt.ndim == 2 else cnt) / max(steady_samples, 1)
     else:
-        node_cov = np.zeros(n)
+        node_cov = np.ones(n)
     missing: list[dict[str, Any]] = []
     expected = list((job or {}).get("nodelist") or []) or \
         [x["node"] for x in (job or {}).get("nodes") or [] if x.get("expected", True)]
@@ -814,15 +814,18 @@ def _bins_for_plots(src: _Source, acc: _Acc, starts: np.ndarray, bin_len: np.nda
     t0 = src.time[starts] if len(src.time) else np.zeros(0)
     out: dict[str, Any] = {"time": t0, "bin_s": float(np.median(bin_len)) * src.interval_s,
                            "steady": sb}
-    heat_metric = "util_pct" if use_gpu else "cpu_busy_pct"
-    if heat_metric in acc.sums:
-        hs, hc = acc.sums[heat_metric], acc.counts[heat_metric]
-        if hs.ndim == 3:
-            hs, hc = hs.sum(axis=1), hc.sum(axis=1)
-        out["heat"] = (_div(hs, hc), heat_metric)
-    if "cpu_throttled_pct" in acc.sums and np.nansum(acc.sums["cpu_throttled_pct"]) > 0:
-        out["heat_throttled"] = _div(acc.sums["cpu_throttled_pct"],
-                                     acc.counts["cpu_throttled_pct"])
+    # Heatmaps: per node and bin; for GPU metrics the node's LOWEST GPU (a mean over 8 GPUs
+    # would hide one slow GPU).
+    heats = [("util_pct", True), ("power_w", True)] if use_gpu else [("cpu_busy_pct", False)]
+    for metric, _ in heats:
+        if metric in acc.sums:
+            per = _div(acc.sums[metric], acc.counts[metric])
+            out.setdefault("heats", []).append(
+                (np.nanmin(per, axis=1) if per.ndim == 3 else per, metric))
+    if "cpu_throttled_pct" in acc.sums:
+        thr = _div(acc.sums["cpu_throttled_pct"], acc.counts["cpu_throttled_pct"])
+        if np.isfinite(thr).any() and np.nanmax(thr) > 5.0:
+            out.setdefault("heats", []).append((thr, "cpu_throttled_pct"))
     lines = []
     for s in stragglers[:8]:
         key = next(iter(s.metrics))

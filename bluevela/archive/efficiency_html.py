@@ -164,7 +164,7 @@ def _heatmap(values: np.ndarray, title: str, lo: float, hi: float, nodes: Sequen
 
 
 def _histogram(values: np.ndarray, names: Sequence[str], title: str, unit: str,
-               marked: set[str]) -> str:
+               marked: dict[str, str]) -> str:
     """Distribution of per-unit values; bars holding a straggler red, stragglers labelled."""
     import numpy as np
 
@@ -198,7 +198,11 @@ def _histogram(values: np.ndarray, names: Sequence[str], title: str, unit: str,
         x = lo + (hi - lo) * k / 4
         parts.append(f'<text x="{left + w * k / 4:.0f}" y="{top + h + 14}" '
                      f'text-anchor="middle">{x:.{nd}f}{_e(unit)}</text>')
-    lab = [(float(values[i]), nm) for i, nm in enumerate(names) if nm in marked and ok[i]]
+    seen: dict[str, float] = {}  # one label per straggler (a whole node: its first GPU)
+    for i, nm in enumerate(names):
+        if nm in marked and ok[i] and marked[nm] not in seen:
+            seen[marked[nm]] = float(values[i])
+    lab = [(x, nm) for nm, x in seen.items()]
     for j, (x, nm) in enumerate(sorted(lab)[:8]):
         px = left + (x - lo) / (hi - lo) * w
         anchor = "end" if px > left + 0.7 * w else "start"
@@ -328,37 +332,45 @@ def render_html(eff: Efficiency) -> str:
         out.append("<p><b>No verdict (too few samples):</b> " + ", ".join(
             f"{_e(m['node'])} ({_e(m['why'])})" for m in eff.missing[:50]) + "</p>")
 
-    if "heat" in bins:
-        values, metric = bins["heat"]
+    for values, metric in bins.get("heats", []):
         title, unit, lo, hi = _UNITS[metric]
-        over = " (mean over its GPUs)" if metric == "util_pct" else ""
+        if metric != "cpu_throttled_pct":  # colours over the steady state's own range
+            fin = values[:, steady] if steady.any() else values
+            fin = fin[np.isfinite(fin)]
+            lo, hi = (float(np.percentile(fin, 0.05)), float(np.percentile(fin, 99.95))) \
+                if len(fin) else (0.0, 1.0)
+        over = " (its lowest GPU in each bin)" if metric in ("util_pct", "power_w") else ""
         out.append(f"<h2>{_e(title)} per node over time</h2><p class='note'>One row per node"
-                   f"{over}, one column per {_dur(bins['bin_s'])}; grey = no samples; the blue "
-                   "strip marks the steady state. Stragglers marked on the right.</p>")
-        out.append(_heatmap(values, title, lo or 0, hi or 100, eff.nodes, marked, times,
-                            steady))
-    if "heat_throttled" in bins:
-        out.append("<h2>CPU throttled per node over time</h2>")
-        out.append(_heatmap(bins["heat_throttled"], "CPU throttled", 0, 100, eff.nodes,
+                   f"{over}, one column per {_dur(bins['bin_s'])}; colours {lo:.0f}–{hi:.0f}"
+                   f"{_e(unit)}; grey = no samples; the blue strip marks the steady state. "
+                   "Stragglers marked on the right.</p>")
+        out.append(_heatmap(values, title, lo or 0.0, 100.0 if hi is None else hi, eff.nodes,
                             marked, times, steady))
 
     out.append("<h2>Distributions over the job (steady state)</h2>")
     gpu_names = [f"{nd} GPU {j}" for nd in eff.nodes for j in range(eff.n_gpus)]
-    gpu_marked = {f"{s.node} GPU {j}" for s in eff.stragglers
-                  for j in ([s.gpu] if s.gpu is not None else range(eff.n_gpus))
-                  if s.gpu is not None or _gpu_cell(s) == "all"}
-    for key, title, unit in (("gpu_util", "GPU utilisation per GPU", "%"),
-                             ("gpu_power", "GPU power per GPU", " W")):
-        if key in bins and np.isfinite(bins[key]).any():
-            out.append(_histogram(np.asarray(bins[key], float).ravel(), gpu_names, title,
-                                  unit, gpu_marked))
+    for key, metrics, title, unit in (
+            ("gpu_util", ("util_pct",), "GPU utilisation per GPU", "%"),
+            ("gpu_power", ("power_w", "hw_power_brake"), "GPU power per GPU", " W")):
+        if key not in bins or not np.isfinite(bins[key]).any():
+            continue
+        marks: dict[str, str] = {}
+        for s in eff.stragglers:
+            if any(m in s.metrics for m in metrics):
+                gpus = [s.gpu] if s.gpu is not None else range(eff.n_gpus)
+                marks.update({f"{s.node} GPU {j}": s.label for j in gpus})
+        out.append(_histogram(np.asarray(bins[key], float).ravel(), gpu_names, title, unit,
+                              marks))
     names = [p["node"] for p in d["per_node"]]
-    for key, title, unit in (("cpu_busy_pct", "CPU busy per node", "%"),
-                             ("cpu_throttled_pct", "CPU throttled per node (share of time)",
-                              "%")):
+    for key, metrics, title, unit in (
+            ("cpu_busy_pct", ("cpu_busy_pct",), "CPU busy per node", "%"),
+            ("cpu_throttled_pct", ("cpu_throttled",), "CPU throttled per node (share of time)",
+             "%")):
         vals = np.array([np.nan if p[key] is None else p[key] for p in d["per_node"]], float)
         if np.isfinite(vals).any():
-            out.append(_histogram(vals, names, title, unit, set(marked)))
+            marks = {s.node: s.node for s in eff.stragglers
+                     if any(m in s.metrics for m in metrics)}
+            out.append(_histogram(vals, names, title, unit, marks))
 
     if bins.get("lines"):
         out.append("<h2>Stragglers over time</h2>")
