@@ -220,6 +220,12 @@ def test_not_a_series_file(tmp_path: Path) -> None:
         f["time"] = np.zeros(3)
     with pytest.raises(ArchiveError, match="not a bluevela job series"):
         efficiency_of_file(p)
+    with h5py.File(p, "a") as f:  # the right label, a wrong shape
+        f.attrs.update({"format": "bluevela-job-series", "job_id": 1, "interval_s": 10.0})
+        f["nodes"] = np.array([b"a", b"b"])
+        f["gpu/util_pct"] = np.zeros((2, 3), np.float32)
+    with pytest.raises(ArchiveError, match=r"/gpu/util_pct has shape \(2, 3\), expected"):
+        efficiency_of_file(p)
     (tmp_path / "junk.h5").write_bytes(b"not hdf5")
     with pytest.raises(ArchiveError, match="cannot open"):
         efficiency_of_file(tmp_path / "junk.h5")

@@ -138,6 +138,13 @@ def _h5_source(f: Any, path: Path) -> _Source:
         job_id = int(f.attrs["job_id"])
     except (KeyError, ValueError, TypeError, OSError) as exc:
         raise ArchiveError(f"{path}: not a readable job series ({exc})") from exc
+    n, t = len(nodes), len(time)
+    for name, ds, want in [*((f"gpu/{m}", d, (n, n_gpus, t)) for m, d in gpu.items()),
+                           *((f"node/{m}", d, (n, t)) for m, d in node.items())]:
+        if tuple(ds.shape) != want:
+            raise ArchiveError(f"{path}: /{name} has shape {tuple(ds.shape)}, expected {want}")
+    if not (math.isfinite(interval) and interval > 0):
+        raise ArchiveError(f"{path}: interval_s {interval} is not a positive number")
     return _Source(job_id, nodes, time, interval, n_gpus, gpu, node)
 
 
@@ -280,7 +287,11 @@ def efficiency_of_file(path: Path, job: dict[str, Any] | None = None, *,
     except OSError as exc:
         raise ArchiveError(f"cannot open {path}: {exc}") from exc
     with f:
-        return _analyze(_h5_source(f, path), job, thresholds or Thresholds(), block_nodes)
+        src = _h5_source(f, path)
+        try:
+            return _analyze(src, job, thresholds or Thresholds(), block_nodes)
+        except OSError as exc:  # a damaged chunk
+            raise ArchiveError(f"{path}: unreadable ({exc})") from exc
 
 
 def analyze(series: SeriesLike, job: dict[str, Any] | None = None, *,
