@@ -165,6 +165,29 @@ def test_observed_versions_travel_in_the_report_and_prometheus(h100: NodeClass) 
             'hca_fw="28.39.1002",kernel="5.15.0-91-generic"} 1') in prom
 
 
+def test_observed_versions_survive_the_archive(h100: NodeClass, tmp_path: Path) -> None:
+    """Spool report -> ingest -> HDF5 -> `show_job`: the strings come back as written."""
+    from bluevela.archive import query
+    from bluevela.archive.ingest import ingest
+    from bluevela.archive.spool import write_report
+
+    report = run_checks(["ib", "versions"], ctx_on(h100, HEALTHY / "root"), timeout_s=3,
+                        cap_s=5, tier="quick")
+    spool, archive = tmp_path / "spool", tmp_path / "archive"
+    spool.mkdir()
+    archive.mkdir()
+    now = time.time()
+    for phase in ("prolog", "epilog"):
+        write_report(spool, {"phase": phase, "job_id": 77, "node": "gpu001", "time": now,
+                             "nodelist": "gpu001", "num_nodes": 1, "user": "alice",
+                             "health": report.to_dict(), "telemetry": {}})
+    ingest(spool, archive, now=now + 1)
+    job = query.show_job(archive, 77)
+    checks = job["nodes"][0]["prolog"]["health"]["checks"]
+    got = next(c for c in checks if c["name"] == "versions")
+    assert got["info"] == report.result("versions").info and got["info"]["hca_fw"] == "28.39.1002"  # type: ignore[union-attr]
+
+
 def test_versions_view_groups_a_1000_node_fleet(site: Site) -> None:
     pins = replace(site.node_classes["cpu"], nodes="node[1-1000]",
                    versions=VersionPins(kernel="6.1.0-18-amd64"))
