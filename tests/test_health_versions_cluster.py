@@ -110,6 +110,18 @@ def test_kernel_off_critical_pin_drains_and_shows_in_versions_view(cluster: DevC
     assert f"cpu\tnode3\t1\t-\t-\t-\t-\t{real}" in p.stdout.splitlines(), p.stdout
 
 
+def bv_in_node(cluster: DevCluster, node: str, env: dict[str, str],
+               *args: str) -> subprocess.CompletedProcess[str]:
+    """`bv ARGS` inside the node's namespaces (its hostname: "this host" is the node)."""
+    pid = (cluster.state_dir / "run" / f"slurmd.{node}.pid").read_text().strip()
+    nsenter = shutil.which("nsenter")
+    assert nsenter, "nsenter is needed to enter a node's namespaces"
+    assigns = [f"{k}={v}" for k, v in {"SLURM_CONF": cluster.env["SLURM_CONF"], **env}.items()]
+    return subprocess.run([nsenter, "-t", pid, "-m", "-u", "-n", "--", "/usr/bin/env", "-i",
+                           "PATH=/usr/bin:/bin", *assigns, sys.executable, "-m", "bluevela",
+                           *args], capture_output=True, text=True, timeout=120, check=False)
+
+
 def _replay(root: Path, level: int, fixture: str) -> None:
     shutil.copyfile(FIXTURES / fixture, root / "usr/share/bv-dcgm-replay" / f"r{level}.json")
 
@@ -144,6 +156,15 @@ def test_dcgm_level1_failure_drains_and_level2_gates_the_resume(cluster: DevClus
     hc = run_in_node(cluster, "node3", "healthcheck")
     assert ("stays drained (" + reason) in hc.stderr, hc.stderr
     assert "DCGM diag r2 before resume: CRITICAL: diag r2 GPU 3 memory failed" in hc.stderr
+    assert node_state(cluster, "node3")[0] == "drained"
+    # An operator's `bv health resume` on the node itself re-checks the same way: refused.
+    p = bv_in_node(cluster, "node3", {"BV_SITE": str(site), "BV_SYSFS_ROOT": str(root),
+                                      "BV_NODE_CLASS": "h100", "BV_NVML_SNAPSHOT":
+                                      str(FIXTURES / "h100-healthy" / "nvml.json")},
+                   "health", "resume", "node3")
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.startswith("node3: REFUSED: re-check failed: DCGM diag r2 before resume: "
+                               "CRITICAL: diag r2 GPU 3 memory failed"), p.stderr
     assert node_state(cluster, "node3")[0] == "drained"
 
     _replay(root, 2, "dcgm-diag-4x-r2-pass.json")

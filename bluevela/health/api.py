@@ -18,6 +18,7 @@ from bluevela.errors import SlurmError, UnsafeValueError
 from bluevela.util.fs import safe_node_name
 
 if TYPE_CHECKING:
+    from bluevela.health.checks.dcgm import Purpose
     from bluevela.health.result import CheckResult, HealthReport
     from bluevela.site import Site
     from bluevela.slurm.client import SlurmClient
@@ -35,6 +36,7 @@ def run_local(
     class_name: str | None = None,
     phase: str = "manual",
     env: Mapping[str, str] | None = None,
+    dcgm_for: Purpose | None = None,
 ) -> HealthReport:
     """Run a tier (or some checks) on this node, probes reading through the `BV_*` roots.
 
@@ -45,6 +47,8 @@ def run_local(
         class_name: node class to judge against (default: this host's, or $BV_NODE_CLASS).
         phase: recorded in the facts (leftover GPU processes count at prolog/healthcheck).
         env: where to read BV_SYSFS_ROOT/BV_NVML_SNAPSHOT/BV_KMSG (default os.environ).
+        dcgm_for: add the dcgm check at the site's level for this purpose
+            (`health.dcgm.<purpose>_level`; nothing when that is 0).
 
     Raises:
         SiteConfigError: unknown class. HealthError: unknown tier.
@@ -56,6 +60,10 @@ def run_local(
     cls = site.node_class(name=name)
     plan = plan_tier(site, tier, checks)
     ctx = ProbeContext.from_env(cls, name, env=env, state_dir=default_state_dir(site), phase=phase)
+    if dcgm_for is not None:
+        from bluevela.health.checks.dcgm import with_purpose
+
+        plan, ctx = with_purpose(site, dcgm_for, plan, ctx)
     return run_plan(plan, ctx)
 
 
@@ -368,7 +376,8 @@ def resume_nodes(site: Site, client: SlurmClient, nodes: Sequence[str], *,
                 "State=RESUME` if that is intended"))
             continue
         if recheck_local and node == here:
-            report = run_local(site, tier="full", phase="healthcheck")
+            # What the healthcheck runs (DCGM at its level included: a drain may name dcgm).
+            report = run_local(site, tier="full", phase="healthcheck", dcgm_for="healthcheck")
             ok, note = passes_for_resume(site, info.reason,
                                          {c.name: int(c.status) for c in report.checks})
             if ok:  # then DCGM at health.dcgm.before_resume_level, when the site sets one
