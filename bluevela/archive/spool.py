@@ -11,7 +11,8 @@ Report format (schema 1), one JSON object:
     time: float (unix s, when written),
     exit_code: int | null, exit_signal: int | null, derived_exit_code: int | null  (epilog),
     health: {status, status_code, tier, duration_s, checks: [{name, status, status_code,
-             summary, metrics: {<name>_<unit>: number}, duration_s}]},
+             summary, metrics: {<name>_<unit>: number}, duration_s,
+             info: {<field>: str} (optional: text facts, e.g. the versions check's)}]},
     telemetry: {<name>_<unit>: number}  (per-job deltas in the epilog),
     drained: bool, drain_reason: str | null
 
