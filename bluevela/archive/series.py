@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
     from bluevela.archive.spool import SpoolDir, SpoolEntry
     from bluevela.archive.store import Writer
-    from bluevela.telemetry.format import Segment
+    from bluevela.telemetry.format import Probe, Segment
 
 logger = logging.getLogger(__name__)
 
@@ -379,15 +379,34 @@ class _Meta:
     units: dict[str, str]
 
 
-def _meta_of(w: NodeWindow, load: Callable[[], NodeWindow]) -> _Meta | None:
-    import numpy as np
+def _meta_of(probe: Probe, load: Callable[[], NodeWindow]) -> _Meta:
+    """A node's bounds and columns from its side file's header (no record loaded).
 
-    finite = w.times[np.isfinite(w.times)]
-    if not len(finite):
-        return None
-    n_gpu = next((a.shape[0] for a in w.gpu.values()), 0)
-    return _Meta(w.node, load, float(finite.min()), float(finite.max()), w.interval_s,
-                 n_gpu, len(w.ports), set(w.gpu), set(w.ib), set(w.node_metrics), w.units)
+    Raises:
+        ValueError: record times not finite or not in order.
+    """
+    t0, t1 = probe.t_first, probe.t_last
+    if not (math.isfinite(t0) and math.isfinite(t1)) or t1 < t0:
+        raise ValueError("record times are not finite and in order")
+    gpus: set[int] = set()
+    gpu: set[str] = set()
+    ib: set[str] = set()
+    node: set[str] = set()
+    ports: set[str] = set()
+    units: dict[str, str] = {}
+    for c in probe.header.columns:
+        units.setdefault(c.metric, c.unit)
+        m = _GPU_COMPONENT.match(c.component)
+        if m:
+            gpus.add(int(m.group(1)))
+            gpu.add(c.metric)
+        elif c.component.startswith("ib."):
+            ports.add(c.component[3:])
+            ib.add(c.metric)
+        elif c.component == "node":
+            node.add(c.metric)
+    return _Meta(probe.header.node, load, t0, t1, probe.header.interval_s,
+                 1 + max(gpus, default=-1), len(ports), gpu, ib, node, units)
 
 
 def _old_row(path: Path, i: int) -> NodeWindow:
@@ -492,7 +511,7 @@ def ingest_side_files(w: Writer, sd: SpoolDir, archive_dir: Path,
     for job_id, job_entries in sorted(by_job.items()):
         try:
             names, quarantined = _ingest_job(sd, archive_dir, job_id, job_entries)
-        except (OSError, ArchiveError) as exc:
+        except (OSError, ValueError, ArchiveError) as exc:
             # The reports are durable already; the side files stay for the next ingest.
             logger.error("job %d: series file not written: %s", job_id, exc)
             continue
@@ -504,7 +523,7 @@ def ingest_side_files(w: Writer, sd: SpoolDir, archive_dir: Path,
 def _ingest_job(sd: SpoolDir, archive_dir: Path, job_id: int,
                 job_entries: list[SpoolEntry]) -> tuple[list[str], list[tuple[str, str]]]:
     from bluevela.archive.spool import quarantine
-    from bluevela.telemetry.format import FormatError, read_file
+    from bluevela.telemetry.format import FormatError, probe_file, read_file
 
     done: list[str] = []
     bad: list[tuple[str, str]] = []
@@ -529,12 +548,12 @@ def _ingest_job(sd: SpoolDir, archive_dir: Path, job_id: int,
             return window_from_segment(read_file(e.name, strict=True, dir_fd=sd.fd))
 
         try:
-            seg = read_file(e.name, strict=True, dir_fd=sd.fd)
-            if seg.header.node != e.node:
-                raise FormatError(f"header node {seg.header.node!r} does not match the name")
-            if seg.header.job_id is not None and seg.header.job_id != job_id:
-                raise FormatError(f"header job_id {seg.header.job_id} does not match")
-            meta = _meta_of(window_from_segment(seg), load)
+            probe = probe_file(e.name, dir_fd=sd.fd)
+            if probe.header.node != e.node:
+                raise FormatError(f"header node {probe.header.node!r} does not match the name")
+            if probe.header.job_id is not None and probe.header.job_id != job_id:
+                raise FormatError(f"header job_id {probe.header.job_id} does not match")
+            meta = _meta_of(probe, load)
         except FileNotFoundError:
             continue
         except (OSError, FormatError, ValueError) as exc:
@@ -544,12 +563,10 @@ def _ingest_job(sd: SpoolDir, archive_dir: Path, job_id: int,
             quarantine(sd, e.name, reason)
             bad.append((e.name, reason))
             continue
-        del seg
         have.add(e.node)
         done.append(e.name)
-        if meta is not None:
-            metas.append(meta)
-            new += 1
+        metas.append(meta)
+        new += 1
     if new:
         n = build_series(path, job_id, metas)
         logger.info("job %d: series of %d node(s) in %s (%d new)", job_id, n, path, new)

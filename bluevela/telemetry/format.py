@@ -203,6 +203,41 @@ def read_fd(fd: int, *, strict: bool = False, limit: int = 1 << 34) -> Segment:
     return Segment(header, data, extra)
 
 
+@dataclass(frozen=True)
+class Probe:
+    """What a file holds, read without loading its records: header, record count, first and
+    last record times (records are in time order)."""
+
+    header: Header
+    n_records: int
+    t_first: float
+    t_last: float
+
+
+def probe_file(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> Probe:
+    """Header and bounds of a BVTS file; a trailing partial record is refused.
+
+    Raises:
+        FormatError: bad header, truncated record, or no record at all.
+        OSError: unreadable, or a symlink (ELOOP).
+    """
+    fd = open_no_follow(path, dir_fd)
+    try:
+        header, offset = read_header_fd(fd)
+        size = os.fstat(fd).st_size - offset
+        rs = header.record_size
+        if size % rs:
+            raise FormatError(f"truncated record ({size % rs} trailing bytes)")
+        n = size // rs
+        if not n:
+            raise FormatError("no record")
+        first = struct.unpack("<d", os.pread(fd, 8, offset))[0]
+        last = struct.unpack("<d", os.pread(fd, 8, offset + (n - 1) * rs))[0]
+    finally:
+        os.close(fd)
+    return Probe(header, n, first, last)
+
+
 def read_file(path: str | os.PathLike[str], *, strict: bool = False,
               dir_fd: int | None = None) -> Segment:
     fd = open_no_follow(path, dir_fd)
