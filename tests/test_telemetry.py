@@ -384,3 +384,15 @@ def test_sampler_bad_site_is_one_line_and_exit_2(tmp_path: Path, site: str) -> N
     assert p.returncode == 2
     assert p.stderr.count("\n") == 1 and p.stderr.startswith("bv-sampler: "), p.stderr
     assert not (tmp_path / "samples").exists()
+
+
+def test_a_killed_writers_temporary_series_file_is_removed(dirs: tuple[Path, Path],
+                                                           tmp_path: Path) -> None:
+    spool, archive = dirs
+    (archive / "series").mkdir()
+    stale = archive / "series" / ".44.h5.999999.tmp"
+    stale.write_bytes(b"half an HDF5 file")
+    _job(spool, tmp_path, 44, ["e1"], "e1")
+    ingest(spool, archive, now=T0 + 120)
+    assert not stale.exists() and read_series(archive, 44).nodes == ["e1"]  # type: ignore[union-attr]
+    assert sorted(os.listdir(archive / "series")) == ["44.h5"]

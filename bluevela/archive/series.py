@@ -261,13 +261,15 @@ def _put(f: Any, plan: _Plan, row: int, w: NodeWindow) -> None:
                                      + [b""] * (plan.P - len(w.ports)), dtype="S64")
 
 
-def _atomic_h5(path: Path, fill: Callable[[Any], None]) -> None:
+def _atomic_h5(path: Path, fill: Callable[[Any], None], *, clean_stale: bool = False) -> None:
     """Write an HDF5 file through a temporary file in the same directory, fsync, rename."""
     import h5py
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    if clean_stale:  # ingest holds the writer lock: any other temporary is a killed writer's
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):
+            stale.unlink(missing_ok=True)
     tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    tmp.unlink(missing_ok=True)
     try:
         with h5py.File(tmp, "w", libver="latest") as f:
             fill(f)
@@ -482,7 +484,7 @@ def build_series(path: Path, job_id: int, metas: list[_Meta]) -> int:
         for row, m in enumerate(metas):
             _put(f, plan, row, m.load())
 
-    _atomic_h5(path, fill)
+    _atomic_h5(path, fill, clean_stale=True)
     return len(metas)
 
 
