@@ -600,6 +600,9 @@ def build(cgroup_env: str | None = None) -> Sampler:
     cfg = Config(site.path("state") / "samples", node, interval,
                  site.telemetry.retain_h * 3600.0, int(site.telemetry.max_mb * (1 << 20)))
     cg = cgroup_env if cgroup_env is not None else os.environ.get("BV_SAMPLER_CGROUP")
+    if cg and not os.path.isdir(cg):
+        logger.warning("BV_SAMPLER_CGROUP %s is not a directory: CPU from /proc/stat", cg)
+        cg = None
     return Sampler(ctx, cfg, Path(cg) if cg else None)
 
 
