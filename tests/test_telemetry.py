@@ -396,3 +396,32 @@ def test_a_killed_writers_temporary_series_file_is_removed(dirs: tuple[Path, Pat
     ingest(spool, archive, now=T0 + 120)
     assert not stale.exists() and read_series(archive, 44).nodes == ["e1"]  # type: ignore[union-attr]
     assert sorted(os.listdir(archive / "series")) == ["44.h5"]
+
+
+def test_gpu_class_without_nvml_samples_the_rest(tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """No driver (this machine): live NVML fails to start; the sampler warns once and still
+    records the IB ports and the node."""
+    s = _sampler(tmp_path, _ctx(snapshot=None))
+    for i in range(3):
+        cols, _, comps = s.sample(T0 + 10 * i)
+    names = [c.name for c in cols]
+    assert not [n for n in names if n.startswith("gpu")] and not comps
+    assert "ib.mlx5_0/1.rx_bytes_per_s" in names and "node.cpu_busy_pct" in names
+    assert len([r for r in caplog.records if "NVML" in r.getMessage()]) <= 1
+
+
+def test_epilog_step_spools_the_window_from_the_prolog_reading(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bluevela.telemetry.window import spool_series
+
+    state, spool = tmp_path / "state", tmp_path / "spool"
+    _write_seg(state / "samples", "n1", T0, ["node.cpu_busy_pct"], [[float(i)] for i in range(30)])
+    site = load_site(REPO / "site.yaml")
+    for k, v in {"BV_STATE_DIR": state, "BV_SPOOL_DIR": spool, "BV_SAMPLER_INTERVAL_S": 10}.items():
+        monkeypatch.setenv(k, str(v))
+    assert spool_series(site, 9, "n1", None, now=T0 + 200) is None  # no start: nothing
+    path = spool_series(site, 9, "n1", {"time": T0 + 100.0}, now=T0 + 200)
+    seg = read_file(path, strict=True)  # type: ignore[arg-type]
+    assert [t - T0 for t, _ in seg.records()] == [90.0 + 10 * k for k in range(12)]
+    assert seg.header.job_id == 9 and oct(os.stat(path).st_mode & 0o777) == "0o644"
