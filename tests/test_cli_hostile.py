@@ -82,7 +82,8 @@ ODD_INPUT: list[tuple[str, list[str], str]] = [
     ("export to a missing directory",
      ["archive", "--archive-dir", "/tmp", "export", "--out", "/nonexistent/x.csv"],
      "cannot write"),
-    ("bad night", ["--site", SITE, "bench", "report", "--night", "bad", "--html", "/tmp/x"],
+    ("bad night", ["--site", SITE, "bench", "report", "--night", "bad", "--html",
+                   os.path.join(tempfile.gettempdir(), f"bv-hostile-{os.getpid()}-never-written.html")],
      "YYYY-MM-DD"),
 ]
 
