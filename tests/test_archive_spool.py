@@ -53,7 +53,7 @@ def test_hostile_job_ids_are_refused(dirs: tuple[Path, Path], job: str) -> None:
 
 def test_report_names_parse_back() -> None:
     assert parse_report_name(report_name(42, "gpu-001.rack2", "epilog")) == \
-        (42, "gpu-001.rack2", "epilog")
+        (42, "gpu-001.rack2", "epilog", 0)
     for bad in ["42.node1.json", "x.node1.prolog.json", "42.node1.prolog.json.tmp",
                 "42...prolog.json", "42.a b.prolog.json", "42.node1.Prolog.json"]:
         with pytest.raises(UnsafeValueError):

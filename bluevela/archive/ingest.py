@@ -3,10 +3,12 @@
 Order of work, and why it survives kill -9 at any point:
   1. take the writer lock; remove what a killed writer left (temp files, unlisted segments);
   2. scan the spool; quarantine refused and malformed entries (ingest goes on);
-  3. look up the archived state of the jobs seen; reports already archived are duplicates;
-  4. decide which jobs are ready: every expected node has sent its epilog report, or
-     `timeout_s` passed since the job's first epilog report (missing nodes recorded), or the
-     job is already archived (a late report adds a new revision);
+  3. look up the archived state of the jobs seen; reports already archived (same job, node,
+     phase and restart) are duplicates;
+  4. decide which jobs are ready, by the job's latest attempt (restart count) in the spool:
+     every expected node has sent its epilog report, or `timeout_s` passed since the job's
+     first epilog report (missing nodes recorded), or the job is already archived (a late
+     report, or a requeued attempt's, adds a new revision);
   5. write one segment with the ready jobs' reports and job rows (temp, fsync, rename), then
      the manifest (same way): from here on the reports are durable;
   6. move their spool files (and duplicates) to `<spool>/done/`;
@@ -81,10 +83,28 @@ class IngestResult:
 
 @dataclass
 class _Archived:
-    """A job's newest archived revision: its row and its job_nodes rows."""
+    """A job's newest archived revision: its row and its job_nodes rows; with `keys` asked
+    for, the (node, phase, restart) of every report of the job in the archive."""
 
     row: Any
     nodes: np.ndarray
+    keys: set[tuple[str, str, int]] = field(default_factory=set)
+
+    @property
+    def restarts(self) -> int:
+        return row_restarts(self.row)
+
+
+def row_restarts(row: Any) -> int:
+    """A /jobs row's `restarts` (0 in a file written before the column existed)."""
+    names = getattr(getattr(row, "dtype", None), "names", None)
+    if names is not None:
+        return int(row["restarts"]) if "restarts" in names else 0
+    return int(row.get("restarts", 0) or 0)
+
+
+def _restart(report: dict[str, Any]) -> int:
+    return int(report.get("restart") or 0)
 
 
 def ingest(
@@ -172,7 +192,7 @@ def _archive(w: Writer, by_job: dict[int, list[tuple[Any, dict[str, Any]]]],
              prolog_only_timeout_s: float, spool: Path | None) -> list[str]:
     """Write the ready jobs' fresh reports as one segment; return the spool names now done
     (written or already archived). `by_job` maps job id -> [(spool entry or None, report)]."""
-    archived = archived_jobs(w, sorted(by_job))
+    archived = archived_jobs(w, sorted(by_job), keys=True)
     ready_reports: list[dict[str, Any]] = []
     job_rows: list[tuple[Any, ...]] = []
     job_nodes: list[list[tuple[Any, ...]]] = []
@@ -183,7 +203,7 @@ def _archive(w: Writer, by_job: dict[int, list[tuple[Any, dict[str, Any]]]],
         stored = _stored_keys(old)
         fresh = []
         for entry, report in by_job[jid]:
-            if (report["node"], report["phase"]) in stored:
+            if (report["node"], report["phase"], _restart(report)) in stored:
                 result.duplicates += 1
                 if entry is not None:
                     done_names.append(entry.name)
@@ -298,8 +318,10 @@ def _wait_for_job(spool: Path, job_id: int, wait_s: float) -> None:
             return  # nothing spooled (or a timer ingest already took it)
         expected: set[str] = set()
         num_nodes = 0
-        epilogs = {e.node for e in scan.entries if e.phase == "epilog"}
-        for entry in scan.entries[:1] + [e for e in scan.entries if e.phase == "epilog"][:1]:
+        latest = max(e.restart for e in scan.entries)  # the attempt that runs now decides
+        entries = [e for e in scan.entries if e.restart == latest]
+        epilogs = {e.node for e in entries if e.phase == "epilog"}
+        for entry in entries[:1] + [e for e in entries if e.phase == "epilog"][:1]:
             try:
                 r = load_report(spool, entry)
             except (ReportError, FileNotFoundError):
@@ -315,16 +337,22 @@ def _wait_for_job(spool: Path, job_id: int, wait_s: float) -> None:
         time.sleep(0.5)
 
 
-def archived_jobs(w: Writer, job_ids: list[int]) -> dict[int, _Archived]:
+def archived_jobs(w: Writer, job_ids: list[int], *, keys: bool = False
+                  ) -> dict[int, _Archived]:
     """The newest archived revision of each of `job_ids` that is in the archive."""
-    return find_jobs([(s, w.archive.path_of(s)) for s in w.manifest.segments], job_ids)
+    return find_jobs([(s, w.archive.path_of(s)) for s in w.manifest.segments], job_ids,
+                     keys=keys)
 
 
-def find_jobs(segments: list[Any], job_ids: list[int]) -> dict[int, _Archived]:
-    """Look `job_ids` up in the segments' job index; newest revision wins."""
+def find_jobs(segments: list[Any], job_ids: list[int], *, keys: bool = False
+              ) -> dict[int, _Archived]:
+    """Look `job_ids` up in the segments' job index; newest revision wins. With `keys`, also
+    collect each found job's report keys (node, phase, restart) from every segment (each
+    revision's file holds only the reports that revision added)."""
     import numpy as np
 
     found: dict[int, _Archived] = {}
+    got_keys: dict[int, set[tuple[str, str, int]]] = defaultdict(set)
     if not job_ids:
         return found
     ids = np.array(sorted(set(job_ids)), dtype=np.uint64)
@@ -342,6 +370,8 @@ def find_jobs(segments: list[Any], job_ids: list[int]) -> dict[int, _Archived]:
                 continue
             rows = f["jobs"][pos]
             jn = f["job_nodes"]
+            if keys:
+                _report_keys(f, rows, got_keys)
             for row in rows:
                 jid = int(row["job_id"])
                 cur = found.get(jid)
@@ -349,20 +379,34 @@ def find_jobs(segments: list[Any], job_ids: list[int]) -> dict[int, _Archived]:
                     continue
                 first, count = int(row["node_first"]), int(row["node_count"])
                 found[jid] = _Archived(row.copy(), jn[first:first + count])
+    for jid, k in got_keys.items():
+        if jid in found:
+            found[jid].keys = k
     return found
 
 
-def _stored_keys(old: _Archived | None) -> set[tuple[str, str]]:
-    if old is None:
-        return set()
-    keys: set[tuple[str, str]] = set()
-    for n in old.nodes:
-        node = bytes(n["node"]).rstrip(b"\0").decode()
-        if n["has_prolog"]:
-            keys.add((node, "prolog"))
-        if n["has_epilog"]:
-            keys.add((node, "epilog"))
-    return keys
+def _report_keys(f: Any, jobs: Any, out: dict[int, set[tuple[str, str, int]]]) -> None:
+    """Add the (node, phase, restart) of the reports of `jobs` (rows of f's /jobs) to `out`."""
+    import numpy as np
+
+    idx = f[S.JOB_REPORTS_INDEX]
+    ds = f["reports"]
+    cols = ["job_id", "node", "phase"] + (["restart"] if "restart" in ds.dtype.names else [])
+    for row in jobs:
+        first, count = int(row["report_first"]), int(row["report_count"])
+        if not count:
+            continue
+        at = np.unique(idx[first:first + count])
+        rep = ds.fields(cols)[at]
+        restarts = rep["restart"].tolist() if "restart" in cols else [0] * len(rep)
+        keys = out[int(row["job_id"])]
+        for node, phase, k in zip(rep["node"].tolist(), rep["phase"].tolist(), restarts,
+                                  strict=True):
+            keys.add((node.rstrip(b"\0").decode(), S.PHASE_NAMES[int(phase)], int(k)))
+
+
+def _stored_keys(old: _Archived | None) -> set[tuple[str, str, int]]:
+    return set() if old is None else old.keys
 
 
 def _expected(reports: list[dict[str, Any]], old: _Archived | None) -> tuple[set[str], int]:
@@ -389,9 +433,15 @@ def _complete(expected: set[str], num_nodes: int, epilogs: set[str], reporting: 
 
 def _readiness(reports: list[dict[str, Any]], old: _Archived | None, now: float,
                timeout_s: float, prolog_only_timeout_s: float) -> str | None:
-    """Why a job's fresh reports may be archived now, or None to leave them in the spool."""
+    """Why a job's fresh reports may be archived now, or None to leave them in the spool.
+
+    The job's latest attempt decides: a requeued job whose first attempt has finished waits
+    for the epilogs of the attempt that runs now."""
     if old is not None:
         return "late"
+    latest = max(_restart(r) for r in reports)
+    if latest:
+        reports = [r for r in reports if _restart(r) == latest]
     expected, num_nodes = _expected(reports, None)
     epilogs = {r["node"] for r in reports if r["phase"] == "epilog"}
     if _complete(expected, num_nodes, epilogs, {r["node"] for r in reports}):
@@ -442,10 +492,16 @@ def _job_row(job_id: int, reports: list[dict[str, Any]], old: _Archived | None,
     times = [r["time"] for r in reports]
     prolog_times = [r["time"] for r in reports if r["phase"] == "prolog"]
     epilog_reports = [r for r in reports if r["phase"] == "epilog"]
+    old_restarts = old.restarts if old is not None else 0
+    restarts = max([old_restarts] + [_restart(r) for r in reports])
+    # The exit status is the latest attempt's: an earlier attempt's (killed by the requeue)
+    # is replaced once a later attempt's epilog is archived.
+    latest_epilogs = [r for r in epilog_reports if _restart(r) == restarts]
+    keep_old = old_restarts == restarts
 
     def worst(key: str, old_value: int) -> int:
-        vals = [r[key] for r in epilog_reports if r.get(key) is not None]
-        if old_value != S.MISSING_INT:
+        vals = [r[key] for r in latest_epilogs if r.get(key) is not None]
+        if old_value != S.MISSING_INT and keep_old:
             vals.append(old_value)
         return max(vals) if vals else S.MISSING_INT
 
@@ -473,7 +529,7 @@ def _job_row(job_id: int, reports: list[dict[str, Any]], old: _Archived | None,
         worst("exit_signal", int(o["exit_signal"]) if o is not None else S.MISSING_INT),
         worst("derived_exit_code",
               int(o["derived_exit_code"]) if o is not None else S.MISSING_INT),
-        max(statuses) if statuses else -1,
+        max(statuses) if statuses else -1, restarts,
         0, 0, 0, 0,
     )
     nodes = [(job_id, n.encode(), 1 if n in expected else 0, 1 if n in prolog else 0,

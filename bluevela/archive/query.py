@@ -17,7 +17,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -145,7 +145,9 @@ def _node_range(f: h5py.File, node: str) -> Any:
 
 
 def show_job(archive_dir: Path, job_id: int, spool: Path | None = None) -> dict[str, Any]:
-    """One job: its summary, and each node's prolog and epilog report.
+    """One job: its summary, and each node's prolog and epilog report (of the node's latest
+    attempt). A requeued job (`restarts` > 0) also has `attempts` (see `job_attempts`) and,
+    per node, `earlier`: [{restart, prolog, epilog}] of its earlier attempts.
 
     Raises:
         ArchiveError: the job is not in the archive (the message says if the spool holds
@@ -163,7 +165,7 @@ def show_job(archive_dir: Path, job_id: int, spool: Path | None = None) -> dict[
             raise ArchiveError(f"job {job_id} is not in the archive {archive_dir}{hint}")
         jrow = found[job_id]
         job = job_dict(rows(jrow.row.reshape(1))[0], rows(jrow.nodes))
-        reports: dict[tuple[str, str], dict[str, Any]] = {}
+        reports: dict[tuple[str, str, int], dict[str, Any]] = {}
         files: list[str] = []
         job_file = ""
         for info, path in segs:
@@ -178,15 +180,30 @@ def show_job(archive_dir: Path, job_id: int, spool: Path | None = None) -> dict[
                 files.append(str(path))
             for r in got:
                 r["archive_file"] = str(path)
-                reports.setdefault((r["node"], r["phase"]), r)
+                reports.setdefault((r["node"], r["phase"], int(r.get("restart") or 0)), r)
+        by_node: dict[str, list[int]] = {}
+        for node, _, k in sorted(reports):
+            if k not in by_node.setdefault(node, []):
+                by_node[node].append(k)
         nodes = []
         for n in rows(jrow.nodes):
             name = text(n["node"])
-            nodes.append({
+            ks = by_node.get(name) or [0]
+            entry: dict[str, Any] = {
                 "node": name, "expected": bool(n["expected"]),
-                "prolog": _strip_job(reports.get((name, "prolog"))),
-                "epilog": _strip_job(reports.get((name, "epilog"))),
-            })
+                "prolog": _strip_job(reports.get((name, "prolog", ks[-1]))),
+                "epilog": _strip_job(reports.get((name, "epilog", ks[-1]))),
+            }
+            if len(ks) > 1:
+                entry["earlier"] = [{"restart": k,
+                                     "prolog": _strip_job(reports.get((name, "prolog", k))),
+                                     "epilog": _strip_job(reports.get((name, "epilog", k)))}
+                                    for k in ks[:-1]]
+            nodes.append(entry)
+        attempts = job_attempts(reports.values())
+        job["restarts"] = max(job["restarts"], attempts[-1]["restart"] if attempts else 0)
+        if job["restarts"]:
+            job["attempts"] = attempts
         job["start_utc"] = iso(job["start_unix_s"])
         job["end_utc"] = iso(job["end_unix_s"])
         job["archive_file"] = job_file
@@ -195,6 +212,37 @@ def show_job(archive_dir: Path, job_id: int, spool: Path | None = None) -> dict[
         return job
 
     return archive.read_segments(read)
+
+
+def job_attempts(reports: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A job's attempts (restart counts) from its reports, in order: restart, nodes (a
+    hostlist), first prolog and last epilog time (unix s and UTC; None when no such report),
+    and the attempt's exit status (worst over its epilogs; None when none reported)."""
+    import hostlist
+
+    by: dict[int, list[dict[str, Any]]] = {}
+    for r in reports:
+        by.setdefault(int(r.get("restart") or 0), []).append(r)
+    out = []
+    for k in sorted(by):
+        reps = by[k]
+        pro = [r["time"] for r in reps if r["phase"] == "prolog"]
+        epi = [r for r in reps if r["phase"] == "epilog"]
+
+        def worst(key: str, epi: list[dict[str, Any]] = epi) -> int | None:
+            vals = [r[key] for r in epi if r.get(key) is not None]
+            return max(vals) if vals else None
+
+        first = min(pro) if pro else None
+        last = max(r["time"] for r in epi) if epi else None
+        out.append({
+            "restart": k, "nodes": hostlist.collect_hostlist(sorted({r["node"] for r in reps})),
+            "first_prolog_unix_s": first, "first_prolog_utc": iso(first),
+            "last_epilog_unix_s": last, "last_epilog_utc": iso(last),
+            "exit_code": worst("exit_code"), "exit_signal": worst("exit_signal"),
+            "derived_exit_code": worst("derived_exit_code"),
+        })
+    return out
 
 
 def _strip_job(report: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -376,7 +424,7 @@ def flat_record(report: dict[str, Any]) -> dict[str, Any]:
     health = report.get("health") or {}
     rec: dict[str, Any] = {
         "job_id": report["job_id"], "node": report["node"], "phase": report["phase"],
-        "user": report.get("user"), "partition": report.get("partition"),
+        "restart": report.get("restart", 0), "user": report.get("user"), "partition": report.get("partition"),
         "time_unix_s": report["time"], "time_utc": iso(report["time"]),
         "exit_code": report.get("exit_code"), "exit_signal": report.get("exit_signal"),
         "derived_exit_code": report.get("derived_exit_code"),
@@ -491,8 +539,8 @@ def verify(archive_dir: Path) -> VerifyResult:
             res.problems.append(f"{path}: manifest says {info.reports} reports/{info.jobs} jobs, "
                                 f"the file holds {len(rep)}/{len(jobs)}")
         k = np.zeros(len(rep), dtype=[("node", f"S{S.NODE_LEN}"), ("job_id", "u8"),
-                                      ("phase", "u1")])
-        for c in ("node", "job_id", "phase"):
+                                      ("phase", "u1"), ("restart", "u2")])
+        for c in ("node", "job_id", "phase", "restart"):
             k[c] = rep[c]
         keys.append(k)
         report_jobs.append(rep["job_id"])

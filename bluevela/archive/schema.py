@@ -40,6 +40,7 @@ STATUS_NAMES: dict[int, str] = {v: k for k, v in STATUS_CODES.items()}
 COMPLETION_CODES: dict[str, int] = {"all_reported": 0, "timeout": 1}
 COMPLETION_NAMES: dict[int, str] = {v: k for k, v in COMPLETION_CODES.items()}
 MISSING_INT = -1  # exit codes and signals a report did not carry
+MAX_RESTART = 65535  # /reports.restart and /jobs.restarts are uint16 (SLURM_JOB_RESTART_COUNT)
 
 # Dataset paths inside a segment file.
 TABLES: tuple[str, ...] = ("jobs", "job_nodes", "reports", "checks", "check_metrics", "telemetry")
@@ -50,14 +51,15 @@ JOB_IDS_INDEX = "index/job_ids"
 DESCRIPTIONS: dict[str, str] = {
     "jobs": "one row per archived job, sorted by job_id; newest revision wins across files",
     "job_nodes": "one row per (job, node): expected by the job's nodelist, and which reports came",
-    "reports": "one row per node report, sorted by (node, job_id, phase)",
+    "reports": "one row per node report, sorted by (node, job_id, restart, phase)",
     "checks": "one row per health check of a report, in report order; report_row -> /reports",
     "check_metrics": "one row per numeric metric of a check, in check order; unit in the name; "
                      "check_row -> /checks, report_row -> /reports",
     "telemetry": "one row per telemetry value of a report (per-job deltas), in report order; "
                  "unit in the name; report_row -> /reports",
     NODE_INDEX: "per node, its contiguous row range in reports, checks, check_metrics, telemetry",
-    JOB_REPORTS_INDEX: "rows of /reports ordered by (job_id, node, phase); see jobs.report_first",
+    JOB_REPORTS_INDEX: "rows of /reports ordered by (job_id, node, restart, phase); "
+                       "see jobs.report_first",
     JOB_IDS_INDEX: "/jobs.job_id on its own (sorted), to find a job without reading /jobs",
 }
 
@@ -83,7 +85,7 @@ def dtypes() -> dict[str, np.dtype[Any]]:
             ("first_report_unix_s", "f8"), ("last_report_unix_s", "f8"),
             ("start_unix_s", "f8"), ("end_unix_s", "f8"), ("archived_unix_s", "f8"),
             ("exit_code", "i4"), ("exit_signal", "i4"), ("derived_exit_code", "i4"),
-            ("health_worst", status),
+            ("health_worst", status), ("restarts", "u2"),
             ("node_first", "u8"), ("node_count", "u4"),
             ("report_first", "u8"), ("report_count", "u4"),
         ]),
@@ -92,8 +94,8 @@ def dtypes() -> dict[str, np.dtype[Any]]:
             ("has_prolog", "u1"), ("has_epilog", "u1"),
         ]),
         "reports": np.dtype([
-            ("job_id", "u8"), ("node", node), ("phase", phase), ("time_unix_s", "f8"),
-            ("health_status", status), ("health_tier", f"S{TIER_LEN}"),
+            ("job_id", "u8"), ("node", node), ("phase", phase), ("restart", "u2"),
+            ("time_unix_s", "f8"), ("health_status", status), ("health_tier", f"S{TIER_LEN}"),
             ("health_duration_s", "f8"),
             ("exit_code", "i4"), ("exit_signal", "i4"), ("derived_exit_code", "i4"),
             ("drained", "u1"), ("drain_reason", text), ("extra_json", text),
@@ -137,14 +139,35 @@ UNITS: dict[str, str] = {
     "exit_code": "process exit status, -1: not reported",
     "exit_signal": "signal number, -1: not reported",
     "derived_exit_code": "highest exit status of any step, -1: not reported",
+    "restart": "attempt number, SLURM_JOB_RESTART_COUNT (0: first run; files without the "
+               "column: 0)",
+    "restarts": "highest attempt number archived (0: never requeued)",
 }
+
+# Columns added after the first files were written: a file without them is still schema 1
+# and reads with the column 0 (HDF5 converts by member name and leaves a missing member as
+# the zero-filled buffer holds it: `store.read_rows`).
+ADDED_COLUMNS: dict[str, tuple[str, ...]] = {"reports": ("restart",), "jobs": ("restarts",)}
+
+
+def legacy_dtype(path: str) -> np.dtype[Any] | None:
+    """The dtype `path` had before ADDED_COLUMNS (None: the table never changed)."""
+    import numpy as np
+
+    added = ADDED_COLUMNS.get(path)
+    if not added:
+        return None
+    dt = dtypes()[path]
+    fields: Any = dt.fields or {}
+    return np.dtype([(n, fields[n][0]) for n in dt.names or () if n not in added])
 
 
 def schema_problems(f: h5py.File, data: dict[str, Any] | None = None) -> list[str]:
     """Check an open segment file against schema version 1; return the problems found.
 
     Checks the root attributes, every dataset's presence, dtype and 1-D shape, the row ranges
-    the indexes point at, and that no report key (job_id, node, phase) is stored twice.
+    the indexes point at, and that no report key (job_id, node, phase, restart) is stored
+    twice. A file written before a column of ADDED_COLUMNS existed passes (it reads as 0).
 
     Args:
         f: the open file.
@@ -173,7 +196,10 @@ def schema_problems(f: h5py.File, data: dict[str, Any] | None = None) -> list[st
         if ds.ndim != 1:
             problems.append(f"/{path} is not 1-D")
             continue
-        if ds.dtype.names != dt.names or ds.dtype.itemsize != dt.itemsize:
+        old = legacy_dtype(path)
+        if (ds.dtype.names != dt.names or ds.dtype.itemsize != dt.itemsize) and not (
+                old is not None and ds.dtype.names == old.names
+                and ds.dtype.itemsize == old.itemsize):
             problems.append(f"/{path} has dtype {ds.dtype}, expected {dt}")
             continue
         data[path] = read_rows(f, path)
@@ -186,13 +212,14 @@ def schema_problems(f: h5py.File, data: dict[str, Any] | None = None) -> list[st
             problems.append(f"root attribute n_{name}={attr} but /{name} has {counts[name]} rows")
     rep = data["reports"]
     if len(rep):
-        order = np.lexsort((rep["phase"], rep["job_id"], rep["node"]))
+        order = np.lexsort((rep["phase"], rep["restart"], rep["job_id"], rep["node"]))
         if not np.array_equal(order, np.arange(len(rep))):
-            problems.append("/reports is not sorted by (node, job_id, phase)")
+            problems.append("/reports is not sorted by (node, job_id, restart, phase)")
         else:
             same = (
                 (rep["node"][1:] == rep["node"][:-1])
                 & (rep["job_id"][1:] == rep["job_id"][:-1])
+                & (rep["restart"][1:] == rep["restart"][:-1])
                 & (rep["phase"][1:] == rep["phase"][:-1])
             )
             if same.any():

@@ -19,13 +19,21 @@ window whatever the job's size. Layout (schema 1)::
 NaN where a node had no such GPU/port or no sample near a grid point (each sample goes to the
 nearest grid point within interval/2). Chunked per node, shuffle + gzip.
 
+A requeued job (same job id, SLURM_JOB_RESTART_COUNT k) spools one side file per node and
+attempt (`<job>.<node>.r<k>.series.bvts` for k >= 1); all attempts go onto the one time grid,
+a node's row holding each attempt's samples (NaN in the gap between attempts). The root
+attribute `attempts` (JSON, {node: [restart, ...]}) says which attempts each row holds; a file
+without it holds attempt 0 of each node.
+
 `read_series` / `write_series` are the API the efficiency view and the fleet report use.
-A re-ingest adds nothing twice (a node already in the file is kept as it is); a late node's
-side file is added by rewriting the file (temp file, fsync, rename).
+A re-ingest adds nothing twice (a node's attempt already in the file is kept as it is); a late
+node's (or a later attempt's) side file is added by rewriting the file (temp file, fsync,
+rename).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -226,33 +234,48 @@ def _create(f: Any, plan: _Plan) -> None:
     f.create_dataset("ib/port", shape=(N, plan.P), dtype="S64")
 
 
-def _put(f: Any, plan: _Plan, row: int, w: NodeWindow) -> None:
-    """Write one node's window into row `row` (one node in memory at a time)."""
+def _put(f: Any, plan: _Plan, row: int, windows: NodeWindow | list[NodeWindow]) -> None:
+    """Write one node's window(s) into row `row` (one node in memory at a time). Several
+    windows (a requeued job's attempts, in attempt order) go onto the same row, a later one
+    over an earlier one where both have a grid point."""
     import numpy as np
 
-    k, ok = _grid_index(w.times, plan.t0, plan.interval_s, plan.T)
-    k = k[ok]
+    ws = windows if isinstance(windows, list) else [windows]
+    grid = [_grid_index(w.times, plan.t0, plan.interval_s, plan.T) for w in ws]
     for m in plan.gpu_metrics:
-        src = w.gpu.get(m)
-        if src is None or not src.shape[0]:
-            continue
-        out = np.full((plan.G, plan.T), np.nan, dtype=np.float32)
-        out[:src.shape[0], k] = src[:, ok]
-        f[f"gpu/{m}"][row] = out
+        out = None
+        for w, (k, ok) in zip(ws, grid, strict=True):
+            src = w.gpu.get(m)
+            if src is None or not src.shape[0]:
+                continue
+            if out is None:
+                out = np.full((plan.G, plan.T), np.nan, dtype=np.float32)
+            out[:src.shape[0], k[ok]] = src[:, ok]
+        if out is not None:
+            f[f"gpu/{m}"][row] = out
     for m in plan.ib_metrics:
-        src = w.ib.get(m)
-        if src is None or not src.shape[0]:
-            continue
-        out = np.full((plan.P, plan.T), np.nan, dtype=np.float32)
-        out[:src.shape[0], k] = src[:, ok]
-        f[f"ib/{m}"][row] = out
+        out = None
+        for w, (k, ok) in zip(ws, grid, strict=True):
+            src = w.ib.get(m)
+            if src is None or not src.shape[0]:
+                continue
+            if out is None:
+                out = np.full((plan.P, plan.T), np.nan, dtype=np.float32)
+            out[:src.shape[0], k[ok]] = src[:, ok]
+        if out is not None:
+            f[f"ib/{m}"][row] = out
     for m in plan.node_metrics:
-        vec = w.node_metrics.get(m)
-        if vec is None:
-            continue
-        out1 = np.full(plan.T, np.nan, dtype=np.float32)
-        out1[k] = vec[ok]
-        f[f"node/{m}"][row] = out1
+        out1 = None
+        for w, (k, ok) in zip(ws, grid, strict=True):
+            vec = w.node_metrics.get(m)
+            if vec is None:
+                continue
+            if out1 is None:
+                out1 = np.full(plan.T, np.nan, dtype=np.float32)
+            out1[k[ok]] = vec[ok]
+        if out1 is not None:
+            f[f"node/{m}"][row] = out1
+    w = next((x for x in reversed(ws) if x.uuids or x.ports), ws[-1])
     if plan.G:
         f["gpu/uuid"][row] = np.array([u.encode()[:64] for u in w.uuids]
                                       + [b""] * (plan.G - len(w.uuids)), dtype="S64")
@@ -379,6 +402,7 @@ class _Meta:
     ib: set[str]
     node_metrics: set[str]
     units: dict[str, str]
+    restarts: tuple[int, ...] = (0,)  # the attempts this window holds
 
 
 def _meta_of(probe: Probe, load: Callable[[], NodeWindow]) -> _Meta:
@@ -436,7 +460,8 @@ def _old_row(path: Path, i: int) -> NodeWindow:
 
 
 def _old_metas(path: Path) -> list[_Meta]:
-    """The nodes of an existing series file, each loaded only when written again."""
+    """The nodes of an existing series file, each loaded only when written again (with the
+    attempts its row holds)."""
     import h5py
 
     with h5py.File(path, "r") as f:
@@ -452,6 +477,7 @@ def _old_metas(path: Path) -> list[_Meta]:
         nm = set(f["node"]) if "node" in f else set()
         units = {k: str(ds.attrs.get("unit", "")) for g in ("gpu", "ib", "node") if g in f
                  for k, ds in f[g].items() if k not in ("uuid", "port")}
+        attempts = _attempts_attr(f)
     if not len(times):
         return []
     out = []
@@ -460,32 +486,55 @@ def _old_metas(path: Path) -> list[_Meta]:
             return _old_row(path, i)
 
         out.append(_Meta(node, load, float(times[0]), float(times[-1]), interval, G, P,
-                         gpu, ib, nm, units))
+                         gpu, ib, nm, units, tuple(attempts.get(node, (0,)))))
     return out
 
 
+def _attempts_attr(f: Any) -> dict[str, list[int]]:
+    """The file's `attempts` attribute ({node: [restart, ...]}); {} when absent or bad."""
+    raw = f.attrs.get("attempts")
+    if raw is None:
+        return {}
+    try:
+        d = json.loads(raw.decode() if isinstance(raw, bytes) else str(raw))
+        return {str(k): [int(x) for x in v] for k, v in d.items()}
+    except (ValueError, TypeError, AttributeError):
+        logger.warning("series file %s: unreadable attempts attribute; taken as attempt 0",
+                       f.filename)
+        return {}
+
+
 def build_series(path: Path, job_id: int, metas: list[_Meta]) -> int:
-    """Write the series file of `job_id` from node windows (loaded one at a time); returns N."""
-    metas = sorted(metas, key=lambda m: m.node)
+    """Write the series file of `job_id` from node windows (loaded one node at a time; a
+    node's windows of several attempts share its row); returns N."""
+    metas = sorted(metas, key=lambda m: (m.node, min(m.restarts)))
+    by_node: dict[str, list[_Meta]] = {}
+    for m in metas:
+        by_node.setdefault(m.node, []).append(m)
     interval = min(m.interval_s for m in metas)
     t0, T = _grid(min(m.t_min for m in metas), max(m.t_max for m in metas), interval)
     units: dict[str, str] = {}
     for m in metas:
         for k, v in m.units.items():
             units.setdefault(k, v)
-    plan = _Plan(job_id, interval, t0, T, [m.node for m in metas],
+    plan = _Plan(job_id, interval, t0, T, list(by_node),
                  max(m.n_gpu for m in metas), max(m.n_port for m in metas),
                  _ordered(set().union(*(m.gpu for m in metas)), GPU_METRICS),
                  _ordered(set().union(*(m.ib for m in metas)), IB_METRICS),
                  _ordered(set().union(*(m.node_metrics for m in metas)), NODE_METRICS), units)
 
+    attempts = {node: sorted({k for m in ms for k in m.restarts})
+                for node, ms in by_node.items()}
+
     def fill(f: Any) -> None:
         _create(f, plan)
-        for row, m in enumerate(metas):
-            _put(f, plan, row, m.load())
+        if any(a != [0] for a in attempts.values()):
+            f.attrs["attempts"] = json.dumps(attempts, sort_keys=True)
+        for row, ms in enumerate(by_node.values()):
+            _put(f, plan, row, [m.load() for m in ms] if len(ms) > 1 else ms[0].load())
 
     _atomic_h5(path, fill, clean_stale=True)
-    return len(metas)
+    return len(by_node)
 
 
 def ingest_side_files(w: Writer, sd: SpoolDir, archive_dir: Path,
@@ -530,19 +579,19 @@ def _ingest_job(sd: SpoolDir, archive_dir: Path, job_id: int,
     done: list[str] = []
     bad: list[tuple[str, str]] = []
     path = series_path(archive_dir, job_id)
-    have: set[str] = set()
+    have: set[tuple[str, int]] = set()
     metas: list[_Meta] = []
     if path.is_file():
         try:
             metas = _old_metas(path)
-            have = {m.node for m in metas}
+            have = {(m.node, k) for m in metas for k in m.restarts}
         except (OSError, KeyError, ValueError) as exc:
             logger.error("job %d: series file %s unreadable (%s): rebuilt from the spool",
                          job_id, path, exc)
             have, metas = set(), []
     new = 0
-    for e in job_entries:
-        if e.node in have:
+    for e in sorted(job_entries, key=lambda x: (x.node, x.restart)):
+        if (e.node, e.restart) in have:
             done.append(e.name)
             continue
 
@@ -551,11 +600,18 @@ def _ingest_job(sd: SpoolDir, archive_dir: Path, job_id: int,
 
         try:
             probe = probe_file(e.name, dir_fd=sd.fd)
-            if probe.header.node != e.node:
+            node, restart = e.node, e.restart
+            if restart and probe.header.node == f"{node}.r{restart}":
+                node, restart = probe.header.node, 0  # a node named `<x>.r<k>`, first run
+                if (node, 0) in have:
+                    done.append(e.name)
+                    continue
+            if probe.header.node != node:
                 raise FormatError(f"header node {probe.header.node!r} does not match the name")
             if probe.header.job_id is not None and probe.header.job_id != job_id:
                 raise FormatError(f"header job_id {probe.header.job_id} does not match")
             meta = _meta_of(probe, load)
+            meta.restarts = (restart,)
         except FileNotFoundError:
             continue
         except (OSError, FormatError, ValueError) as exc:
@@ -565,7 +621,7 @@ def _ingest_job(sd: SpoolDir, archive_dir: Path, job_id: int,
             quarantine(sd, e.name, reason)
             bad.append((e.name, reason))
             continue
-        have.add(e.node)
+        have.add((node, restart))
         done.append(e.name)
         metas.append(meta)
         new += 1

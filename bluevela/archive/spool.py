@@ -1,12 +1,16 @@
 """The spool: node reports written atomically by prolog/epilog hooks, read by ingest.
 
-A report is one JSON file `<spool>/<job_id>.<node>.<phase>.json`, built only from a validated
-job id, node name and phase (never from a value the job's owner controls), written through a
-temporary file with O_EXCL|O_NOFOLLOW, fsynced, renamed, and the directory fsynced.
+A report is one JSON file `<spool>/<job_id>.<node>.<phase>.json` (the job's first run) or
+`<spool>/<job_id>.<node>.<phase>.r<k>.json` (its k-th restart after a requeue, which keeps the
+job id: without the `r<k>` a requeued attempt's report would replace or duplicate the first
+one's), built only from a validated job id, node name, phase and restart count (never from a
+value the job's owner controls), written through a temporary file with O_EXCL|O_NOFOLLOW,
+fsynced, renamed, and the directory fsynced. The epilog's series side file is named
+`<job_id>.<node>.series.bvts`, or `<job_id>.<node>.r<k>.series.bvts` after a restart.
 
 Report format (schema 1), one JSON object:
     schema: 1, kind: "node_report", phase: "prolog" | "epilog",
-    job_id: int, node: str, user: str, partition: str, num_nodes: int,
+    job_id: int, node: str, restart: int (SLURM_JOB_RESTART_COUNT, 0..65535; absent: 0), user: str, partition: str, num_nodes: int,
     nodelist: str (a hostlist expression, `node[1-3]`; a list of names is accepted too),
     time: float (unix s, when written),
     exit_code: int | null, exit_signal: int | null, derived_exit_code: int | null  (epilog),
@@ -17,7 +21,7 @@ Report format (schema 1), one JSON object:
     drained: bool, drain_reason: str | null
 
 Reading side (ingest): `scan_spool` lists the report files and refuses anything else (symlinks,
-non-regular files, names that are not `<job>.<node>.<phase>.json`); `load_report` reads one
+non-regular files, names that are not `<job>.<node>.<phase>[.r<k>].json`); `load_report` reads one
 without following a symlink and validates it; `quarantine` moves a refused or malformed entry
 to `<spool>/quarantine/` next to a `.reason` file; `mark_done` moves ingested reports to
 `<spool>/done/` once the archive holding them is durable.
@@ -64,10 +68,15 @@ QUARANTINE_DIR = "quarantine"
 MAX_REPORT_BYTES = 4 << 20
 STALE_TEMP_S = 3600.0  # a writer's temporary file older than this belongs to a dead writer
 
-_NAME_RE = re.compile(r"^([0-9]{1,12})\.(.+)\.(prolog|epilog)\.json$")
-# The epilog's window of sampler data (bluevela.telemetry.window, archive/series.py).
+MAX_RESTART = 65535  # the archive's restart column is uint16 (archive/schema.py)
+# restart k >= 1: `.r<k>` before the suffix, k without leading zeros, at most 5 digits.
+_RESTART = r"(?:\.r([1-9][0-9]{0,4}))?"
+_NAME_RE = re.compile(r"^([0-9]{1,12})\.(.+)\.(prolog|epilog)" + _RESTART + r"\.json$")
+# The epilog's window of sampler data (bluevela.telemetry.window, archive/series.py). The
+# node part is non-greedy: `<job>.n1.r2.series.bvts` is node n1's restart 2 (a node whose own
+# name ends in `.r<k>` is told apart by the side file's header: archive/series.py).
 SERIES_SUFFIX = ".series.bvts"
-_SERIES_RE = re.compile(r"^([0-9]{1,12})\.(.+)\.series\.bvts$")
+_SERIES_RE = re.compile(r"^([0-9]{1,12})\.(.+?)" + _RESTART + r"\.series\.bvts$")
 _TEMP_RE = re.compile(r"^\..+\.[0-9]+\.tmp$")
 # Limits shared with the archive schema (bluevela/archive/schema.py): identifier columns are
 # fixed-width, so a longer value is refused here rather than truncated there.
@@ -80,11 +89,32 @@ class ReportError(ArchiveError):
     """A spool entry is not a valid node report (it goes to quarantine, ingest goes on)."""
 
 
-def report_name(job_id: int | str, node: str, phase: str) -> str:
+def safe_restart(value: Any) -> int:
+    """A restart count (SLURM_JOB_RESTART_COUNT) as an int in [0, MAX_RESTART]; None is 0.
+
+    Raises:
+        UnsafeValueError: not a non-negative integer in range.
+    """
+    if value is None:
+        return 0
+    if isinstance(value, str) and value.isdigit() and len(value) <= 5:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_RESTART:
+        raise UnsafeValueError(f"restart count {value!r} is not an integer in "
+                               f"[0, {MAX_RESTART}]")
+    return value
+
+
+def _restart_part(restart: Any) -> str:
+    k = safe_restart(restart)
+    return f".r{k}" if k else ""
+
+
+def report_name(job_id: int | str, node: str, phase: str, restart: int = 0) -> str:
     """The spool file name for a report; raises UnsafeValueError on anything odd."""
     if phase not in PHASES:
         raise UnsafeValueError(f"unknown report phase {phase!r}")
-    return f"{safe_job_id(job_id)}.{safe_node_name(node)}.{phase}.json"
+    return f"{safe_job_id(job_id)}.{safe_node_name(node)}.{phase}{_restart_part(restart)}.json"
 
 
 def write_report(spool: Path, report: dict[str, Any]) -> Path:
@@ -94,9 +124,10 @@ def write_report(spool: Path, report: dict[str, Any]) -> Path:
         UnsafeValueError: job id, node or phase not safe for a file name.
         OSError: the write failed (ENOSPC...); nothing half-written is left behind.
     """
-    name = report_name(report["job_id"], report["node"], report["phase"])
+    restart = safe_restart(report.get("restart"))
+    name = report_name(report["job_id"], report["node"], report["phase"], restart)
     ensure_dir(spool, 0o755)
-    body = {"schema": SCHEMA, "kind": "node_report", **report}
+    body = {"schema": SCHEMA, "kind": "node_report", **report, "restart": restart}
     data = json.dumps(body, sort_keys=True, default=str).encode()
     fd = open_dir(spool)
     try:
@@ -108,13 +139,14 @@ def write_report(spool: Path, report: dict[str, Any]) -> Path:
     return path
 
 
-def series_name(job_id: int | str, node: str) -> str:
+def series_name(job_id: int | str, node: str, restart: int = 0) -> str:
     """The spool file name of a node's series side file; raises UnsafeValueError."""
-    return f"{safe_job_id(job_id)}.{safe_node_name(node)}{SERIES_SUFFIX}"
+    return f"{safe_job_id(job_id)}.{safe_node_name(node)}{_restart_part(restart)}{SERIES_SUFFIX}"
 
 
-def parse_report_name(name: str) -> tuple[int, str, str]:
-    """Split `<job>.<node>.<phase>.json` into its validated parts.
+def parse_report_name(name: str) -> tuple[int, str, str, int]:
+    """Split `<job>.<node>.<phase>[.r<k>].json` into its validated parts (restart 0 without
+    `.r<k>`).
 
     Raises:
         UnsafeValueError: the name is not exactly a report name built from safe values.
@@ -124,7 +156,19 @@ def parse_report_name(name: str) -> tuple[int, str, str]:
         raise UnsafeValueError(f"not a report file name: {name!r}")
     job_id = safe_job_id(m.group(1))
     node = safe_node_name(m.group(2))
-    return job_id, node, m.group(3)
+    return job_id, node, m.group(3), safe_restart(m.group(4))
+
+
+def parse_series_name(name: str) -> tuple[int, str, int] | None:
+    """Split `<job>.<node>[.r<k>].series.bvts` (None: not a series name).
+
+    Raises:
+        UnsafeValueError: a series name whose job id, node or restart is not safe.
+    """
+    m = _SERIES_RE.match(name)
+    if not m:
+        return None
+    return safe_job_id(m.group(1)), safe_node_name(m.group(2)), safe_restart(m.group(3))
 
 
 @dataclass(frozen=True)
@@ -135,10 +179,11 @@ class SpoolEntry:
     job_id: int
     node: str
     phase: str
+    restart: int = 0
 
     @property
-    def key(self) -> tuple[int, str, str]:
-        return (self.job_id, self.node, self.phase)
+    def key(self) -> tuple[int, str, str, int]:
+        return (self.job_id, self.node, self.phase, self.restart)
 
 
 @dataclass
@@ -265,24 +310,20 @@ def _scan(sd: SpoolDir, job_id: int | None) -> SpoolScan:
                 if not de.is_file(follow_symlinks=False):
                     scan.refused.append((name, "not a regular file"))
                     continue
-                series = _SERIES_RE.match(name)
-                if series:
-                    try:
-                        job, node = safe_job_id(series.group(1)), safe_node_name(series.group(2))
-                    except UnsafeValueError as exc:
-                        scan.refused.append((name, str(exc)))
-                        continue
-                    scan.series.append(SpoolEntry(name, job, node, "series"))
-                    continue
                 try:
-                    job, node, phase = parse_report_name(name)
+                    series = parse_series_name(name)
+                    if series is not None:
+                        job, node, restart = series
+                        scan.series.append(SpoolEntry(name, job, node, "series", restart))
+                        continue
+                    job, node, phase, restart = parse_report_name(name)
                 except UnsafeValueError as exc:
                     scan.refused.append((name, str(exc)))
                     continue
-                scan.entries.append(SpoolEntry(name, job, node, phase))
+                scan.entries.append(SpoolEntry(name, job, node, phase, restart))
     except OSError as exc:
         raise ArchiveError(f"cannot read spool directory {sd.path}: {exc.strerror}") from exc
-    scan.entries.sort(key=lambda e: (e.job_id, e.node, e.phase))
+    scan.entries.sort(key=lambda e: (e.job_id, e.node, e.restart, e.phase))
     return scan
 
 
@@ -458,6 +499,14 @@ def validate_report(obj: Any, entry: SpoolEntry) -> dict[str, Any]:
         raise ReportError(f"node {obj.get('node')!r} does not match the file name")
     if obj.get("phase") != entry.phase:
         raise ReportError(f"phase {obj.get('phase')!r} does not match the file name")
+    try:
+        restart = safe_restart(obj.get("restart"))
+    except UnsafeValueError as exc:
+        raise ReportError(str(exc)) from None
+    if restart != entry.restart:
+        raise ReportError(f"restart {restart} does not match the file name "
+                          f"(restart {entry.restart})")
+    out["restart"] = restart
     t = _num(obj.get("time"), "time", allow_none=False)
     if t is None or math.isnan(t):
         raise ReportError("time is missing or NaN")

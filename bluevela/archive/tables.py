@@ -26,13 +26,13 @@ logger = logging.getLogger(__name__)
 
 # Report keys with a column of their own; everything else goes to `extra_json`.
 _TOP_KEYS = frozenset({
-    "schema", "kind", "job_id", "node", "phase", "time", "user", "partition", "num_nodes",
-    "nodelist", "exit_code", "exit_signal", "derived_exit_code", "health", "telemetry",
+    "schema", "kind", "job_id", "node", "phase", "restart", "time", "user", "partition",
+    "num_nodes", "nodelist", "exit_code", "exit_signal", "derived_exit_code", "health", "telemetry",
     "drained", "drain_reason", "_nonnumeric",
 })
 _HEALTH_KEYS = frozenset({"status", "status_code", "tier", "duration_s", "checks"})
 _CHECK_KEYS = frozenset({"name", "status", "status_code", "summary", "metrics", "duration_s"})
-_NODE_SHIFT = 41  # composite report key: node index << 41 | job_id << 1 | phase
+_NODE_SHIFT = 40  # report key: (node index << 40 | job_id, restart << 1 | phase)
 _MAX_JOB_ID = (1 << 40) - 1
 
 
@@ -140,7 +140,8 @@ def from_reports(reports: Sequence[dict[str, Any]]) -> Tables:
             tier, hdur = _enc(health.get("tier")), _f(health.get("duration_s"))
             checks = health.get("checks") or []
         rep_rows.append((
-            job_id, r["node"].encode(), S.PHASE_CODES[r["phase"]], float(r["time"]), status,
+            job_id, r["node"].encode(), S.PHASE_CODES[r["phase"]], int(r.get("restart") or 0),
+            float(r["time"]), status,
             tier, hdur, _i(r.get("exit_code")), _i(r.get("exit_signal")),
             _i(r.get("derived_exit_code")), 1 if r.get("drained") else 0,
             r.get("drain_reason") or "", _residual(r), 0, 0, 0, 0,
@@ -200,11 +201,22 @@ def concat(parts: Iterable[Tables]) -> Tables:
 
 
 def _rkeys(arr: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """Each report's key (node, job_id, restart, phase) as its dense rank among the distinct
+    keys (int64): equal keys share a rank, and ranks sort as the keys do."""
     import numpy as np
 
+    if not len(arr):
+        return np.zeros(0, dtype=np.int64)
     idx = np.searchsorted(nodes, arr["node"]).astype(np.uint64)
-    return (idx << np.uint64(_NODE_SHIFT)) | (arr["job_id"].astype(np.uint64) << np.uint64(1)) \
-        | arr["phase"].astype(np.uint64)
+    hi = (idx << np.uint64(_NODE_SHIFT)) | arr["job_id"].astype(np.uint64)
+    lo = (arr["restart"].astype(np.uint64) << np.uint64(1)) | arr["phase"].astype(np.uint64)
+    order = np.lexsort((lo, hi))
+    hs, ls = hi[order], lo[order]
+    new = np.ones(len(order), dtype=np.int64)
+    new[1:] = (hs[1:] != hs[:-1]) | (ls[1:] != ls[:-1])
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.cumsum(new) - 1
+    return rank
 
 
 def _ranges(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -218,7 +230,7 @@ def _ranges(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.n
 def finalize(t: Tables) -> dict[str, np.ndarray]:
     """Sort, deduplicate and index the tables into the datasets of one segment file.
 
-    Reports: sorted by (node, job_id, phase); of reports with the same key the first (lowest
+    Reports: sorted by (node, job_id, restart, phase); of reports with the same key the first (lowest
     position in `t`) is kept, with its own checks, metrics and telemetry. Jobs: one row per
     job_id, the highest `revision` (later position on a tie), with its own job_nodes rows.
     """
@@ -303,7 +315,8 @@ def finalize(t: Tables) -> dict[str, np.ndarray]:
     job_nodes = t.job_nodes[keep_job[t.job_nodes_src]] if len(t.job_nodes) else t.job_nodes
     job_nodes = job_nodes[np.lexsort((job_nodes["node"], job_nodes["job_id"]))]
     jobs["node_first"], jobs["node_count"] = _ranges(job_nodes["job_id"], jobs["job_id"])
-    by_job = np.lexsort((reports["phase"], reports["node"], reports["job_id"])).astype(np.uint64)
+    by_job = np.lexsort((reports["phase"], reports["restart"], reports["node"],
+                         reports["job_id"])).astype(np.uint64)
     jobs["report_first"], jobs["report_count"] = _ranges(
         reports["job_id"][by_job], jobs["job_id"])
     return {
@@ -419,7 +432,7 @@ def build_reports(reps: np.ndarray, checks: np.ndarray, metrics: np.ndarray,
         job_id = r["job_id"][i]
         rep: dict[str, Any] = {
             "job_id": job_id, "node": nodes[i], "phase": S.PHASE_NAMES[r["phase"][i]],
-            "time": r["time_unix_s"][i],
+            "restart": r["restart"][i], "time": r["time_unix_s"][i],
             "exit_code": None if r["exit_code"][i] == S.MISSING_INT else r["exit_code"][i],
             "exit_signal": None if r["exit_signal"][i] == S.MISSING_INT else r["exit_signal"][i],
             "derived_exit_code": None if r["derived_exit_code"][i] == S.MISSING_INT
@@ -491,4 +504,5 @@ def job_dict(row: dict[str, Any], job_nodes: list[dict[str, Any]]) -> dict[str, 
         "exit_signal": opt_int(row["exit_signal"]),
         "derived_exit_code": opt_int(row["derived_exit_code"]),
         "health_worst": status_name(row["health_worst"]),
+        "restarts": int(row["restarts"]) if "restarts" in row else 0,
     }

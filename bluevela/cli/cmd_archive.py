@@ -243,6 +243,11 @@ def show_cmd(ctx: click.Context, job_id: int, as_json: bool, efficiency: bool,
     table(f"Job {job_id}", ["NODE", "PROLOG", "EPILOG", "EXIT", "TELEMETRY"],
           [(n["node"], _health_cell(n["prolog"]), _health_cell(n["epilog"]),
             _exit(n["epilog"] or {}), _telemetry_cell(n["epilog"])) for n in job["nodes"]])
+    if job.get("attempts"):  # a requeued job: one row per attempt (the nodes above: the last)
+        table(f"Job {job_id}: {job['restarts']} restart(s)",
+              ["RESTART", "NODES", "FIRST PROLOG", "LAST EPILOG", "EXIT"],
+              [(a["restart"], a["nodes"], a["first_prolog_utc"] or "-",
+                a["last_epilog_utc"] or "-", _exit(a) or "-") for a in job["attempts"]])
 
 
 def _show_efficiency(archive: Path, job: dict[str, Any], as_json: bool,

@@ -221,7 +221,8 @@ def _spool(site: Site, hctx: HookContext, report: HealthReport, drain: DrainResu
     from bluevela.archive.spool import write_report
 
     body = {
-        "phase": hctx.phase, "job_id": hctx.job_id, "node": hctx.node, "user": hctx.user,
+        "phase": hctx.phase, "job_id": hctx.job_id, "node": hctx.node,
+        "restart": hctx.restart_count, "user": hctx.user,
         "partition": hctx.partition, "num_nodes": hctx.num_nodes,
         "nodelist": _compressed(hctx.nodelist), "time": time.time(),
         "exit_code": hctx.exit_code, "exit_signal": hctx.exit_signal,
@@ -288,7 +289,7 @@ def epilog(site: Site, hctx: HookContext) -> HookOutcome:
     if hctx.job_id is not None:  # the sampler's window of this job, before the report
         from bluevela.telemetry.window import spool_series
 
-        spool_series(site, hctx.job_id, hctx.node, reading)
+        spool_series(site, hctx.job_id, hctx.node, reading, restart=hctx.restart_count)
     drain = _drain_if_critical(site, hctx.node, report)
     spooled = _spool(site, hctx, report, drain, telemetry)
     return _finish(state, HookOutcome("epilog", hctx.node, hctx.job_id, report, drain,

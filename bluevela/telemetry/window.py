@@ -1,6 +1,7 @@
 """The epilog's part: cut the job's window out of the sampler's segments into the spool.
 
-`<spool>/<job_id>.<node>.series.bvts` holds the records of `<state>/samples/` from one interval
+`<spool>/<job_id>.<node>.series.bvts` (`<job_id>.<node>.r<k>.series.bvts` for a requeued job's
+restart k, archive/spool.py) holds the records of `<state>/samples/` from one interval
 before the job's start (the prolog's reading) to now, over the union of the segments' columns
 (`format.cut_window`). Written atomically (temporary file with O_EXCL|O_NOFOLLOW, fsync,
 rename) relative to the spool directory opened without following a symlink. Standard library
@@ -35,7 +36,7 @@ def interval_s(site: Site) -> float:
 
 
 def write_side_file(spool: Path, samples: Path, job_id: int, node: str, start: float,
-                    end: float, interval: float) -> Path | None:
+                    end: float, interval: float, restart: int = 0) -> Path | None:
     """Cut [start - interval, end] out of `samples` into the spool; None when no sample.
 
     Raises:
@@ -45,7 +46,7 @@ def write_side_file(spool: Path, samples: Path, job_id: int, node: str, start: f
     from bluevela.telemetry.format import cut_window
     from bluevela.util.fs import atomic_write_at, ensure_dir, open_dir
 
-    name = series_name(job_id, node)
+    name = series_name(job_id, node, restart)
     cut = cut_window(samples, start - interval, end, node=node, job_id=job_id)
     if cut is None:
         return None
@@ -60,7 +61,7 @@ def write_side_file(spool: Path, samples: Path, job_id: int, node: str, start: f
 
 
 def spool_series(site: Site, job_id: int, node: str, reading: Mapping[str, Any] | None,
-                 now: float | None = None) -> str | None:
+                 now: float | None = None, *, restart: int = 0) -> str | None:
     """The epilog's step: spool the job's window of samples. Never raises (logged)."""
     now = time.time() if now is None else now
     start = reading.get("time") if reading else None
@@ -70,7 +71,7 @@ def spool_series(site: Site, job_id: int, node: str, reading: Mapping[str, Any] 
     samples = site.path("state") / "samples"
     try:
         path = write_side_file(site.path("spool"), samples, job_id, node, float(start), now,
-                               interval_s(site))
+                               interval_s(site), restart)
     except (OSError, BluevelaError, ValueError) as exc:
         logger.error("job %s: time series not spooled: %s", job_id, exc)
         return None

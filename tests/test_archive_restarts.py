@@ -1,0 +1,284 @@
+"""A requeued job keeps its id: every attempt's reports and time series reach the archive.
+
+Before the `restart` field, attempt 1's `<job>.<node>.<phase>.json` replaced attempt 0's in the
+spool, or was dropped at ingest as a duplicate of it ("the first report wins"), so the archive
+lost every requeued attempt. Fixtures only here; the dev cluster test is in
+tests/test_archive_restarts_cluster.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from bluevela.archive import query
+from bluevela.archive.ingest import ingest, store_reports
+from bluevela.archive.sample import sample_report
+from bluevela.archive.series import read_series, series_path
+from bluevela.archive.spool import (
+    DONE_DIR,
+    QUARANTINE_DIR,
+    parse_report_name,
+    parse_series_name,
+    report_name,
+    scan_spool,
+    series_name,
+    write_report,
+)
+from bluevela.archive.store import Archive
+from bluevela.errors import UnsafeValueError
+from bluevela.telemetry.format import Column, Header, SegmentWriter
+from bluevela.telemetry.window import write_side_file
+
+REPO = Path(__file__).resolve().parent.parent
+T0 = 1_750_000_000.0
+# The last commit whose archive code had no `restart` column (segments written before it).
+OLD_ARCHIVE_COMMIT = "fd30df9"
+
+
+def _spool(spool: Path, job: int, nodes: list[str], restart: int, t: float, *,
+           phases: tuple[str, ...] = ("prolog", "epilog"), exit_code: int = 0) -> None:
+    for node in nodes:
+        for phase in phases:
+            r = sample_report(job, node, phase, nodelist=nodes,
+                              time=t + (60 if phase == "epilog" else 0), exit_code=exit_code)
+            if restart:
+                r["restart"] = restart
+            write_report(spool, r)
+
+
+def _keys(archive: Path) -> Counter[tuple[int, str, str, int]]:
+    return Counter((r["job_id"], r["node"], r["phase"], r["restart"])
+                   for r in query.iter_reports(archive))
+
+
+# -- spool names ----------------------------------------------------------------------------
+
+
+def test_restart_names_are_accepted_exactly_and_agree_with_the_content(
+        tmp_path: Path) -> None:
+    assert report_name(7, "n1", "prolog") == "7.n1.prolog.json"  # first run: as before
+    assert report_name(7, "n1", "epilog", 3) == "7.n1.epilog.r3.json"
+    assert series_name(7, "n1") == "7.n1.series.bvts"
+    assert series_name(7, "n1", 12) == "7.n1.r12.series.bvts"
+    assert parse_report_name("7.gpu-1.rack2.epilog.r65535.json") == \
+        (7, "gpu-1.rack2", "epilog", 65535)
+    assert parse_series_name("7.n1.r2.series.bvts") == (7, "n1", 2)
+    assert parse_series_name("7.n1.series.bvts") == (7, "n1", 0)
+    for bad in ["7.n1.prolog.r0.json", "7.n1.prolog.r01.json", "7.n1.prolog.r65536.json",
+                "7.n1.prolog.r123456.json", "7.n1.prolog.r-1.json", "7.n1.prolog.r.json",
+                "7.n1.prolog.R1.json", "7.n1.prolog.r1.json.tmp", "7.n1.r1.prolog.json.r1"]:
+        with pytest.raises(UnsafeValueError):
+            parse_report_name(bad)
+    for value in (-1, 65536, "x", 1.5, True):
+        with pytest.raises(UnsafeValueError):
+            report_name(7, "n1", "prolog", value)  # type: ignore[arg-type]
+    with pytest.raises(UnsafeValueError):
+        parse_series_name("7.n1.r99999.series.bvts")
+    spool = tmp_path / "spool"
+    r = sample_report(7, "n1", "prolog", time=T0)
+    r["restart"] = 2
+    assert write_report(spool, r).name == "7.n1.prolog.r2.json"
+    assert json.loads((spool / "7.n1.prolog.r2.json").read_text())["restart"] == 2
+    # A name that is not exactly one of these forms, and a report whose restart disagrees
+    # with its name, are quarantined; the good one is archived.
+    (spool / "7.n1.epilog.r01.json").write_text("{}")
+    lie = sample_report(7, "n1", "epilog", time=T0 + 60)
+    lie["restart"] = 1
+    (spool / "7.n1.epilog.r2.json").write_text(json.dumps({"schema": 1, "kind": "node_report",
+                                                           **lie}))
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    scan = scan_spool(spool)
+    assert sorted(e.name for e in scan.entries) == ["7.n1.epilog.r2.json", "7.n1.prolog.r2.json"]
+    assert scan.refused == [("7.n1.epilog.r01.json",
+                             "not a report file name: '7.n1.epilog.r01.json'")]
+    res = ingest(spool, archive, now=T0 + 10**7)
+    assert sorted(n for n, _ in res.quarantined) == ["7.n1.epilog.r01.json", "7.n1.epilog.r2.json"]
+    assert "restart 1 does not match the file name" in dict(res.quarantined)["7.n1.epilog.r2.json"]
+    assert (spool / QUARANTINE_DIR / "7.n1.epilog.r2.json").exists()
+    assert _keys(archive) == Counter({(7, "n1", "prolog", 2): 1})
+
+
+# -- ingest ---------------------------------------------------------------------------------
+
+
+def test_two_attempts_of_a_node_are_both_archived_and_reingest_is_idempotent(
+        dirs: tuple[Path, Path]) -> None:
+    spool, archive = dirs
+    nodes = ["n1", "n2"]
+    _spool(spool, 30, nodes, 0, T0, exit_code=143)  # attempt 0 killed by the requeue
+    _spool(spool, 30, nodes, 1, T0 + 600, phases=("prolog",))
+    res = ingest(spool, archive, now=T0 + 700)
+    # The latest attempt decides: attempt 1 runs, so the job waits (nothing lost, no revision).
+    assert res.waiting_jobs == [30] and res.reports_ingested == 0
+    _spool(spool, 30, nodes, 1, T0 + 600, phases=("epilog",))
+    res = ingest(spool, archive, now=T0 + 700)
+    assert res.jobs_archived == [30] and res.reports_ingested == 8 and res.duplicates == 0
+    assert _keys(archive) == Counter({(30, n, p, k): 1 for n in nodes
+                                      for p in ("prolog", "epilog") for k in (0, 1)})
+    job = query.show_job(archive, 30)
+    assert job["restarts"] == 1 and job["exit_code"] == 0  # the last attempt's exit
+    assert [(a["restart"], a["nodes"], a["first_prolog_unix_s"], a["last_epilog_unix_s"],
+             a["exit_code"]) for a in job["attempts"]] == [
+        (0, "n[1-2]", T0, T0 + 60, 143), (1, "n[1-2]", T0 + 600, T0 + 660, 0)]
+    n1 = job["nodes"][0]
+    assert n1["prolog"]["restart"] == 1 and n1["epilog"]["time"] == T0 + 660
+    assert [(e["restart"], e["epilog"]["exit_code"]) for e in n1["earlier"]] == [(0, 143)]
+    assert query.list_jobs(archive)[0]["restarts"] == 1
+    # Re-ingest of every report: all duplicates, nothing new.
+    for name in os.listdir(spool / DONE_DIR):
+        shutil.copy(spool / DONE_DIR / name, spool / name)
+    res = ingest(spool, archive, now=T0 + 800)
+    assert res.duplicates == 8 and res.reports_ingested == 0 and not res.jobs_archived
+    assert sum(_keys(archive).values()) == 8
+    assert query.verify(archive).ok
+
+
+def test_attempt_after_the_first_was_archived_adds_a_revision_and_survives_compaction(
+        dirs: tuple[Path, Path]) -> None:
+    spool, archive = dirs
+    nodes = ["n1", "n2"]
+    _spool(spool, 31, nodes, 0, T0, exit_code=15)
+    assert ingest(spool, archive, now=T0 + 100).jobs_archived == [31]
+    job = query.show_job(archive, 31)
+    assert job["restarts"] == 0 and "attempts" not in job and job["exit_code"] == 15
+    # Requeued: attempt 1's prologs arrive (archived at once, as late reports), then epilogs.
+    _spool(spool, 31, nodes, 1, T0 + 900, phases=("prolog",))
+    res = ingest(spool, archive, now=T0 + 1000)
+    assert res.jobs_archived == [31] and res.reports_ingested == 2 and res.duplicates == 0
+    assert query.show_job(archive, 31)["restarts"] == 1
+    _spool(spool, 31, nodes, 1, T0 + 900, phases=("epilog",))
+    assert ingest(spool, archive, now=T0 + 1100).reports_ingested == 2
+    job = query.show_job(archive, 31)
+    assert job["revision"] == 3 and job["restarts"] == 1 and job["exit_code"] == 0
+    assert [(a["restart"], a["exit_code"]) for a in job["attempts"]] == [(0, 15), (1, 0)]
+    with Archive(archive).writer() as w:  # merge segments: all attempts are kept
+        assert w.compact(fanout=2) >= 1
+        assert max(s.reports for s in w.manifest.segments) >= 4
+    assert _keys(archive) == Counter({(31, n, p, k): 1 for n in nodes
+                                      for p in ("prolog", "epilog") for k in (0, 1)})
+    assert query.verify(archive).ok
+    assert query.show_job(archive, 31)["restarts"] == 1
+
+
+def _old_code(tmp_path: Path) -> Path:
+    """The archive package as it was before the `restart` column, from git."""
+    ok = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e",
+                         f"{OLD_ARCHIVE_COMMIT}^{{commit}}"], capture_output=True)
+    if ok.returncode != 0:
+        pytest.skip(f"needs the git history of {REPO} (commit {OLD_ARCHIVE_COMMIT})")
+    old = tmp_path / "old"
+    old.mkdir()
+    tar = subprocess.run(["git", "-C", str(REPO), "archive", OLD_ARCHIVE_COMMIT, "bluevela"],
+                         capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(old)], input=tar, check=True)
+    return old
+
+
+def test_segment_written_before_the_restart_column_reads_as_restart_0(
+        dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    spool, archive = dirs
+    old = _old_code(tmp_path)
+    script = (
+        "import sys, bluevela.archive.ingest as i, bluevela.archive.sample as s\n"
+        "assert i.__file__.startswith(sys.argv[2]), i.__file__\n"
+        "reps = [s.sample_report(32, n, p, nodelist=['n1', 'n2'], time=float(sys.argv[3]) + (60 if p == "
+        "'epilog' else 0), exit_code=9) for n in ('n1', 'n2') for p in ('prolog', 'epilog')]\n"
+        "from bluevela.archive.spool import validate_report, SpoolEntry\n"
+        "reps = [validate_report({'schema': 1, 'kind': 'node_report', **r}, "
+        "SpoolEntry('x', 32, r['node'], r['phase'])) for r in reps]\n"
+        "i.store_reports(__import__('pathlib').Path(sys.argv[1]), reps, compact=False)\n")
+    env = {**os.environ, "PYTHONPATH": str(old)}
+    subprocess.run([sys.executable, "-c", script, str(archive), str(old), str(T0)], env=env,
+                   check=True, cwd=tmp_path)
+    seg = next((archive / "segments").glob("*.h5"))
+    with h5py.File(seg, "r") as f:
+        assert "restart" not in f["reports"].dtype.names  # really the old layout
+        assert "restarts" not in f["jobs"].dtype.names
+    assert query.verify(archive).ok
+    job = query.show_job(archive, 32)
+    assert job["restarts"] == 0 and "attempts" not in job and job["exit_code"] == 9
+    assert _keys(archive) == Counter({(32, n, p, 0): 1 for n in ("n1", "n2")
+                                      for p in ("prolog", "epilog")})
+    # The same reports again are duplicates; attempt 1 goes in beside them; compaction merges
+    # the old file with the new ones.
+    _spool(spool, 32, ["n1", "n2"], 0, T0, exit_code=9)
+    _spool(spool, 32, ["n1", "n2"], 1, T0 + 900)
+    res = ingest(spool, archive, now=T0 + 1000, compact=False)
+    assert res.duplicates == 4 and res.reports_ingested == 4
+    with Archive(archive).writer() as w:
+        w.compact(fanout=2)
+    assert sum(_keys(archive).values()) == 8 and query.verify(archive).ok
+    job = query.show_job(archive, 32)
+    assert job["restarts"] == 1 and job["exit_code"] == 0 and len(job["attempts"]) == 2
+
+
+def test_store_reports_keeps_attempts_apart(tmp_path: Path) -> None:
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    reps = []
+    for k in (0, 1, 2):
+        r = sample_report(33, "n1", "epilog", time=T0 + 1000 * k)
+        r["restart"] = k
+        reps.append(r)
+    res = store_reports(archive, reps + reps[:1])  # one duplicate in the batch
+    assert res.reports_ingested == 4  # the batch's duplicate is dropped when writing
+    assert _keys(archive) == Counter({(33, "n1", "epilog", k): 1 for k in (0, 1, 2)})
+    assert query.show_job(archive, 33)["restarts"] == 2
+
+
+# -- series ---------------------------------------------------------------------------------
+
+
+def _side(spool: Path, samples_root: Path, job: int, node: str, restart: int, start: float,
+          n: int, value: float) -> None:
+    samples = samples_root / f"{node}-r{restart}"
+    samples.mkdir(parents=True)
+    columns = (Column("gpu0.util_pct", "gpu0", "%"), Column("node.cpu_busy_pct", "node", "%"))
+    w = SegmentWriter(samples / f"seg-{int(start)}.bvts", Header(node, 10.0, columns, start))
+    for k in range(n):
+        w.append(start + 10 * k, [value + k, 50.0])
+    w.close()
+    write_side_file(spool, samples, job, node, start + 10, start + 10 * (n - 1), 10.0, restart)
+
+
+def test_series_of_two_attempts_share_one_grid_with_a_nan_gap(dirs: tuple[Path, Path],
+                                                              tmp_path: Path) -> None:
+    spool, archive = dirs
+    nodes = ["n1", "n2"]
+    _spool(spool, 34, nodes, 0, T0)
+    for node in nodes:
+        _side(spool, tmp_path, 34, node, 0, T0, 4, 10.0)  # T0 .. T0+30
+    assert ingest(spool, archive, now=T0 + 100).jobs_archived == [34]
+    assert read_series(archive, 34).time.shape == (4,)  # type: ignore[union-attr]
+    _spool(spool, 34, nodes, 1, T0 + 100)
+    for node in nodes:
+        _side(spool, tmp_path, 34, node, 1, T0 + 100, 3, 70.0)  # T0+100 .. T0+120
+    assert (spool / "34.n1.r1.series.bvts").exists()
+    res = ingest(spool, archive, now=T0 + 300)
+    assert not res.quarantined and not list(spool.glob("*.bvts"))
+    with h5py.File(series_path(archive, 34), "r") as f:  # h5py alone
+        assert json.loads(f.attrs["attempts"]) == {"n1": [0, 1], "n2": [0, 1]}
+        assert list(f["time"][()] - T0) == [10.0 * k for k in range(13)]
+        util = f["gpu/util_pct"][()]
+    assert util.shape == (2, 1, 13)
+    assert list(util[0, 0, :4]) == [10, 11, 12, 13]
+    assert np.isnan(util[0, 0, 4:10]).all()  # between the attempts
+    assert list(util[1, 0, 10:]) == [70, 71, 72]
+    # Re-ingest of a side file already in the file adds nothing.
+    before = series_path(archive, 34).stat().st_mtime_ns
+    shutil.copy(spool / DONE_DIR / "34.n2.r1.series.bvts", spool / "34.n2.r1.series.bvts")
+    assert not ingest(spool, archive, now=T0 + 400).quarantined
+    assert series_path(archive, 34).stat().st_mtime_ns == before
+    assert not math.isnan(read_series(archive, 34).gpu["util_pct"][1, 0, 12])  # type: ignore[union-attr]
