@@ -293,7 +293,9 @@ def _default_max_counters() -> dict[str, int]:
 
 def _default_max_increase() -> dict[str, int]:
     return {"symbol_error": 10, "link_downed": 0, "link_error_recovery": 0, "port_rcv_errors": 10,
-            "local_link_integrity_errors": 0}
+            "local_link_integrity_errors": 0,
+            # A lossless fabric overran a receive buffer: credit/flow control is broken.
+            "excessive_buffer_overrun_errors": 0}
 
 
 def _default_max_rate_per_h() -> dict[str, float]:
