@@ -126,7 +126,9 @@ def test_figures_match_the_hand_computed_ones(fleet: Path) -> None:
                       ("requeue", "job"): 1, ("gemm", "nightly"): 1}
     assert rep["interruptions"]["total"] == 6
     assert rep["requeues"] == {"jobs_requeued": 2, "requeues_min": 2,
-                               "by_cause": {"prolog failure": 1, "unknown": 1}}
+                               "by_cause": {"prolog failure": 1, "unknown": 1},
+                               "requeues": 0, "jobs_exact": 0, "jobs_heuristic": 2,
+                               "attempts": 0, "requeue_gap_h": 0.0}
     nodes = {n["node"]: n for n in rep["nodes"]}
     # MTBF = (240 h - hours out of service) / incidents
     assert {n: (v["incidents"], v["out_of_service_h"], v["mtbf_h"]) for n, v in nodes.items()} \
@@ -151,6 +153,43 @@ def test_figures_match_the_hand_computed_ones(fleet: Path) -> None:
     assert g["goodput_pct"] == round(100 * 110 / 406, 2)
     assert g["goodput_upper_pct"] == round(100 * 150 / 406, 2)
     assert g["lost_to_nodes_pct"] == round(100 * 176 / 406, 2)
+
+
+def test_requeues_are_counted_exactly_from_the_restart_counts(tmp_path: Path) -> None:
+    """Three requeued jobs whose reports carry SLURM_JOB_RESTART_COUNT (each attempt archived
+    beside the others): 4 requeues, one per cause of the attempt each ended, and the gaps."""
+    def at(k: int, *args: Any, **kw: Any) -> dict[str, Any]:
+        r = _rep(*args, **kw)
+        r["restart"] = k
+        return r
+
+    reports = [
+        # 201 a[1-2]: attempt 0 1h-3h (requeued by an operator), attempt 1 4h-6h: gap 1 h
+        *(at(0, 201, n, p, t, "a[1-2]", exit_code=15) for n in ("a1", "a2")
+          for p, t in (("prolog", 1), ("epilog", 3))),
+        *(at(1, 201, n, p, t, "a[1-2]") for n in ("a1", "a2")
+          for p, t in (("prolog", 4), ("epilog", 6))),
+        # 202 b1: attempt 0's prolog CRITICAL (Slurm requeues), attempt 1 11h-12h: no gap known
+        at(0, 202, "b1", "prolog", 10, "b1", status=2, drained=True, reason="bv: ib: down"),
+        at(1, 202, "b1", "prolog", 11, "b1"), at(1, 202, "b1", "epilog", 12, "b1"),
+        # 203: attempt 0 on a3 lost (no epilog), 1 on b2 21h-22h, 2 on b2 23h-24h: gap 1 h
+        at(0, 203, "a3", "prolog", 20, "a3"),
+        at(1, 203, "b2", "prolog", 21, "b2"), at(1, 203, "b2", "epilog", 22, "b2"),
+        at(2, 203, "b2", "prolog", 23, "b2"), at(2, 203, "b2", "epilog", 24, "b2"),
+    ]
+    spool, archive = tmp_path / "spool", tmp_path / "archive"
+    archive.mkdir()
+    for r in reports:
+        write_report(spool, r)
+    res = ingest(spool, archive, now=NOW)
+    assert res.jobs_archived == [201, 202, 203] and res.reports_ingested == len(reports)
+    rep = compute(gather(archive, T0, NOW, nightly=False), since=T0, now=NOW, classes=CLASSES)
+    assert rep["requeues"] == {"jobs_requeued": 3, "requeues_min": 4, "requeues": 4,
+                               "jobs_exact": 3, "jobs_heuristic": 0, "attempts": 7,
+                               "requeue_gap_h": 2.0,
+                               "by_cause": {"node lost": 1, "prolog failure": 1, "requeue": 2}}
+    causes = {(c["cause"], c["source"]): c["count"] for c in rep["interruptions"]["by_cause"]}
+    assert causes[("requeue", "job")] == 2 and causes[("node lost", "job")] == 1
 
 
 def test_window_cuts_events_and_job_hours(fleet: Path) -> None:

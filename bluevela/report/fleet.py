@@ -79,6 +79,20 @@ class JobFacts:
     prolog_failed: list[str]  # nodes whose prolog failed for it (Slurm requeued the job)
     epilog_critical: list[str]
     expected: int  # nodes named by its nodelists over every attempt
+    restarts: int = 0  # the highest restart count (SLURM_JOB_RESTART_COUNT) its reports carry
+    #: restart -> its attempt's facts (only for jobs with restarts > 0)
+    attempts: dict[int, Attempt] = field(default_factory=dict)
+
+
+@dataclass
+class Attempt:
+    """One attempt (restart count) of a requeued job, from its reports."""
+
+    first_prolog: float = math.nan
+    last_epilog: float = math.nan
+    prolog_nodes: set[str] = field(default_factory=set)
+    epilog_nodes: set[str] = field(default_factory=set)
+    prolog_failed: bool = False  # a prolog of this attempt was CRITICAL
 
 
 @dataclass
@@ -147,6 +161,7 @@ def _gather_segments(segs: list[tuple[Any, Path]], since: float, now: float,
     passing: dict[str, list[np.ndarray]] = defaultdict(list)
     jcols = ["job_id", "revision", "num_nodes", "start_unix_s", "end_unix_s",
              "last_report_unix_s", "exit_code", "exit_signal", "node_first", "node_count"]
+    attempts: dict[int, dict[int, Attempt]] = defaultdict(dict)
     for seg_no, (info, path) in enumerate(segs):
         if info.time_max < since or info.time_min > now:
             continue
@@ -154,6 +169,9 @@ def _gather_segments(segs: list[tuple[Any, Path]], since: float, now: float,
         with open_h5(path) as f:
             rep = f["reports"].fields(["job_id", "phase", "time_unix_s", "health_status",
                                        "drained", "check_first", "check_count"])[()]
+            # Segments written before the restart column: every report is attempt 0.
+            has_restart = "restart" in (f["reports"].dtype.names or ())
+            restart = f["reports"].fields("restart")[()] if has_restart else None
             index = f[S.NODE_INDEX].fields(["node", "report_first", "report_count"])[()]
             names = [_text(n) for n in index["node"]]
             node_of = np.empty(len(rep), dtype=np.int64)
@@ -185,7 +203,9 @@ def _gather_segments(segs: list[tuple[Any, Path]], since: float, now: float,
                     facts.events.append(Event(float(r["time_unix_s"]), names[node_of[row]],
                                               phase, cause, bool(r["drained"]),
                                               int(r["job_id"]), why))
-            jobs = f["jobs"].fields(jcols)[()]
+            if restart is not None and bool((restart > 0).any()):
+                _gather_attempts(attempts, rep, restart, node_of, names)
+            jobs = _with_restarts(f, jcols)
             job_parts.append(jobs)
             seg_parts.append(np.full(len(jobs), seg_no))
             jn = f["job_nodes"].fields(["job_id", "node", "expected", "has_prolog",
@@ -195,8 +215,48 @@ def _gather_segments(segs: list[tuple[Any, Path]], since: float, now: float,
     if job_parts:
         _fold_jobs(facts, np.concatenate(job_parts), np.concatenate(seg_parts), jn_parts, crit,
                    since, now)
+    for j in facts.jobs:
+        if j.restarts:
+            j.attempts = attempts.get(j.job_id, {})
     facts.events.sort(key=lambda e: (e.time, e.node, e.source))
     return facts
+
+
+def _with_restarts(f: Any, jcols: list[str]) -> np.ndarray:
+    """The /jobs columns `jcols` plus `restarts` (0 in a file written before that column)."""
+    import numpy as np
+
+    ds = f["jobs"]
+    if "restarts" in (ds.dtype.names or ()):
+        return ds.fields(jcols + ["restarts"])[()]
+    jobs = ds.fields(jcols)[()]
+    out = np.zeros(len(jobs), dtype=jobs.dtype.descr + [("restarts", "u2")])
+    for c in jcols:
+        out[c] = jobs[c]
+    return out
+
+
+def _gather_attempts(out: dict[int, dict[int, Attempt]], rep: np.ndarray, restart: np.ndarray,
+                     node_of: np.ndarray, names: list[str]) -> None:
+    """Per-attempt facts of the jobs of this segment that have a report with restart > 0."""
+    import numpy as np
+
+    from bluevela.archive import schema as S
+
+    requeued = np.unique(rep["job_id"][restart > 0])
+    rows = np.flatnonzero(np.isin(rep["job_id"], requeued))
+    prolog = S.PHASE_CODES["prolog"]
+    for i in rows.tolist():
+        r = rep[i]
+        a = out[int(r["job_id"])].setdefault(int(restart[i]), Attempt())
+        t, node = float(r["time_unix_s"]), names[node_of[i]]
+        if int(r["phase"]) == prolog:
+            a.prolog_nodes.add(node)
+            a.first_prolog = t if math.isnan(a.first_prolog) else min(a.first_prolog, t)
+            a.prolog_failed |= int(r["health_status"]) == CRITICAL
+        else:
+            a.epilog_nodes.add(node)
+            a.last_epilog = t if math.isnan(a.last_epilog) else max(a.last_epilog, t)
 
 
 def _first_critical_check(f: Any, first: int, count: int) -> str:
@@ -249,7 +309,7 @@ def _fold_jobs(facts: FleetFacts, jobs: np.ndarray, segs: np.ndarray,
             facts.jobs.append(JobFacts(
                 jid, float(row["start_unix_s"]), float(row["end_unix_s"]),
                 int(row["num_nodes"]), int(row["exit_code"]), int(row["exit_signal"]), ran,
-                lost, pfail, ecrit, int(exp.sum())))
+                lost, pfail, ecrit, int(exp.sum()), int(row["restarts"])))
 
 
 def _gather_nightly(facts: FleetFacts, root: Path, since: float, now: float) -> None:
@@ -369,9 +429,12 @@ class _Incident:
 
 
 def _job_events(jobs: list[JobFacts], since: float, now: float) -> tuple[list[Event], dict[str, Any]]:
-    """Lost nodes and requeues, derived from the jobs' node rows."""
+    """Lost nodes and requeues: exact from the restart counts the reports carry (a job with
+    restarts > 0), else guessed from the jobs' node rows (archives and hooks without them)."""
     events: list[Event] = []
-    req: dict[str, Any] = {"jobs_requeued": 0, "requeues_min": 0, "by_cause": Counter()}
+    req: dict[str, Any] = {"jobs_requeued": 0, "requeues_min": 0, "by_cause": Counter(),
+                           "requeues": 0, "jobs_exact": 0, "jobs_heuristic": 0,
+                           "attempts": 0, "requeue_gap_h": 0.0}
     for j in jobs:
         when = j.end if not math.isnan(j.end) else j.start
         if math.isnan(when):
@@ -380,10 +443,14 @@ def _job_events(jobs: list[JobFacts], since: float, now: float) -> tuple[list[Ev
         for n in j.lost:
             events.append(Event(when, n, "job", NODE_LOST, False, j.job_id,
                                 "in the job's nodelist, prolog passed, no epilog report"))
+        if j.restarts:
+            _exact_requeues(j, req, events, since, now)
+            continue
         moved = j.expected > j.num_nodes > 0
         if not (j.prolog_failed or moved):
             continue
         req["jobs_requeued"] += 1
+        req["jobs_heuristic"] += 1
         req["requeues_min"] += max(len(j.prolog_failed), 1)
         if j.prolog_failed:
             req["by_cause"]["prolog failure"] += len(j.prolog_failed)
@@ -395,7 +462,38 @@ def _job_events(jobs: list[JobFacts], since: float, now: float) -> tuple[list[Ev
             events.append(Event(min(max(start, since), now), "", "job", REQUEUE, False,
                                 j.job_id, "ran on more nodes than it asked for, no node failed"))
     req["by_cause"] = dict(sorted(req["by_cause"].items()))
+    req["requeue_gap_h"] = round(req["requeue_gap_h"], 3)
     return events, req
+
+
+def _exact_requeues(j: JobFacts, req: dict[str, Any], events: list[Event], since: float,
+                    now: float) -> None:
+    """A job whose reports carry restart counts: `restarts` requeues, each one's cause from
+    the attempt it ended (a CRITICAL prolog: prolog failure; a node whose prolog came and
+    epilog did not: node lost; else requeue, e.g. an operator's or a preemption), and the gap
+    from each attempt's last epilog to the next one's first prolog."""
+    req["jobs_requeued"] += 1
+    req["jobs_exact"] += 1
+    req["requeues"] += j.restarts
+    req["requeues_min"] += j.restarts
+    req["attempts"] += j.restarts + 1
+    for k in range(1, j.restarts + 1):
+        prev, cur = j.attempts.get(k - 1), j.attempts.get(k)
+        if prev is not None and prev.prolog_failed:
+            req["by_cause"]["prolog failure"] += 1
+        elif prev is not None and prev.prolog_nodes - prev.epilog_nodes:
+            req["by_cause"][NODE_LOST] += 1
+        else:
+            req["by_cause"][REQUEUE] += 1
+            if prev is not None:
+                t = prev.last_epilog if not math.isnan(prev.last_epilog) else prev.first_prolog
+                if not math.isnan(t):
+                    events.append(Event(min(max(t, since), now), "", "job", REQUEUE, False,
+                                        j.job_id, f"requeued after attempt {k - 1}, no node "
+                                        "failed"))
+        if prev is not None and cur is not None and not (
+                math.isnan(prev.last_epilog) or math.isnan(cur.first_prolog)):
+            req["requeue_gap_h"] += max(0.0, cur.first_prolog - prev.last_epilog) / 3600.0
 
 
 def _incidents(events: list[Event], passing: Mapping[str, list[float]]) -> list[_Incident]:
