@@ -282,3 +282,47 @@ def test_series_of_two_attempts_share_one_grid_with_a_nan_gap(dirs: tuple[Path, 
     assert not ingest(spool, archive, now=T0 + 400).quarantined
     assert series_path(archive, 34).stat().st_mtime_ns == before
     assert not math.isnan(read_series(archive, 34).gpu["util_pct"][1, 0, 12])  # type: ignore[union-attr]
+
+
+# -- efficiency -----------------------------------------------------------------------------
+
+
+def test_efficiency_counts_restarts_from_the_archive(dirs: tuple[Path, Path]) -> None:
+    """Attempt 0 ran samples 0-79, attempt 1 samples 110-199 (the series is NaN between), with
+    a 300 s job-wide idle stretch inside attempt 1. The requeue's gap comes from the report
+    times (400 s: last epilog of attempt 0 to first prolog of attempt 1), not from the series'
+    NaN stretch, which is not counted again."""
+    from bluevela.archive.efficiency import job_efficiency, summary_lines
+    from bluevela.archive.series import JobSeries, write_series
+
+    spool, archive = dirs
+    job, ts = 4243, T0 + 10_000
+    nodes = [f"g{i}" for i in range(4)]
+    for node in nodes:
+        for k, p, t in ((0, "prolog", ts), (0, "epilog", ts + 795), (1, "prolog", ts + 1195),
+                        (1, "epilog", ts + 1995)):
+            r = sample_report(job, node, p, nodelist=nodes, time=t)
+            r["restart"] = k
+            write_report(spool, r)
+    assert ingest(spool, archive, now=ts + 3000).jobs_archived == [job]
+    rng = np.random.default_rng(3)
+    T = 200
+    util = np.clip(rng.normal(95, 2, (4, 2, T)), 0, 100)
+    util[:, :, 150:180] = 0  # inside attempt 1: every GPU idle for 300 s
+    power = np.where(util > 10, 650.0, 80.0) + rng.normal(0, 5, (4, 2, T))
+    cpu = np.full((4, T), 30.0)
+    for a in (util, power):
+        a[:, :, 80:110] = np.nan  # between the attempts: no samples
+    cpu[:, 80:110] = np.nan
+    write_series(series_path(archive, job), JobSeries(
+        job_id=job, interval_s=10.0, time=ts + 10.0 * np.arange(T), nodes=nodes,
+        gpu={"util_pct": util.astype(np.float32), "power_w": power.astype(np.float32)},
+        node={"cpu_busy_pct": cpu.astype(np.float32)}))
+    eff = job_efficiency(archive, job)
+    rs = eff.restarts
+    assert rs["requeues"] == 1
+    assert rs["requeue_gaps"] == [{"restart": 1, "start_unix_s": ts + 795, "duration_s": 400.0}]
+    assert [g["duration_s"] for g in rs["gaps"]] == [300.0]  # the in-attempt one only
+    assert rs["count"] == 2 and rs["lost_s"] == 700.0
+    assert rs["lost_unit_h"] == pytest.approx(700 * 8 / 3600, abs=0.01)
+    assert any("1 requeue(s) (archive)" in line for line in summary_lines(eff))

@@ -518,8 +518,9 @@ def _evaluate(src: _Source, acc: _Acc, job: dict[str, Any] | None, th: Threshold
                   "energy counter difference, prolog to epilog",
     }
 
-    # --- restarts: job-wide activity gaps between active stretches
+    # --- restarts: the archive's requeues (attempts), and job-wide activity gaps inside them
     restarts = _restart_gaps(src.time, act, p90, interval, g * n if use_gpu else n, th, basis)
+    _add_requeues(restarts, job, g * n if use_gpu else n)
 
     # --- per node
     per_node: list[dict[str, Any]] = []
@@ -815,6 +816,37 @@ def _restart_gaps(time: np.ndarray, act: np.ndarray, p90: float, interval: float
     return out
 
 
+def _add_requeues(out: dict[str, Any], job: dict[str, Any] | None, units: int) -> None:
+    """Fold the archive's attempts (`query.show_job`'s `attempts`, a requeued job's) into the
+    series' restart gaps: `requeues` (the archive's restart count), `requeue_gaps` (each
+    attempt's last epilog to the next one's first prolog), `count` = requeues + activity gaps
+    inside the attempts (an activity gap that overlaps a requeue gap is that requeue seen in
+    the series: dropped, the report times measure it), `lost_s` = both summed."""
+    attempts = (job or {}).get("attempts") or []
+    restarts = int((job or {}).get("restarts") or 0)
+    out["requeues"] = restarts
+    out["requeue_gaps"] = []
+    if not restarts:
+        return
+    spans = []
+    for prev, cur in zip(attempts, attempts[1:], strict=False):
+        a, b = prev.get("last_epilog_unix_s"), cur.get("first_prolog_unix_s")
+        if a is None or b is None or b < a:
+            continue
+        spans.append((float(a), float(b)))
+        out["requeue_gaps"].append({"restart": cur["restart"], "start_unix_s": _r(a, 1),
+                                    "duration_s": _r(b - a, 1)})
+    out["gaps"] = [x for x in out["gaps"] if not any(
+        x["start_unix_s"] < b and x["start_unix_s"] + x["duration_s"] > a for a, b in spans)]
+    lost = sum(x["duration_s"] for x in out["gaps"] + out["requeue_gaps"])
+    out["count"] = restarts + len(out["gaps"])
+    out["lost_s"] = _r(lost, 1)
+    out["lost_unit_h"] = _r(lost * units / 3600.0, 2)
+    out["source"] = (f"{restarts} requeue(s) from the archive (restart counts; gaps between "
+                     "attempts from their report times) and job-wide activity gaps inside the "
+                     "attempts from the time series")
+
+
 def _bins_for_plots(src: _Source, acc: _Acc, starts: np.ndarray, bin_len: np.ndarray,
                     use_gpu: bool, stragglers: list[Straggler], sb: np.ndarray
                     ) -> dict[str, Any]:
@@ -902,7 +934,11 @@ def summary_lines(eff: Efficiency) -> list[str]:
         shown = ", ".join(f"{x['node']} GPU {x['gpu']}" for x in eff.idle_gpus[:6])
         more = f" (+{len(eff.idle_gpus) - 6})" if len(eff.idle_gpus) > 6 else ""
         lines.append(f"idle GPUs: {len(eff.idle_gpus)}: {shown}{more}")
-    if rs["count"]:
+    if rs.get("requeues"):
+        lines.append(f"restarts: {rs['requeues']} requeue(s) (archive) + {len(rs['gaps'])} "
+                     f"gap(s) inside attempts, {_dur(rs['lost_s'])} lost "
+                     f"({rs['lost_unit_h']} {rs.get('unit', 'GPU')} h)")
+    elif rs["count"]:
         lines.append(f"restarts: {rs['count']} gap(s), {_dur(rs['lost_s'])} lost "
                      f"({rs['lost_unit_h']} {rs.get('unit', 'GPU')} h; approximate, from the "
                      "series)")
