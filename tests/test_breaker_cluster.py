@@ -35,11 +35,12 @@ from bluevela.nodestate import (
 )
 from bluevela.site import Site, load_site
 from tests.conftest import DEVCLUSTER, DevCluster, _parse_env
+from tests.fixture_trees import materialized
 
 pytestmark = [pytest.mark.cluster]
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).resolve().parent / "data" / "health"
+FIXTURES = materialized()
 NODES = 16
 
 

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixture_trees import materialized
+
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).resolve().parent / "data" / "health"
+FIXTURES = materialized()
 
 
 def bv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

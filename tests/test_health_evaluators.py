@@ -31,9 +31,12 @@ from bluevela.health.result import Status
 from bluevela.health.runner import run_checks
 from bluevela.health.state import IB_COUNTERS
 from bluevela.site import NodeClass, Site, load_site
+from tests import fixture_trees
+from tests.fixture_trees import materialized
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).resolve().parent / "data" / "health"
+DATA = Path(__file__).resolve().parent / "data"
+FIXTURES = materialized()
 
 
 @pytest.fixture(scope="module")
@@ -123,20 +126,29 @@ def test_each_failure_fixture_fails_one_check_only(h100: NodeClass, tmp_path: Pa
         assert fixture.split("-")[1] in bad  # h100-ib-* fails ib, h100-gpu-* fails gpu
 
 
+def _tree(top: Path) -> dict[str, tuple[str, int, bytes]]:
+    """Every path below `top` with its type, mode (not for directories: git keeps none) and
+    bytes."""
+    return {rel: (kind, 0 if kind == "d" else mode, data)
+            for rel, (kind, mode, data) in fixture_trees.entries(top).items()}
+
+
 def test_fixtures_are_what_make_fixtures_builds(tmp_path: Path) -> None:
-    """The committed trees are current (regenerate: python tests/data/make_fixtures.py)."""
-    spec = importlib.util.spec_from_file_location("make_fixtures", FIXTURES.parent / "make_fixtures.py")
+    """The committed fixtures (overlay form) are what make_fixtures.py writes, and the trees the
+    tests read (materialized()) are its full trees, byte for byte and mode for mode
+    (regenerate: python tests/data/make_fixtures.py)."""
+    spec = importlib.util.spec_from_file_location("make_fixtures", DATA / "make_fixtures.py")
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    names = mod.build(tmp_path)
+    names = mod.build_full(tmp_path / "full")
+    fixture_trees.write_overlays(tmp_path / "full", tmp_path / "committed", names, base=mod.HEALTHY)
+    assert sorted(names) == sorted(p.name for p in fixture_trees.HEALTH.iterdir() if p.is_dir())
     for name in names:
-        built = sorted(p.relative_to(tmp_path / name) for p in (tmp_path / name).rglob("*"))
-        committed = sorted(p.relative_to(FIXTURES / name) for p in (FIXTURES / name).rglob("*"))
-        assert built == committed, name
-        for rel in built:
-            if (tmp_path / name / rel).is_file():
-                assert (tmp_path / name / rel).read_bytes() == (FIXTURES / name / rel).read_bytes(), rel
+        assert _tree(tmp_path / "committed" / name) == _tree(fixture_trees.HEALTH / name), name
+        assert _tree(tmp_path / "full" / name) == _tree(FIXTURES / name), name
+    # Only the base is committed in full.
+    assert [n for n in names if (fixture_trees.HEALTH / n / "root").exists()] == [mod.HEALTHY]
 
 
 # -- ib details ----------------------------------------------------------------------------------

@@ -32,9 +32,10 @@ from bluevela.health.nvml import (
 from bluevela.health.registry import get_check
 from bluevela.health.result import CheckResult, Status
 from bluevela.site import NodeClass, Site, load_site
+from tests.fixture_trees import materialized
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).resolve().parent / "data" / "health"
+FIXTURES = materialized()
 
 
 @pytest.fixture(scope="module")

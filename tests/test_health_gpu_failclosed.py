@@ -29,9 +29,10 @@ from bluevela.health.result import Status
 from bluevela.health.runner import plan_tier, run_checks, run_plan
 from bluevela.hooks.env import HookContext
 from bluevela.site import NodeClass, Site, load_site
+from tests.fixture_trees import materialized
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).resolve().parent / "data" / "health"
+FIXTURES = materialized()
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,10 @@ from bluevela.health.metrics import (
 from bluevela.health.result import CheckResult, HealthReport, Status
 from bluevela.health.runner import run_checks
 from bluevela.site import NodeClass, load_site
+from tests.fixture_trees import materialized
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).resolve().parent / "data" / "health"
+FIXTURES = materialized()
 
 
 @pytest.fixture(scope="module")

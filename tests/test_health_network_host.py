@@ -44,10 +44,11 @@ from bluevela.health.registry import get_check
 from bluevela.health.result import Status
 from bluevela.health.state import IB_COUNTERS
 from bluevela.site import NodeClass, load_site
+from tests.fixture_trees import materialized
 from tests.fuse_hang import fuse_available
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).resolve().parent / "data" / "health"
+FIXTURES = materialized()
 
 
 @pytest.fixture(scope="module")

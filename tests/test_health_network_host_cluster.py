@@ -27,13 +27,14 @@ import pytest
 import yaml
 
 from tests.conftest import DevCluster
+from tests.fixture_trees import materialized
 from tests.fuse_hang import fuse_available
 from tests.test_hooks_cluster import node_state, point_at, run_in_node
 
 pytestmark = [pytest.mark.cluster]
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).resolve().parent / "data" / "health"
+FIXTURES = materialized()
 
 
 @pytest.fixture

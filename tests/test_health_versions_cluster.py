@@ -24,12 +24,14 @@ import pytest
 import yaml
 
 from tests.conftest import DevCluster
+from tests.fixture_trees import materialized
 from tests.test_hooks_cluster import node_state, point_at, run_in_node
 
 pytestmark = [pytest.mark.cluster]
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).resolve().parent / "data" / "health"
+DATA = Path(__file__).resolve().parent / "data"
+FIXTURES = materialized()
 
 
 @pytest.fixture
@@ -137,7 +139,7 @@ def test_dcgm_level1_failure_drains_and_level2_gates_the_resume(cluster: DevClus
     root = tmp_path / "root"
     shutil.copytree(FIXTURES / "h100-healthy" / "root", root, symlinks=True)
     (root / "usr/bin").mkdir(parents=True, exist_ok=True)
-    shutil.copy2(FIXTURES.parent / "dcgm-replay" / "dcgmi", root / "usr/bin/dcgmi")
+    shutil.copy2(DATA / "dcgm-replay" / "dcgmi", root / "usr/bin/dcgmi")
     (root / "usr/share/bv-dcgm-replay").mkdir(parents=True)
     _replay(root, 1, "dcgm-diag-4x-r1-rowremap-fail.json")
     _replay(root, 2, "dcgm-diag-4x-r2-memory-fail.json")

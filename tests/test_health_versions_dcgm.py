@@ -31,9 +31,11 @@ from bluevela.health.result import Status
 from bluevela.health.runner import plan_tier, run_checks
 from bluevela.nodestate import dcgm_gate
 from bluevela.site import NodeClass, Site, VersionPins, load_site, parse_site
+from tests.fixture_trees import materialized
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).resolve().parent / "data" / "health"
+DATA = Path(__file__).resolve().parent / "data"
+FIXTURES = materialized()
 HEALTHY = FIXTURES / "h100-healthy"
 
 
@@ -221,7 +223,7 @@ def dcgm_root(tmp_path: Path, replays: dict[int, str]) -> Path:
     name under tests/data/health) or "hang"."""
     root = copy_root(tmp_path)
     (root / "usr/bin").mkdir(parents=True, exist_ok=True)
-    shutil.copy2(FIXTURES.parent / "dcgm-replay" / "dcgmi", root / "usr/bin/dcgmi")
+    shutil.copy2(DATA / "dcgm-replay" / "dcgmi", root / "usr/bin/dcgmi")
     share = root / "usr/share/bv-dcgm-replay"
     share.mkdir(parents=True, exist_ok=True)
     for level, what in replays.items():

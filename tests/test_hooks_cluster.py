@@ -24,11 +24,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DevCluster
+from tests.fixture_trees import materialized
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).resolve().parent / "data" / "health"
+FIXTURES = materialized()
 HOSTILE_COMMENT = "$(touch /tmp/bv-pwned-comment);`touch /tmp/bv-pwned-comment2`"
 CANARIES = [Path("/tmp/bv-pwned-comment"), Path("/tmp/bv-pwned-comment2"),
             Path("/tmp/bv-pwned-workdir")]

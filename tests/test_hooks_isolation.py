@@ -25,9 +25,10 @@ from bluevela.errors import SiteConfigError
 from bluevela.hooks.env import fixture_warning
 from bluevela.site import ETC_SITE, find_site_path
 from tests.conftest import DevCluster
+from tests.fixture_trees import materialized
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).resolve().parent / "data" / "health"
+FIXTURES = materialized()
 SHIMS = REPO / "prolog_epilog"
 PYVER = f"python{sys.version_info.major}.{sys.version_info.minor}"
 

@@ -17,9 +17,10 @@ import pytest
 
 from bluevela.archive.spool import load_report, scan_spool
 from tests.conftest import HOSTILE
+from tests.fixture_trees import materialized
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).resolve().parent / "data" / "health"
+FIXTURES = materialized()
 HEAVY = ("torch", "numpy", "h5py", "pynvml", "click", "rich")
 
 

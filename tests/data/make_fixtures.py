@@ -2,11 +2,15 @@
 """Build the health-check fixture trees in tests/data/health/ (see tests/data/README.md).
 
     python tests/data/make_fixtures.py            # (re)write every fixture
-    python tests/data/make_fixtures.py --out DIR  # write them somewhere else (the test that
-                                                  # checks the committed trees are current)
+    python tests/data/make_fixtures.py --out DIR  # write them somewhere else
+    python tests/data/make_fixtures.py --full --out DIR  # full trees, no overlays
 
 Each fixture is a directory holding `root/` (stands for `/`: BV_SYSFS_ROOT), `nvml.json`
 (BV_NVML_SNAPSHOT) and, where a baseline matters, `state/` (a node state dir to copy).
+Only `h100-healthy` is committed so: every other fixture is committed as an overlay on it
+(`root.overlay/` + `root.removed`, tests/fixture_trees.py; tests read the full trees from
+`fixture_trees.materialized()`). The trees are generated in full in a temporary directory,
+then each one's root is diffed against the healthy root.
 
 The healthy H100 node's sysfs tree and meminfo are generated here from the constants below.
 Its NVML snapshot `h100-healthy/nvml.json` is read if it exists (so a snapshot recorded on a
@@ -21,6 +25,7 @@ import copy
 import importlib.util
 import json
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +43,11 @@ _spec = importlib.util.spec_from_file_location("make_fixtures_gpu", HERE / "make
 assert _spec and _spec.loader
 gpu11 = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu11)
+# The committed (overlay) form of the trees: tests/fixture_trees.py.
+_spec = importlib.util.spec_from_file_location("fixture_trees", HERE.parent / "fixture_trees.py")
+assert _spec and _spec.loader
+fixture_trees = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fixture_trees)
 
 # -- the healthy HGX H100 node ----------------------------------------------------------------
 
@@ -350,8 +360,8 @@ FAILURES: dict[str, tuple[str, list[Callable[[Path, dict[str, Any], Path], None]
 }
 
 
-def build(out: Path, regen_healthy: bool = False) -> list[str]:
-    """Write every fixture under `out`; return their names."""
+def build_full(out: Path, regen_healthy: bool = False) -> list[str]:
+    """Write every fixture under `out` as a full tree; return their names."""
     healthy_nvml_path = OUT / HEALTHY / "nvml.json"
     if healthy_nvml_path.exists() and not regen_healthy:
         healthy_nvml = json.loads(healthy_nvml_path.read_text())
@@ -377,13 +387,25 @@ def build(out: Path, regen_healthy: bool = False) -> list[str]:
     return names
 
 
+def build(out: Path, regen_healthy: bool = False) -> list[str]:
+    """Write every fixture under `out` in the committed form (`h100-healthy` full, the others
+    overlays on it); return their names."""
+    with tempfile.TemporaryDirectory(prefix="bv-make-fixtures.") as tmp:
+        names = build_full(Path(tmp), regen_healthy)
+        out.mkdir(parents=True, exist_ok=True)
+        fixture_trees.write_overlays(Path(tmp), out, names, base=HEALTHY)
+    return names
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--regen-healthy", action="store_true",
                     help="rewrite h100-healthy/nvml.json from the constants here")
+    ap.add_argument("--full", action="store_true",
+                    help="write every fixture as a full tree (what tests read), no overlays")
     args = ap.parse_args()
-    for name in build(args.out, args.regen_healthy):
+    for name in (build_full if args.full else build)(args.out, args.regen_healthy):
         print(args.out / name)
     return 0
 
