@@ -20,9 +20,10 @@ from bluevela.health.registry import get_check
 from bluevela.health.result import Status
 from bluevela.health.state import IB_COUNTERS
 from bluevela.site import NodeClass, load_site
+from tests.fixture_trees import materialized
 
 REPO = Path(__file__).resolve().parent.parent
-HEALTH = Path(__file__).resolve().parent / "data" / "health"
+HEALTH = materialized()
 
 
 @pytest.fixture(scope="module")
