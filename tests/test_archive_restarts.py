@@ -326,3 +326,29 @@ def test_efficiency_counts_restarts_from_the_archive(dirs: tuple[Path, Path]) ->
     assert rs["count"] == 2 and rs["lost_s"] == 700.0
     assert rs["lost_unit_h"] == pytest.approx(700 * 8 / 3600, abs=0.01)
     assert any("1 requeue(s) (archive)" in line for line in summary_lines(eff))
+
+
+# -- the hooks ------------------------------------------------------------------------------
+
+
+def test_epilog_of_a_requeued_attempt_reports_its_prologs_restart(tmp_path: Path) -> None:
+    """Slurm counts a requeue before the ended attempt's epilog runs (its
+    SLURM_JOB_RESTART_COUNT is the next attempt's, seen on 22.05). The epilog takes the attempt
+    from its prolog's reading, so attempt 0's epilog is not spooled as attempt 1's (where
+    attempt 1's own epilog would replace it)."""
+    from tests.test_hooks_run import make_node, run_hook
+
+    hook_env, base = make_node(tmp_path)
+    slurm = {"SLURM_JOB_ID": "77", "SLURMD_NODENAME": "n1", "SLURM_JOB_USER": "alice",
+             "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_NUM_NODES": "1"}
+    for phase, count in (("prolog", "0"), ("epilog", "1"), ("prolog", "1"), ("epilog", "1")):
+        res = run_hook(phase, hook_env, {**slurm, "SLURM_JOB_RESTART_COUNT": count,
+                                         "SLURM_JOB_EXIT_CODE2": "0:0"})
+        assert res.returncode == 0 and "hook error" not in res.stderr, res.stderr
+    spool = base / "spool"
+    assert sorted(p.name for p in spool.glob("77.*.json")) == [
+        "77.n1.epilog.json", "77.n1.epilog.r1.json", "77.n1.prolog.json", "77.n1.prolog.r1.json"]
+    # No prolog reading (state lost): the epilog falls back to Slurm's count.
+    res = run_hook("epilog", hook_env, {**slurm, "SLURM_JOB_ID": "78",
+                                        "SLURM_JOB_RESTART_COUNT": "2"})
+    assert res.returncode == 0 and (spool / "78.n1.epilog.r2.json").exists(), res.stderr

@@ -244,6 +244,8 @@ def show_cmd(ctx: click.Context, job_id: int, as_json: bool, efficiency: bool,
           [(n["node"], _health_cell(n["prolog"]), _health_cell(n["epilog"]),
             _exit(n["epilog"] or {}), _telemetry_cell(n["epilog"])) for n in job["nodes"]])
     if job.get("attempts"):  # a requeued job: one row per attempt (the nodes above: the last)
+        click.echo(f"requeued {job['restarts']} time(s); each node above shows its last "
+                   "attempt; the attempts:")
         table(f"Job {job_id}: {job['restarts']} restart(s)",
               ["RESTART", "NODES", "FIRST PROLOG", "LAST EPILOG", "EXIT"],
               [(a["restart"], a["nodes"], a["first_prolog_utc"] or "-",

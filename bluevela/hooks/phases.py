@@ -215,14 +215,14 @@ def _drain_if_critical(site: Site, node: str, report: HealthReport) -> DrainResu
 
 
 def _spool(site: Site, hctx: HookContext, report: HealthReport, drain: DrainResult,
-           telemetry: dict[str, float]) -> str | None:
+           telemetry: dict[str, float], restart: int | None = None) -> str | None:
     if hctx.job_id is None:
         return None
     from bluevela.archive.spool import write_report
 
     body = {
         "phase": hctx.phase, "job_id": hctx.job_id, "node": hctx.node,
-        "restart": hctx.restart_count, "user": hctx.user,
+        "restart": hctx.restart_count if restart is None else restart, "user": hctx.user,
         "partition": hctx.partition, "num_nodes": hctx.num_nodes,
         "nodelist": _compressed(hctx.nodelist), "time": time.time(),
         "exit_code": hctx.exit_code, "exit_signal": hctx.exit_signal,
@@ -269,7 +269,9 @@ def prolog(site: Site, hctx: HookContext) -> HookOutcome:
     report = _run(site, hctx, state, "prolog")
     _record(site, state, report, "prolog")
     if state is not None and hctx.job_id is not None:
-        save_job_reading(state, hctx.job_id, reading_of(report, time.time()))
+        reading = reading_of(report, time.time())
+        reading["restart"] = hctx.restart_count  # this attempt, for its epilog (_attempt)
+        save_job_reading(state, hctx.job_id, reading)
     drain = _drain_if_critical(site, hctx.node, report)
     spooled = _spool(site, hctx, report, drain, {})
     code = drain.prolog_exit()
@@ -289,11 +291,21 @@ def epilog(site: Site, hctx: HookContext) -> HookOutcome:
     if hctx.job_id is not None:  # the sampler's window of this job, before the report
         from bluevela.telemetry.window import spool_series
 
-        spool_series(site, hctx.job_id, hctx.node, reading, restart=hctx.restart_count)
+        spool_series(site, hctx.job_id, hctx.node, reading, restart=_attempt(hctx, reading))
     drain = _drain_if_critical(site, hctx.node, report)
-    spooled = _spool(site, hctx, report, drain, telemetry)
+    spooled = _spool(site, hctx, report, drain, telemetry, _attempt(hctx, reading))
     return _finish(state, HookOutcome("epilog", hctx.node, hctx.job_id, report, drain,
                                       spooled=spooled, exit_code=0))
+
+
+def _attempt(hctx: HookContext, reading: dict[str, Any] | None) -> int:
+    """The attempt an epilog ends: its prolog's restart count on this node. Slurm counts a
+    requeue before the ended attempt's epilog runs, so SLURM_JOB_RESTART_COUNT there is the
+    next attempt's (seen on 22.05); it is used only when the prolog left no reading."""
+    k = reading.get("restart") if reading else None
+    if isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= hctx.restart_count:
+        return k
+    return hctx.restart_count
 
 
 def healthcheck(site: Site, hctx: HookContext) -> HookOutcome:
