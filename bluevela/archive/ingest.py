@@ -397,7 +397,11 @@ def _report_keys(f: Any, jobs: Any, out: dict[int, set[tuple[str, str, int]]]) -
         if not count:
             continue
         at = np.unique(idx[first:first + count])
-        rep = ds.fields(cols)[at]
+        lo, hi = int(at[0]), int(at[-1]) + 1
+        if hi - lo <= max(4 * len(at), 65536):  # one slice read beats a point selection
+            rep = ds.fields(cols)[lo:hi][at - lo]
+        else:
+            rep = ds.fields(cols)[at]
         restarts = rep["restart"].tolist() if "restart" in cols else [0] * len(rep)
         keys = out[int(row["job_id"])]
         for node, phase, k in zip(rep["node"].tolist(), rep["phase"].tolist(), restarts,
