@@ -22,7 +22,10 @@ from tests.test_hooks_cluster import cluster, node_state, point_at, run_in_node
 pytestmark = [pytest.mark.cluster]
 __all__ = ["cluster"]  # the fixture, imported for pytest
 
-JOB_MOVED, JOB_FAILED = 4200001, 4200002
+# Fresh ids on every run: the dev cluster's archive outlives `devcluster down`, and an id
+# archived by an earlier run would make these reports duplicates (not stored again).
+_BASE = 4_000_000 + (time.time_ns() // 1_000_000) % 10_000_000 * 2
+JOB_MOVED, JOB_FAILED = _BASE + 1, _BASE + 2
 
 
 def _hook(c: DevCluster, node: str, phase: str, job: int, nodelist: str, n: int,
