@@ -785,8 +785,8 @@ def _restart_gaps(time: np.ndarray, act: np.ndarray, p90: float, interval: float
         "gaps": [], "count": 0, "lost_s": 0.0, "lost_unit_h": 0.0, "startup_s": None,
         "stalls": 0, "stalls_s": 0.0,
         "source": f"job-wide {basis} in the time series (approximate: resolution one "
-                  "sample interval; a Slurm requeue's wait before the last attempt is outside "
-                  "the series window)",
+                  "sample interval; Slurm requeues are counted from the archive's restart "
+                  "counts)",
     }
     if math.isnan(p90) or p90 <= 0:
         return out
