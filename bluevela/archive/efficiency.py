@@ -348,6 +348,17 @@ def _binsum(x: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return np.add.reduceat(x, starts, axis=-1)
 
 
+def _fold_mean(acc: _Acc, m: str, x: np.ndarray, n0: int, n1: int,
+               starts: np.ndarray) -> np.ndarray:
+    """Per-bin sums and sample counts of metric `m` for nodes n0..n1; returns the finite mask."""
+    import numpy as np
+
+    ok = np.isfinite(x)
+    acc.sums[m][n0:n1] = _binsum(np.where(ok, x, 0).astype(np.float64), starts)
+    acc.counts[m][n0:n1] = _binsum(ok.astype(np.uint32), starts)
+    return ok
+
+
 def _fold_block(acc: _Acc, n0: int, n1: int, gb: dict[str, np.ndarray],
                 nb: dict[str, np.ndarray], starts: np.ndarray, interval: float,
                 th: Thresholds) -> None:
@@ -356,9 +367,7 @@ def _fold_block(acc: _Acc, n0: int, n1: int, gb: dict[str, np.ndarray],
     for m, x in gb.items():
         if m not in acc.sums:
             continue
-        ok = np.isfinite(x)
-        acc.sums[m][n0:n1] = _binsum(np.where(ok, x, 0).astype(np.float64), starts)
-        acc.counts[m][n0:n1] = _binsum(ok.astype(np.uint32), starts)
+        ok = _fold_mean(acc, m, x, n0, n1, starts)
         if m == "util_pct":
             acc.idle_counts[n0:n1] = _binsum((ok & (x <= th.idle_util_pct)).astype(np.uint32),
                                              starts)
@@ -376,9 +385,7 @@ def _fold_block(acc: _Acc, n0: int, n1: int, gb: dict[str, np.ndarray],
     for m, x in nb.items():
         if m not in acc.sums:
             continue
-        ok = np.isfinite(x)
-        acc.sums[m][n0:n1] = _binsum(np.where(ok, x, 0).astype(np.float64), starts)
-        acc.counts[m][n0:n1] = _binsum(ok.astype(np.uint32), starts)
+        ok = _fold_mean(acc, m, x, n0, n1, starts)
         if m == "cpu_throttled_pct":
             acc.cpu_thr_counts[n0:n1] = _binsum(
                 (ok & (x > th.cpu_throttled_sample_pct)).astype(np.uint32), starts)
@@ -896,9 +903,10 @@ def _bins_for_plots(src: _Source, acc: _Acc, starts: np.ndarray, bin_len: np.nda
 # --------------------------------------------------------------------------------- text
 
 
-def _dur(s: float | None) -> str:
+def fmt_duration(s: float | None, missing: str = "?") -> str:
+    """`12 s`, `7 min`, `3.5 h` (the summary's and the page's durations)."""
     if s is None:
-        return "?"
+        return missing
     if s >= 3600:
         return f"{s / 3600:.1f} h"
     if s >= 60:
@@ -911,8 +919,8 @@ def summary_lines(eff: Efficiency) -> list[str]:
     d = eff.to_dict()
     g, cpu, en, rs = d["gpu"], d["cpu"], d["energy"], d["restarts"]
     lines = [f"job {eff.job_id}: {len(eff.nodes)} node(s) x {eff.n_gpus} GPU(s), "
-             f"{_dur(eff.duration_s)} at {eff.interval_s:g} s ({eff.n_samples} samples); "
-             f"steady state {_dur(d['steady']['samples'] * eff.interval_s)} "
+             f"{fmt_duration(eff.duration_s)} at {eff.interval_s:g} s ({eff.n_samples} samples); "
+             f"steady state {fmt_duration(d['steady']['samples'] * eff.interval_s)} "
              f"(by {d['steady']['basis']})"]
     if g:
         lines.append(f"GPU util {g['util_steady_pct']}% steady, {g['util_mean_pct']}% whole job; "
@@ -936,15 +944,15 @@ def summary_lines(eff: Efficiency) -> list[str]:
         lines.append(f"idle GPUs: {len(eff.idle_gpus)}: {shown}{more}")
     if rs.get("requeues"):
         lines.append(f"restarts: {rs['requeues']} requeue(s) (archive) + {len(rs['gaps'])} "
-                     f"gap(s) inside attempts, {_dur(rs['lost_s'])} lost "
+                     f"gap(s) inside attempts, {fmt_duration(rs['lost_s'])} lost "
                      f"({rs['lost_unit_h']} {rs.get('unit', 'GPU')} h)")
     elif rs["count"]:
-        lines.append(f"restarts: {rs['count']} gap(s), {_dur(rs['lost_s'])} lost "
+        lines.append(f"restarts: {rs['count']} gap(s), {fmt_duration(rs['lost_s'])} lost "
                      f"({rs['lost_unit_h']} {rs.get('unit', 'GPU')} h; approximate, from the "
                      "series)")
     if rs["stalls"]:
-        lines.append(f"stalls (job-wide idle < {_dur(eff.thresholds.gap_min_s)}, e.g. "
-                     f"checkpoints): {rs['stalls']}, {_dur(rs['stalls_s'])} in all")
+        lines.append(f"stalls (job-wide idle < {fmt_duration(eff.thresholds.gap_min_s)}, e.g. "
+                     f"checkpoints): {rs['stalls']}, {fmt_duration(rs['stalls_s'])} in all")
     for m in eff.missing[:10]:
         lines.append(f"no verdict on {m['node']}: {m['why']}")
     if len(eff.missing) > 10:

@@ -17,6 +17,8 @@ import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from bluevela.archive.efficiency import fmt_duration
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -84,13 +86,7 @@ def _fmt(v: float | None, unit: str = "", nd: int = 0) -> str:
 
 
 def _dur(s: float | None) -> str:
-    if s is None:
-        return "–"
-    if s >= 3600:
-        return f"{s / 3600:.1f} h"
-    if s >= 60:
-        return f"{s / 60:.0f} min"
-    return f"{s:.0f} s"
+    return fmt_duration(s, missing="–")
 
 
 _UNITS = {"util_pct": ("GPU utilisation", "%", 0.0, 100.0),

@@ -234,6 +234,10 @@ def _create(f: Any, plan: _Plan) -> None:
     f.create_dataset("ib/port", shape=(N, plan.P), dtype="S64")
 
 
+# The NodeWindow attribute holding each group's metrics.
+_SOURCES = {"gpu": "gpu", "ib": "ib", "node": "node_metrics"}
+
+
 def _put(f: Any, plan: _Plan, row: int, windows: NodeWindow | list[NodeWindow]) -> None:
     """Write one node's window(s) into row `row` (one node in memory at a time). Several
     windows (a requeued job's attempts, in attempt order) go onto the same row, a later one
@@ -242,39 +246,30 @@ def _put(f: Any, plan: _Plan, row: int, windows: NodeWindow | list[NodeWindow]) 
 
     ws = windows if isinstance(windows, list) else [windows]
     grid = [_grid_index(w.times, plan.t0, plan.interval_s, plan.T) for w in ws]
+
+    def place(group: str, m: str, rows: int | None) -> None:
+        # rows: the component count (GPUs, ports) of a [component, time] source; None: [time].
+        out = None
+        for w, (k, ok) in zip(ws, grid, strict=True):
+            src = getattr(w, _SOURCES[group]).get(m)
+            if src is None or (rows is not None and not src.shape[0]):
+                continue
+            if out is None:
+                shape = (rows, plan.T) if rows is not None else (plan.T,)
+                out = np.full(shape, np.nan, dtype=np.float32)
+            if rows is None:
+                out[k[ok]] = src[ok]
+            else:
+                out[:src.shape[0], k[ok]] = src[:, ok]
+        if out is not None:
+            f[f"{group}/{m}"][row] = out
+
     for m in plan.gpu_metrics:
-        out = None
-        for w, (k, ok) in zip(ws, grid, strict=True):
-            src = w.gpu.get(m)
-            if src is None or not src.shape[0]:
-                continue
-            if out is None:
-                out = np.full((plan.G, plan.T), np.nan, dtype=np.float32)
-            out[:src.shape[0], k[ok]] = src[:, ok]
-        if out is not None:
-            f[f"gpu/{m}"][row] = out
+        place("gpu", m, plan.G)
     for m in plan.ib_metrics:
-        out = None
-        for w, (k, ok) in zip(ws, grid, strict=True):
-            src = w.ib.get(m)
-            if src is None or not src.shape[0]:
-                continue
-            if out is None:
-                out = np.full((plan.P, plan.T), np.nan, dtype=np.float32)
-            out[:src.shape[0], k[ok]] = src[:, ok]
-        if out is not None:
-            f[f"ib/{m}"][row] = out
+        place("ib", m, plan.P)
     for m in plan.node_metrics:
-        out1 = None
-        for w, (k, ok) in zip(ws, grid, strict=True):
-            vec = w.node_metrics.get(m)
-            if vec is None:
-                continue
-            if out1 is None:
-                out1 = np.full(plan.T, np.nan, dtype=np.float32)
-            out1[k[ok]] = vec[ok]
-        if out1 is not None:
-            f[f"node/{m}"][row] = out1
+        place("node", m, None)
     w = next((x for x in reversed(ws) if x.uuids or x.ports), ws[-1])
     if plan.G:
         f["gpu/uuid"][row] = np.array([u.encode()[:64] for u in w.uuids]
