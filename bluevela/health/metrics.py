@@ -65,6 +65,14 @@ def _labels(pairs: Mapping[str, str]) -> str:
     return f"{{{body}}}" if body else ""
 
 
+def family_lines(name: str, type_: str, help_: str,
+                 samples: list[tuple[Mapping[str, str], float]]) -> list[str]:
+    """One family in the text format: HELP, TYPE, then a line per (labels, value)."""
+    out = [f"# HELP {name} {_help(help_)}", f"# TYPE {name} {type_}"]
+    out.extend(f"{name}{_labels(labels)} {_num(v)}" for labels, v in samples)
+    return out
+
+
 # -- node-level check metrics: the unit suffix bluevela uses -> Prometheus base unit --------
 
 # (suffix in CheckResult.metrics, suffix in Prometheus, factor)
@@ -265,8 +273,25 @@ def merge_last_results(state_dir: Path, report: HealthReport, phase: str) -> dic
     return merged
 
 
-def render(last: Mapping[str, Mapping[str, Any]], hostname: str | None = None) -> str:
-    """Prometheus text exposition (format 0.0.4) of the last results."""
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the site says this node should be (the alerts compare it with what the checks saw)."""
+
+    class_name: str
+    gpus: int
+
+
+def render(last: Mapping[str, Mapping[str, Any]], hostname: str | None = None,
+           node: NodeFacts | None = None) -> str:
+    """Prometheus text exposition (format 0.0.4) of the last results.
+
+    Args:
+        last: check name -> stored result (`last_results.json`).
+        hostname: the `Hostname` label of per-GPU series (default: this host's).
+        node: the node's class and expected GPU count, as `bluevela_node_class_info` and
+            `bluevela_node_gpus_expected` (the GPU-missing alert compares it with
+            `bluevela_gpu_gpus_count`); omitted when None.
+    """
     host = hostname if hostname is not None else os.uname().nodename
     results: list[tuple[CheckResult, float]] = []
     for name in sorted(last):
@@ -309,6 +334,11 @@ def render(last: Mapping[str, Mapping[str, Any]], hostname: str | None = None) -
             family(f"bluevela_{_name(r.name)}_info",
                    f"bluevela {_help(r.name)} check: observed values as labels.",
                    [(_labels(r.info), 1)])
+    if node is not None:
+        family("bluevela_node_class_info", "The node's class in site.yaml (value 1).",
+               [(_labels({"class": node.class_name}), 1)])
+        family("bluevela_node_gpus_expected", "GPUs the node's class in site.yaml expects.",
+               [("", node.gpus)])
     for name, (type_, help_, samples) in sorted(_component_samples(checks, host).items()):
         family(name, help_, samples, type_)
     return "\n".join(lines) + "\n"
@@ -318,12 +348,13 @@ def _help(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n")
 
 
-def write_prom(metrics_dir: Path, last: Mapping[str, Mapping[str, Any]]) -> Path | None:
+def write_prom(metrics_dir: Path, last: Mapping[str, Mapping[str, Any]],
+               node: NodeFacts | None = None) -> Path | None:
     """Write `<metrics_dir>/bluevela.prom` atomically; None (logged) when it cannot."""
     path = metrics_dir / PROM_FILE
     try:
         ensure_dir(metrics_dir, 0o755)
-        atomic_write(path, render(last).encode(), 0o644)
+        atomic_write(path, render(last, node=node).encode(), 0o644)
     except (OSError, UnsafeValueError) as exc:
         logger.warning("cannot write %s: %s", path, exc)
         return None

@@ -181,12 +181,17 @@ def _record(site: Site, state: Path | None, report: HealthReport, phase: str) ->
     """Last results, the Prometheus file, and the nccl freshness mark."""
     if state is None:
         return
-    from bluevela.health.metrics import merge_last_results, write_prom
+    from bluevela.health.metrics import NodeFacts, merge_last_results, write_prom
     from bluevela.health.result import Status
     from bluevela.health.state import record_nccl_pass
 
     merged = merge_last_results(state, report, phase)
-    write_prom(site.path("metrics"), merged)
+    try:  # the class _run judged against (it raised already if there is none)
+        name = site.class_name_for(os.environ.get("SLURMD_NODENAME") or None)
+        facts: NodeFacts | None = NodeFacts(name, site.node_classes[name].gpus)
+    except BluevelaError:
+        facts = None
+    write_prom(site.path("metrics"), merged, facts)
     nccl = report.result("nccl")
     if nccl is not None and nccl.status is Status.OK:
         record_nccl_pass(state, nccl.metrics)
