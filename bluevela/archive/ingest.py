@@ -51,6 +51,8 @@ from bluevela.util.fs import owner_problem, user_name
 if TYPE_CHECKING:
     import numpy as np
 
+    from bluevela.archive.series import SeriesLimits
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -120,6 +122,7 @@ def ingest(
     done_retention_s: float = DONE_RETENTION_S,
     compact: bool = True,
     now: float | None = None,
+    series_limits: SeriesLimits | None = None,
 ) -> IngestResult:
     """Merge the spool's reports into the archive (idempotent, crash safe, one writer).
 
@@ -135,6 +138,8 @@ def ingest(
         done_retention_s: delete files in `<spool>/done/` older than this (0: keep).
         compact: merge crowded segment levels afterwards.
         now: the current time (tests).
+        series_limits: what a series side file may hold (GPUs of each node's class...);
+            default `SeriesLimits.configured()`, read only when side files are spooled.
 
     Raises:
         ArchiveError: missing/unusable archive or spool, lock not obtained, a write failed
@@ -169,9 +174,11 @@ def ingest(
         done_names = _archive(w, by_job, result, now=now, timeout_s=timeout_s,
                               prolog_only_timeout_s=prolog_only_timeout_s, spool=spool)
         if scan.series:  # the epilogs' sampler windows -> <archive>/series/<job>.h5
-            from bluevela.archive.series import ingest_side_files
+            from bluevela.archive.series import SeriesLimits, ingest_side_files
 
-            series_done, series_bad = ingest_side_files(w, sd, archive_dir, scan.series)
+            limits = series_limits if series_limits is not None else SeriesLimits.configured()
+            series_done, series_bad = ingest_side_files(w, sd, archive_dir, scan.series,
+                                                        limits=limits, now=now)
             done_names += series_done
             result.quarantined += series_bad
         mark_done(sd, done_names, delete=delete)

@@ -29,6 +29,13 @@ without it holds attempt 0 of each node.
 A re-ingest adds nothing twice (a node's attempt already in the file is kept as it is); a late
 node's (or a later attempt's) side file is added by rewriting the file (temp file, fsync,
 rename).
+
+A side file is checked against its job before anything is sized from it (`check_side_file`,
+`SeriesLimits`): GPU indices within the node's class, a bounded number of IB ports, the site's
+interval range, record times inside the job's archived window plus slack, a record count the
+sampler could have written in that time, column names from a closed pattern, and the memory
+one node's row would take. A file that fails, and a job whose build fails on its data
+(MemoryError included), is quarantined; the next job is built all the same.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ if TYPE_CHECKING:
 
     from bluevela.archive.spool import SpoolDir, SpoolEntry
     from bluevela.archive.store import Writer
+    from bluevela.site import Site
     from bluevela.telemetry.format import Probe, Segment
 
 logger = logging.getLogger(__name__)
@@ -70,6 +78,21 @@ UNITS = {"util_pct": "%", "mem_used_bytes": "B", "power_w": "W", "temp_c": "Cel"
 MAX_SAMPLES = 50_000_000  # a window longer than this is refused (a clock gone wild)
 _GPU_COMPONENT = re.compile(r"^gpu([0-9]{1,4})$")
 _CHUNK_T = 4096
+# What a side file's columns may be named: `gpu<i>.<metric>`, `ib.<hca>/<port>.<metric>`,
+# `node.<metric>` (the sampler's own names, bluevela/telemetry/sampler.py). A metric is one
+# HDF5 name (no '/', no '.'), and never the datasets the layout keeps beside the metrics.
+_METRIC = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
+_IB_PORT = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,31}/[0-9]{1,3}$")
+_UNIT = re.compile(r"^[A-Za-z0-9%/._ -]{0,16}$")
+_RESERVED = {"gpu": "uuid", "ib": "port", "node": ""}
+MAX_GPUS = 64  # a node in no class of the site (or no site): GPU indices 0..63
+MAX_PORTS = 32  # IB ports of one node (the sampler records every port in sysfs)
+MAX_METRICS = 64  # distinct metrics per group (gpu, ib, node)
+MIN_INTERVAL_S = 0.1  # telemetry.interval_s bounds in site.yaml (bluevela/site.py Telemetry)
+MAX_INTERVAL_S = 3600.0
+WINDOW_SLACK_S = 600.0  # node clocks and the epilog's cut around the job's archived window
+SIDE_WAIT_S = 3600.0  # a side file ending past the job's window waits this long for its report
+MAX_NODE_BYTES = 1 << 30  # one node's row while it is written (one node in memory at a time)
 
 
 @dataclass
@@ -400,6 +423,183 @@ class _Meta:
     restarts: tuple[int, ...] = (0,)  # the attempts this window holds
 
 
+class SideFileError(ValueError):
+    """A side file that does not fit its job (quarantined with this text as the reason)."""
+
+
+class SideFileWait(Exception):
+    """A side file that may yet fit its job once more of the job is archived (left waiting)."""
+
+
+@dataclass(frozen=True)
+class JobWindow:
+    """What the archive knows of a job when its side files are checked."""
+
+    start: float  # earliest of start time and first report (unix s)
+    end: float  # latest of end time and last report
+    restarts: int  # highest attempt archived
+
+    @classmethod
+    def of_row(cls, row: Any) -> JobWindow:
+        """From a /jobs row (NaN start/end fall back to the report times)."""
+        from bluevela.archive.ingest import row_restarts
+
+        def num(key: str) -> float:
+            v = float(row[key])
+            return v if math.isfinite(v) else math.nan
+
+        starts = [v for v in (num("start_unix_s"), num("first_report_unix_s"))
+                  if not math.isnan(v)]
+        ends = [v for v in (num("end_unix_s"), num("last_report_unix_s")) if not math.isnan(v)]
+        return cls(min(starts, default=math.nan), max(ends, default=math.nan),
+                   row_restarts(row))
+
+
+@dataclass(frozen=True)
+class SeriesLimits:
+    """Bounds on a side file: per node, the GPU count of its class (`gpus`, from site.yaml;
+    a node in no class gets `MAX_GPUS`); the rest as the module constants say."""
+
+    gpus: dict[str, int] = field(default_factory=dict)
+    max_ports: int = MAX_PORTS
+    min_interval_s: float = MIN_INTERVAL_S
+    max_interval_s: float = MAX_INTERVAL_S
+    slack_s: float = WINDOW_SLACK_S
+    wait_s: float = SIDE_WAIT_S
+    max_node_bytes: int = MAX_NODE_BYTES
+
+    @classmethod
+    def from_site(cls, site: Site) -> SeriesLimits:
+        return cls(gpus={h: c.gpus for c in site.node_classes.values() for h in c.hostnames})
+
+    @classmethod
+    def configured(cls) -> SeriesLimits:
+        """From the site file a root entry point reads (`$BV_SITE`, else
+        /etc/bluevela/site.yaml); without a readable one no node class is known."""
+        from bluevela.errors import BluevelaError
+        from bluevela.site import load_site
+
+        try:
+            return cls.from_site(load_site(cwd=False))
+        except (BluevelaError, OSError, ValueError) as exc:
+            logger.info("side files checked without node classes: %s", exc)
+            return cls()
+
+    def gpus_of(self, node: str) -> int:
+        return self.gpus.get(node, self.gpus.get(node.split(".")[0], MAX_GPUS))
+
+
+def _check_columns(probe: Probe, max_gpus: int, max_ports: int) -> tuple[int, int]:
+    """Column names from the closed pattern, GPU indices below `max_gpus`, ports bounded;
+    returns the rows the node takes in the gpu and ib arrays (1 + highest GPU index, ports).
+
+    Raises:
+        SideFileError: the first column that does not fit, named.
+    """
+    seen: set[tuple[str, str]] = set()
+    metrics: dict[str, set[str]] = {"gpu": set(), "ib": set(), "node": set()}
+    ports: set[str] = set()
+    n_gpu = 0
+    for c in probe.header.columns:
+        comp, name = c.component, c.name
+        if len(name) > 128 or not name.startswith(comp + "."):
+            raise SideFileError(f"column {name[:80]!r} is not <component>.<metric>")
+        metric = name[len(comp) + 1:]
+        m = _GPU_COMPONENT.match(comp)
+        if m:
+            group = "gpu"
+            if int(m.group(1)) >= max_gpus:
+                raise SideFileError(f"column {name!r}: GPU index {int(m.group(1))} outside "
+                                    f"the node's class ({max_gpus} GPU(s))")
+            n_gpu = max(n_gpu, int(m.group(1)) + 1)
+        elif comp.startswith("ib.") and _IB_PORT.match(comp[3:]):
+            group = "ib"
+            ports.add(comp[3:])
+            if len(ports) > max_ports:
+                raise SideFileError(f"more than {max_ports} IB ports")
+        elif comp == "node":
+            group = "node"
+        else:
+            raise SideFileError(f"column {name[:80]!r}: unknown component {comp[:40]!r}")
+        if not _METRIC.match(metric) or metric == _RESERVED[group]:
+            raise SideFileError(f"column {name[:80]!r}: metric {metric[:40]!r} is not a "
+                                f"metric name ([a-z][a-z0-9_]*)")
+        if not _UNIT.match(c.unit):
+            raise SideFileError(f"column {name!r}: unit {c.unit[:20]!r} is not a unit")
+        if (comp, metric) in seen:
+            raise SideFileError(f"duplicate column {name!r}")
+        seen.add((comp, metric))
+        metrics[group].add(metric)
+        if len(metrics[group]) > MAX_METRICS:
+            raise SideFileError(f"more than {MAX_METRICS} {group} metrics")
+    return n_gpu, len(ports)
+
+
+def check_side_file(probe: Probe, job: JobWindow, restart: int, limits: SeriesLimits, *,
+                    now: float, age_s: float) -> None:
+    """Check a side file (header and bounds, no record loaded) against its job, before
+    anything is sized from it.
+
+    Args:
+        probe: the file's header, record count and first/last record times.
+        job: the job's archived window.
+        restart: the attempt the file belongs to.
+        limits: the site's bounds.
+        now: the ingest's clock.
+        age_s: seconds since the file was written (its mtime).
+
+    Raises:
+        SideFileError: it does not fit (quarantine, with this reason).
+        SideFileWait: it ends after the job's archived window, or belongs to an attempt not yet
+            archived, and is young enough that its reports may still come.
+    """
+    h = probe.header
+    if not limits.min_interval_s <= h.interval_s <= limits.max_interval_s:
+        raise SideFileError(f"interval_s {h.interval_s:g} outside the site's range "
+                            f"{limits.min_interval_s:g}-{limits.max_interval_s:g} s")
+    n_gpu, n_port = _check_columns(probe, limits.gpus_of(h.node), limits.max_ports)
+    t0, t1 = probe.t_first, probe.t_last
+    if not (math.isfinite(t0) and math.isfinite(t1)) or t1 < t0:
+        raise SideFileError("record times are not finite and in order")
+    young = age_s < limits.wait_s
+    if restart > job.restarts:
+        if young:
+            raise SideFileWait(f"attempt {restart} is not archived yet")
+        raise SideFileError(f"attempt {restart} was never archived (job has "
+                            f"{job.restarts})")
+    if not (math.isfinite(job.start) and math.isfinite(job.end)):
+        raise SideFileError("the job's archived window is unknown")
+    slack = max(limits.slack_s, 2 * h.interval_s)
+    lo, hi = job.start - slack, job.end + slack
+    if t0 < lo:
+        raise SideFileError(f"records start {job.start - t0:.0f} s before the job "
+                            f"(slack {slack:g} s)")
+    if t1 > hi:
+        if young and t1 <= now + slack:  # its node's late epilog report may follow it
+            raise SideFileWait("records end after the job's archived window")
+        raise SideFileError(f"records end {t1 - job.end:.0f} s after the job "
+                            f"(slack {slack:g} s)")
+    span = t1 - t0
+    if probe.n_records > 2 * span / h.interval_s + 16:
+        raise SideFileError(f"{probe.n_records} records in {span:.0f} s at an interval of "
+                            f"{h.interval_s:g} s")
+    # The grid of the job at this interval, and the node's row while it is written: the
+    # window's values [columns, records] and one [components, samples] array per metric.
+    need = row_bytes((hi - lo) / h.interval_s + 1, max(n_gpu, n_port),
+                     probe.n_records, len(h.columns))
+    if need > limits.max_node_bytes:
+        raise SideFileError(f"the node's row would take {need / 2**30:.1f} GiB "
+                            f"(> {limits.max_node_bytes / 2**30:g} GiB): window too long for "
+                            f"interval_s {h.interval_s:g}")
+
+
+def row_bytes(samples: float, components: int, records: int, columns: int) -> float:
+    """About the most memory one node's row takes while written: its window's records, its
+    [components, records] arrays, and the [components, samples] row of one metric at a time
+    (twice: the array and h5py's copy)."""
+    return 4.0 * (2 * samples * max(components, 1) + 2 * records * (columns + 2))
+
+
 def _meta_of(probe: Probe, load: Callable[[], NodeWindow]) -> _Meta:
     """A node's bounds and columns from its side file's header (no record loaded).
 
@@ -532,21 +732,34 @@ def build_series(path: Path, job_id: int, metas: list[_Meta]) -> int:
     return len(by_node)
 
 
-def ingest_side_files(w: Writer, sd: SpoolDir, archive_dir: Path,
-                      entries: list[SpoolEntry]) -> tuple[list[str], list[tuple[str, str]]]:
+def ingest_side_files(w: Writer, sd: SpoolDir, archive_dir: Path, entries: list[SpoolEntry],
+                      *, limits: SeriesLimits | None = None, now: float | None = None
+                      ) -> tuple[list[str], list[tuple[str, str]]]:
     """Add the spooled series side files of archived jobs to their series files.
 
     Side files of jobs not yet archived wait in the spool. A node already in the job's file is
     not added again (its side file is just done). A side file that is a symlink, has a bad
-    header, a truncated record or another node's/job's header is quarantined.
+    header, a truncated record, another node's/job's header, or does not fit its job
+    (`check_side_file`) is quarantined. A job whose series cannot be built from its new side
+    files' data (MemoryError included) has them quarantined; an OSError (a full disk) leaves
+    them for the next ingest. Either way the next job is built.
+
+    Args:
+        limits: the site's bounds (`SeriesLimits.from_site`); default: no node class known.
+        now: the ingest's clock (tests).
 
     Returns:
         (spool names now done, [(quarantined name, reason)]).
     """
+    import time
+
     from bluevela.archive.ingest import archived_jobs
+    from bluevela.archive.spool import quarantine
 
     if not entries:
         return [], []
+    limits = SeriesLimits() if limits is None else limits
+    now = time.time() if now is None else now
     archived = archived_jobs(w, sorted({e.job_id for e in entries}))
     done: list[str] = []
     bad: list[tuple[str, str]] = []
@@ -555,9 +768,18 @@ def ingest_side_files(w: Writer, sd: SpoolDir, archive_dir: Path,
         if e.job_id in archived:
             by_job.setdefault(e.job_id, []).append(e)
     for job_id, job_entries in sorted(by_job.items()):
+        job = JobWindow.of_row(archived[job_id].row)
         try:
-            names, quarantined = _ingest_job(sd, archive_dir, job_id, job_entries)
-        except (OSError, ValueError, ArchiveError) as exc:
+            names, quarantined = _ingest_job(sd, archive_dir, job_id, job_entries, job,
+                                             limits, now)
+        except _BuildFailed as failed:
+            reason = f"series side file: job {job_id} not built from it: {failed.reason}"
+            logger.error("job %d: series file not written: %s", job_id, failed.reason)
+            for name in failed.names:
+                quarantine(sd, name, reason)
+                bad.append((name, reason))
+            continue
+        except (OSError, ArchiveError) as exc:
             # The reports are durable already; the side files stay for the next ingest.
             logger.error("job %d: series file not written: %s", job_id, exc)
             continue
@@ -566,8 +788,22 @@ def ingest_side_files(w: Writer, sd: SpoolDir, archive_dir: Path,
     return done, bad
 
 
-def _ingest_job(sd: SpoolDir, archive_dir: Path, job_id: int,
-                job_entries: list[SpoolEntry]) -> tuple[list[str], list[tuple[str, str]]]:
+class _BuildFailed(Exception):
+    """A job's series could not be built from its new side files' data."""
+
+    def __init__(self, names: list[str], reason: str) -> None:
+        super().__init__(reason)
+        self.names = names
+        self.reason = reason
+
+
+def _ingest_job(sd: SpoolDir, archive_dir: Path, job_id: int, job_entries: list[SpoolEntry],
+                job: JobWindow, limits: SeriesLimits, now: float
+                ) -> tuple[list[str], list[tuple[str, str]]]:
+    """Raises:
+        _BuildFailed: the build failed on the new side files' data (they are named).
+        OSError, ArchiveError: the series file could not be written (nothing is quarantined).
+    """
     from bluevela.archive.spool import quarantine
     from bluevela.telemetry.format import FormatError, probe_file, read_file
 
@@ -584,7 +820,7 @@ def _ingest_job(sd: SpoolDir, archive_dir: Path, job_id: int,
             logger.error("job %d: series file %s unreadable (%s): rebuilt from the spool",
                          job_id, path, exc)
             have, metas = set(), []
-    new = 0
+    new_names: list[str] = []
     for e in sorted(job_entries, key=lambda x: (x.node, x.restart)):
         if (e.node, e.restart) in have:
             done.append(e.name)
@@ -605,9 +841,14 @@ def _ingest_job(sd: SpoolDir, archive_dir: Path, job_id: int,
                 raise FormatError(f"header node {probe.header.node!r} does not match the name")
             if probe.header.job_id is not None and probe.header.job_id != job_id:
                 raise FormatError(f"header job_id {probe.header.job_id} does not match")
+            age = now - os.stat(e.name, dir_fd=sd.fd, follow_symlinks=False).st_mtime
+            check_side_file(probe, job, restart, limits, now=now, age_s=age)
             meta = _meta_of(probe, load)
             meta.restarts = (restart,)
         except FileNotFoundError:
+            continue
+        except SideFileWait as why:
+            logger.info("job %d: side file %s waits: %s", job_id, e.name, why)
             continue
         except (OSError, FormatError, ValueError) as exc:
             reason = f"series side file: {getattr(exc, 'strerror', None) or exc}"
@@ -619,8 +860,35 @@ def _ingest_job(sd: SpoolDir, archive_dir: Path, job_id: int,
         have.add((node, restart))
         done.append(e.name)
         metas.append(meta)
-        new += 1
-    if new:
-        n = build_series(path, job_id, metas)
-        logger.info("job %d: series of %d node(s) in %s (%d new)", job_id, n, path, new)
+        new_names.append(e.name)
+    if new_names:
+        try:
+            _check_plan(metas, limits)
+            n = build_series(path, job_id, metas)
+        except (OSError, ArchiveError):
+            raise
+        except MemoryError:
+            raise _BuildFailed(new_names, "out of memory") from None
+        except SideFileError as exc:
+            raise _BuildFailed(new_names, str(exc)) from exc
+        except Exception as exc:  # noqa: BLE001 - a file's data broke the build: quarantine
+            raise _BuildFailed(new_names, f"{type(exc).__name__}: {exc}") from exc
+        logger.info("job %d: series of %d node(s) in %s (%d new)", job_id, n, path,
+                    len(new_names))
     return done, bad
+
+
+def _check_plan(metas: list[_Meta], limits: SeriesLimits) -> None:
+    """The job's grid (all nodes, the shortest interval) times its widest node, before the
+    file is made: each side file fitted on its own, their union must too.
+
+    Raises:
+        SideFileError: one node's row would take more than `limits.max_node_bytes`.
+    """
+    interval = min(m.interval_s for m in metas)
+    samples = (max(m.t_max for m in metas) - min(m.t_min for m in metas)) / interval + 1
+    comps = max(max(m.n_gpu, m.n_port) for m in metas)
+    need = row_bytes(samples, comps, 0, 0)
+    if samples > MAX_SAMPLES or need > limits.max_node_bytes:
+        raise SideFileError(f"the job's grid of {samples:.0f} samples x {comps} rows would "
+                            f"take {need / 2**30:.1f} GiB per node")
