@@ -248,15 +248,32 @@ def read_file(path: str | os.PathLike[str], *, strict: bool = False,
 
 
 class SegmentWriter:
-    """Appends records to one segment file (created with O_EXCL|O_NOFOLLOW)."""
+    """Appends records to one segment file (created with O_EXCL|O_NOFOLLOW).
+
+    A write that fails (ENOSPC, EIO) leaves no half of anything behind: a header that could not
+    be written closes and unlinks the new file (the constructor raises), a record that could
+    not be written is cut off again, so the file always ends on a whole record.
+    """
 
     def __init__(self, path: Path, header: Header, mode: int = 0o640) -> None:
         self.path = path
         self.header = header
+        self.records = 0
         self._struct = record_struct(len(header.columns))
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                           | os.O_CLOEXEC | os.O_APPEND, mode)
-        self._write(header.encode())
+        try:
+            self._write(header.encode())
+        except BaseException:
+            # One descriptor per failed start would otherwise leak (a full disk, every tick).
+            os.close(self.fd)
+            self.fd = -1
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            raise
+        self._size = len(header.encode())
 
     def _write(self, data: bytes) -> None:
         view = memoryview(data)
@@ -266,7 +283,17 @@ class SegmentWriter:
 
     def append(self, t: float, values: Sequence[float]) -> None:
         # One write per record: a reader sees whole records or a partial last one, never a gap.
-        self._write(self._struct.pack(t, *values))
+        data = self._struct.pack(t, *values)
+        try:
+            self._write(data)
+        except OSError:
+            try:  # a partial record would shift every later one: cut it off
+                os.ftruncate(self.fd, self._size)
+            except OSError:
+                pass
+            raise
+        self._size += len(data)
+        self.records += 1
 
     def close(self, *, sync: bool = True) -> None:
         if self.fd >= 0:

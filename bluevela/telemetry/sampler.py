@@ -23,10 +23,22 @@ Sources are the health checks' own probes, so the same fixtures drive both:
   v2 `cpu.stat` (usage_usec, nr_periods, nr_throttled); v1 `cpuacct.usage` (in the directory
   or the same path under the `cpuacct` hierarchy) and the `cpu` controller's `cpu.stat`.
 
-Disk is bounded: a new segment every hour, at every start and when the column set changes;
-segments older than `telemetry.retain_h` go, then the oldest while the directory is over
-`telemetry.max_mb`. SIGTERM/SIGINT end the loop after the current sample and close the segment.
-Only the standard library runs in the loop (no numpy, torch, h5py).
+Disk is bounded: a new segment every hour, at every start, when the column set changes and
+when the clock steps back; before a new segment is opened, segments dated in the future
+(written under a wrong clock) go, then those older than `telemetry.retain_h`, then the oldest
+while the directory is over `telemetry.max_mb`. SIGTERM/SIGINT end the loop after the current
+sample and close the segment. Only the standard library runs in the loop (no numpy, torch,
+h5py).
+
+Faults (docs/install.md, "The node sampler"):
+- NVML is read on a thread of its own (`NVMLWorker`) and awaited at most half an interval
+  (0.05-10 s). A call that hangs (a GPU fallen off the bus) leaves the GPU columns NaN and
+  `node.gpus_missing` / `node.nvml_hung_s` say so per tick; IB and node go on, the log says
+  it once, and SIGTERM still ends the sampler.
+- A write that fails (ENOSPC) closes and unlinks what it opened, cuts off a partial record,
+  and the next attempts back off (1, 2, 4 ... 32 intervals) until one succeeds.
+- systemd (Type=notify): READY=1, WATCHDOG=1 from the loop after each completed tick, STATUS=
+  on a fault (`Notifier`, the sd_notify datagram protocol; no library).
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,6 +72,13 @@ GPU_UNITS = (("util_pct", "%"), ("mem_used_bytes", "B"), ("power_w", "W"), ("tem
 IB_UNITS = (("rx_bytes_per_s", "B/s"), ("tx_bytes_per_s", "B/s"), ("errors_per_s", "1/s"))
 NODE_UNITS = (("cpu_busy_pct", "%"), ("cpu_throttled_pct", "%"), ("mem_used_bytes", "B"),
               ("net_rx_bytes_per_s", "B/s"), ("net_tx_bytes_per_s", "B/s"))
+# Per tick, how NVML fared: GPUs of the node class (or of an earlier reading) that gave no
+# values, and how long the NVML call in flight has not returned (0: it answered).
+NVML_UNITS = (("gpus_missing", "1"), ("nvml_hung_s", "s"))
+# Slack before a segment counts as dated in the future (written under a wrong clock).
+FUTURE_SLACK_S = 60.0
+# The longest pause between write attempts while the disk is full, in intervals.
+MAX_BACKOFF_TICKS = 32
 _NOT_ERRORS = ("data", "packets", "xmit_wait")
 
 
@@ -169,8 +189,95 @@ class XidCounter:
         return float(self.counts.get(bus, 0))
 
 
+GPUFetch = tuple["NVMLSnapshot | None", dict[int, dict[str, Any]], str]
+
+
+class NVMLWorker:
+    """Runs NVML readings on a thread of their own, one at a time, each awaited with a deadline.
+
+    A GPU fallen off the bus can hang `nvmlInit` or a query inside the kernel: the call never
+    returns and no signal ends it. The loop waits for a reading at most `deadline_s`; past it
+    the tick goes on without GPUs, and nothing more is asked while the call hangs (one stuck
+    thread, never one per tick). A reading that arrives after its tick's deadline (a slow
+    NVML, not a hung one) is used by the next tick when at most `max_age_s` old, so a slow
+    NVML lags by a tick instead of missing every one.
+    """
+
+    def __init__(self, fetch: Callable[[], GPUFetch]) -> None:
+        self._fetch = fetch
+        self._cond = threading.Condition()
+        self._asked = 0
+        self._answered = 0
+        self._consumed = 0
+        self._result: GPUFetch | BaseException | None = None
+        self._answered_at = 0.0
+        self._since: float | None = None  # monotonic start of the call in flight
+        self._thread: threading.Thread | None = None
+
+    def in_flight_s(self) -> float:
+        """How long the call in flight has run; 0.0 when none is."""
+        with self._cond:
+            return 0.0 if self._since is None else time.monotonic() - self._since
+
+    def _ask(self) -> None:
+        self._asked += 1
+        self._since = time.monotonic()
+        if self._thread is None:
+            # A daemon: a call stuck in the driver must not keep the process from exiting.
+            self._thread = threading.Thread(target=self._loop, name="bv-nvml", daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
+
+    def _take(self) -> GPUFetch:
+        self._consumed = self._answered
+        res = self._result
+        self._result = None
+        if isinstance(res, BaseException):
+            raise res
+        assert res is not None
+        return res
+
+    def get(self, deadline_s: float, max_age_s: float) -> GPUFetch | None:
+        """A reading, or None when NVML did not answer within `deadline_s`.
+
+        Raises:
+            Whatever the reading raised (NVMLMissingError, OSError, ValueError).
+        """
+        with self._cond:
+            if self._answered > self._consumed:
+                fresh = time.monotonic() - self._answered_at <= max_age_s
+                if fresh:
+                    res = self._take()
+                    self._ask()  # the next tick's reading starts now
+                    return res
+                self._consumed, self._result = self._answered, None  # stale: drop
+            if self._since is None:
+                self._ask()
+            want = self._asked
+            if not self._cond.wait_for(lambda: self._answered >= want, timeout=deadline_s):
+                return None
+            return self._take()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._asked > self._answered)
+                n = self._asked
+            res: GPUFetch | BaseException
+            try:
+                res = self._fetch()
+            except Exception as exc:  # handed to the loop, which decides
+                res = exc
+            with self._cond:
+                self._result, self._answered = res, n
+                self._answered_at = time.monotonic()
+                self._since = None
+                self._cond.notify_all()
+
+
 class GPUReader:
-    """One reading of every GPU through the NVML source the gpu check uses."""
+    """One reading of every GPU through the NVML source the gpu check uses, off the loop's
+    thread (`NVMLWorker`)."""
 
     def __init__(self, ctx: ProbeContext) -> None:
         self.ctx = ctx
@@ -178,6 +285,9 @@ class GPUReader:
         self._cache: tuple[tuple[int, int, int], NVMLSnapshot, dict[int, dict[str, Any]]] | None
         self._cache = None
         self._warned: set[str] = set()
+        self.worker = NVMLWorker(self._fetch)
+        self.hung = False
+        self.expected = ctx.node_class.gpus
 
     def _warn_once(self, what: str, msg: str) -> None:
         if what not in self._warned:
@@ -203,33 +313,50 @@ class GPUReader:
         self._cache = (key, snap, extra)
         return snap, extra
 
-    def read(self) -> tuple[list[tuple[int, str | None, dict[str, float]]], str]:
-        """[(index, uuid, {metric: value})] and where NVML was read from."""
-        from bluevela.health.nvml import LiveNVML, NVMLMissingError
+    def _fetch(self) -> GPUFetch:
+        """One NVML reading, on the worker thread: this may never return."""
+        from bluevela.health.nvml import LiveNVML, NVMLMissingError, ReplayNVML
 
-        extra: dict[int, dict[str, Any]] = {}
-        if self.ctx.nvml_snapshot is None and not self.ctx.node_class.gpus:
-            return [], "none"  # a class without GPUs: NVML is not even looked for
         if self.ctx.nvml_snapshot is not None:
             snap, extra = self._replay(self.ctx.nvml_snapshot)
-            source = "snapshot"
             if snap is not None and snap.hang is not None:
-                self._warn_once("hang", "the NVML snapshot records a hung call: no GPU values")
-                snap = None
-        else:
-            source = "live"
-            try:
-                # No second reading: a sampler never sleeps inside a sample.
-                snap = LiveNVML(include_kmsg=False, recheck_s=0.0).read()
-            except (NVMLMissingError, OSError, ValueError) as exc:
-                self._warn_once("live", f"no GPU values: {exc}")
-                snap = None
-            if snap is not None and snap.gpus:
-                extra = {i: dict(v) for i, v in live_util_clocks().items()}
+                ReplayNVML(self.ctx.nvml_snapshot).read()  # blocks as the recorded call did
+            return snap, extra, "snapshot"
+        try:
+            # No second reading: a sampler never sleeps inside a sample.
+            snap = LiveNVML(include_kmsg=False, recheck_s=0.0).read()
+        except (NVMLMissingError, OSError, ValueError) as exc:
+            self._warn_once("live", f"no GPU values: {exc}")
+            return None, {}, "live"
+        more = {i: dict(v) for i, v in live_util_clocks().items()} if snap.gpus else {}
+        return snap, more, "live"
+
+    def read(self, deadline_s: float = 5.0, max_age_s: float = 10.0
+             ) -> tuple[list[tuple[int, str | None, dict[str, float]]], str, float]:
+        """[(index, uuid, {metric: value})], where NVML was read from, and for how long the NVML
+        call in flight has not returned (0.0 when NVML answered within `deadline_s`)."""
+        if self.ctx.nvml_snapshot is None and not self.ctx.node_class.gpus:
+            return [], "none", 0.0  # a class without GPUs: NVML is not even looked for
+        source = "snapshot" if self.ctx.nvml_snapshot is not None else "live"
+        got = self.worker.get(deadline_s, max_age_s)
+        if got is None:
+            hung_s = self.worker.in_flight_s()
+            if not self.hung:
+                self.hung = True
+                logger.warning("NVML has not answered for %.1f s (a hung call: a GPU fallen off "
+                               "the bus?): GPUs recorded as missing until it returns; IB and "
+                               "node sampled as usual", hung_s)
+            return [], source, max(hung_s, deadline_s)
+        if self.hung:
+            self.hung = False
+            logger.warning("NVML answered again: GPUs sampled again")
+        snap, extra, source = got
+        if snap is not None and snap.hang is not None:
+            snap = None  # only reached if a replayed hang ever returned
         if snap is None or snap.init_error:
             if snap is not None:
                 self._warn_once("init", f"NVML: {snap.init_error}")
-            return [], source
+            return [], source, 0.0
         if self.ctx.kmsg is not None:
             try:
                 with open(self.ctx.kmsg, encoding="utf-8", errors="replace") as fh:
@@ -254,7 +381,8 @@ class GPUReader:
                 "clocks_event_reasons": _num(g.clocks_event_reasons),
                 "xid_count": self.xids.count(g.bus),
             }))
-        return out, source
+        self.expected = max(self.expected, len(snap.gpus))
+        return out, source, 0.0
 
 
 # -- IB ports ---------------------------------------------------------------------------------
@@ -381,6 +509,13 @@ class NodeReader:
             return under
         return Path("/proc") / name
 
+    @property
+    def cpu_source(self) -> str:
+        """Where CPU busy/throttled come from, as the segment header records it."""
+        if self.cgroup is not None:
+            return f"cgroup{' v2' if self.cgroup.v2 else ' v1'} {self.cgroup.cpu_dir}"
+        return f"proc {self._proc('stat')}"
+
     def read(self, now: float) -> dict[str, float]:
         cur: dict[str, float] = {}
         if self.cgroup is not None:
@@ -448,6 +583,52 @@ class Config:
     max_bytes: int
 
 
+class Notifier:
+    """systemd's notify protocol (sd_notify(3)): datagrams to `$NOTIFY_SOCKET`; silent without
+    it. The watchdog is on when `$WATCHDOG_USEC` is set (and `$WATCHDOG_PID`, if set, is us)."""
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        env = os.environ if env is None else env
+        addr = env.get("NOTIFY_SOCKET", "")
+        self.addr: str | None = None
+        if addr.startswith("@"):
+            self.addr = "\0" + addr[1:]  # the abstract namespace
+        elif addr.startswith("/"):
+            self.addr = addr
+        self.watchdog_s: float | None = None
+        usec, pid = env.get("WATCHDOG_USEC", ""), env.get("WATCHDOG_PID", "")
+        if usec.isdigit() and int(usec) > 0 and (not pid or pid == str(os.getpid())):
+            self.watchdog_s = int(usec) / 1e6
+        self.sock: socket.socket | None = None
+        self._failed = False
+        if self.addr is not None:
+            try:
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            except OSError as exc:
+                logger.warning("no systemd notifications: %s", exc.strerror or exc)
+
+    def send(self, *lines: str) -> None:
+        if self.sock is None or self.addr is None:
+            return
+        try:
+            self.sock.sendto("\n".join(lines).encode("utf-8", "replace"), socket.MSG_DONTWAIT,
+                             self.addr)
+            self._failed = False
+        except OSError as exc:
+            if not self._failed:  # once per run of failures
+                logger.warning("systemd notification not sent: %s", exc.strerror or exc)
+            self._failed = True
+
+    def ping(self) -> None:
+        if self.watchdog_s is not None:
+            self.send("WATCHDOG=1")
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
 class Sampler:
     """Takes samples and keeps the segments of `<state>/samples` within their bounds."""
 
@@ -458,14 +639,33 @@ class Sampler:
         self.node = NodeReader(ctx.root, CgroupCPU.find(cgroup) if cgroup else None)
         self.writer: SegmentWriter | None = None
         self._hour: int | None = None
+        self._last_t = -math.inf
+        self._gpu_cols: list[tuple[int, str | None]] = []  # GPUs of the last good reading
         self.samples_taken = 0
+        self.write_failures = 0  # consecutive failed writes (a full disk)
+        self._retry_at = -math.inf
+        self.status = ""
+
+    @property
+    def nvml_deadline_s(self) -> float:
+        """How long a tick waits for NVML: half an interval, within [0.05, 10] s."""
+        return min(max(0.5 * self.cfg.interval_s, 0.05), 10.0)
 
     def sample(self, now: float) -> tuple[list[Column], list[float], dict[str, dict[str, str]]]:
         """One record: its columns, values and component labels."""
         cols: list[Column] = []
         vals: list[float] = []
         comps: dict[str, dict[str, str]] = {}
-        gpus, _ = self.gpu.read()
+        gpus, _, hung_s = self.gpu.read(self.nvml_deadline_s, self.cfg.interval_s)
+        if hung_s > 0 and not gpus:
+            # NVML hangs: the GPUs of the last reading stay as columns with no values, so the
+            # segment does not roll on every hang and the missing ticks are NaN in place.
+            gpus = [(i, uuid, dict.fromkeys((m for m, _ in GPU_UNITS), NAN))
+                    for i, uuid in self._gpu_cols]
+            read = 0
+        else:
+            self._gpu_cols = [(i, uuid) for i, uuid, _ in gpus]
+            read = len(gpus)
         for index, uuid, values in gpus:
             comp = f"gpu{index}"
             if uuid:
@@ -482,38 +682,83 @@ class Sampler:
         for metric, unit in NODE_UNITS:
             cols.append(Column(f"node.{metric}", "node", unit))
             vals.append(node[metric])
+        for metric, unit in NVML_UNITS:
+            cols.append(Column(f"node.{metric}", "node", unit))
+        vals.append(float(max(0, self.gpu.expected - read)))
+        vals.append(round(hung_s, 3))
+        comps["node"] = {"cpu_source": self.node.cpu_source}
         return cols, vals, comps
 
     def record(self, now: float) -> None:
         cols, vals, comps = self.sample(now)
         hour = int(now // 3600)
         w = self.writer
+        if w is not None and now < self._last_t:
+            # Records of a segment are in time order: a clock stepped back starts a new one.
+            logger.warning("the clock stepped back %.1f s: a new segment", self._last_t - now)
+            w = None
         if w is None or hour != self._hour or w.header.columns != tuple(cols) \
                 or w.header.components != comps:
             self._roll(now, tuple(cols), comps)
             self._hour = hour
         assert self.writer is not None
         self.writer.append(now, vals)
+        self._last_t = now
         self.samples_taken += 1
 
+    def _close_writer(self, *, failed: bool = False) -> None:
+        w, self.writer = self.writer, None
+        if w is None:
+            return
+        w.close(sync=not failed)
+        if failed and w.records == 0:  # a header alone is nothing to keep
+            try:
+                os.unlink(w.path)
+            except OSError:
+                pass
+
     def _roll(self, now: float, cols: tuple[Column, ...], comps: dict[str, dict[str, str]]) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        self._close_writer()
+        # Room first: on a full disk the old segments past their bounds must go before a new
+        # file is asked for.
+        self.prune(now)
         self.cfg.samples.mkdir(mode=0o750, parents=True, exist_ok=True)
         start = int(now)
         while (self.cfg.samples / f"seg-{start}.bvts").exists():
             start += 1  # a restart within the same second: never append to an old segment
         header = Header(self.cfg.node, self.cfg.interval_s, cols, float(now), comps)
         self.writer = SegmentWriter(self.cfg.samples / f"seg-{start}.bvts", header)
-        self.prune(now)
 
     def prune(self, now: float) -> list[str]:
-        """Remove segments past `retain_s`, then the oldest while over `max_bytes` (never the
-        one being written). Returns the names removed."""
+        """Remove segments dated in the future (more than FUTURE_SLACK_S + one interval after
+        `now`: written under a wrong clock, later corrected), then those past `retain_s`, then
+        the oldest while over `max_bytes` (never the one being written). Returns the names
+        removed."""
         segs = list_segments(self.cfg.samples)
         current = self.writer.path.name if self.writer is not None else None
         removed = []
+
+        def unlink(name: str) -> bool:
+            try:
+                os.unlink(self.cfg.samples / name)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                logger.warning("cannot remove %s: %s", self.cfg.samples / name, exc.strerror)
+                return False
+            removed.append(name)
+            return True
+
+        future = now + FUTURE_SLACK_S + self.cfg.interval_s
+        kept = []
+        for start, name in segs:
+            if start > future and name != current:
+                logger.warning("segment %s starts %.0f s in the future (a wrong clock when it "
+                               "was written): removed", name, start - now)
+                if unlink(name):
+                    continue
+            kept.append((start, name))
+        segs = kept
         sizes = {}
         for _, name in segs:
             try:
@@ -527,40 +772,77 @@ class Sampler:
             ended = segs[i + 1][0] if i + 1 < len(segs) else now
             if ended >= now - self.cfg.retain_s and total <= self.cfg.max_bytes:
                 continue
-            try:
-                os.unlink(self.cfg.samples / name)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                logger.warning("cannot remove %s: %s", self.cfg.samples / name, exc.strerror)
-                continue
-            total -= sizes[name]
-            removed.append(name)
+            if unlink(name):
+                total -= sizes[name]
         return removed
 
-    def run(self, stop: threading.Event, *, duration_s: float | None = None) -> int:
-        """Sample on multiples of the interval until `stop` is set (or `duration_s` passes)."""
+    def _set_status(self, notify: Notifier, status: str) -> None:
+        if status != self.status:
+            self.status = status
+            notify.send(f"STATUS={status}")
+
+    def tick(self, now: float) -> None:
+        """One sample written, or the failure to write it handled (a full disk backs off)."""
+        if now < self._retry_at:
+            return
+        try:
+            self.record(now)
+        except OSError as exc:  # ENOSPC and friends: closed, unlinked, tried again later
+            self._close_writer(failed=True)
+            self.write_failures += 1
+            ticks = min(2 ** (self.write_failures - 1), MAX_BACKOFF_TICKS)
+            self._retry_at = now + (ticks - 0.5) * self.cfg.interval_s
+            if self.write_failures == 1:
+                logger.error("sample not written: %s; trying again in %d interval(s), backing "
+                             "off to %d while it fails", exc, ticks, MAX_BACKOFF_TICKS)
+            else:
+                logger.debug("sample not written (%d in a row): %s", self.write_failures, exc)
+            return
+        if self.write_failures:
+            logger.warning("writing samples again after %d failed attempt(s)",
+                           self.write_failures)
+            self.write_failures = 0
+            self._retry_at = -math.inf
+
+    def run(self, stop: threading.Event, *, duration_s: float | None = None,
+            notify: Notifier | None = None) -> int:
+        """Sample on multiples of the interval until `stop` is set (or `duration_s` passes).
+
+        With systemd's notify socket: READY=1 once started, WATCHDOG=1 after every tick that
+        completed (and while waiting for the next when the watchdog period is shorter than two
+        intervals), STATUS= when NVML hangs or the disk is full, STOPPING=1 at the end.
+        """
+        notify = Notifier() if notify is None else notify
         interval = self.cfg.interval_s
         end = time.time() + duration_s if duration_s is not None else math.inf
-        logger.info("sampling every %g s into %s", interval, self.cfg.samples)
+        logger.info("sampling every %g s into %s (CPU from %s)", interval, self.cfg.samples,
+                    self.node.cpu_source)
+        notify.send("READY=1", f"STATUS=sampling every {interval:g} s")
         try:
             while not stop.is_set():
-                now = time.time()
-                try:
-                    self.record(now)
-                except OSError as exc:  # ENOSPC and friends: try again next time
-                    logger.error("sample not written: %s", exc)
-                    if self.writer is not None:
-                        self.writer.close(sync=False)
-                        self.writer = None
+                self.tick(time.time())
+                notify.ping()
+                if self.gpu.hung:
+                    status = f"NVML hung {self.gpu.worker.in_flight_s():.0f} s: GPUs missing"
+                elif self.write_failures:
+                    status = f"samples not written ({self.write_failures} failures in a row)"
+                else:
+                    status = f"sampling every {interval:g} s"
+                self._set_status(notify, status)
                 nxt = (math.floor(time.time() / interval) + 1) * interval
                 if nxt > end:
                     break
-                stop.wait(max(0.0, nxt - time.time()))
+                wait = max(0.0, nxt - time.time())
+                step = notify.watchdog_s / 2 if notify.watchdog_s else math.inf
+                while wait > 0 and not stop.is_set():
+                    if stop.wait(min(wait, step)):
+                        break
+                    wait -= min(wait, step)
+                    if wait > 0:
+                        notify.ping()
         finally:
-            if self.writer is not None:
-                self.writer.close()
-                self.writer = None
+            notify.send("STOPPING=1")
+            self._close_writer()
         logger.info("stopped after %d samples", self.samples_taken)
         return 0
 
@@ -645,7 +927,11 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return sampler.run(stop, duration_s=args.duration)
+    notify = Notifier()
+    try:
+        return sampler.run(stop, duration_s=args.duration, notify=notify)
+    finally:
+        notify.close()
 
 
 if __name__ == "__main__":
