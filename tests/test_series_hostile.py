@@ -24,7 +24,7 @@ import pytest
 
 from bluevela.archive.ingest import ingest
 from bluevela.archive.sample import sample_report
-from bluevela.archive.series import SeriesLimits, read_series
+from bluevela.archive.series import read_series
 from bluevela.archive.spool import DONE_DIR, QUARANTINE_DIR, write_report
 from bluevela.site import load_site
 
@@ -188,6 +188,8 @@ def test_a_bad_side_file_is_quarantined_with_its_reason_and_the_next_job_is_buil
 
 def test_gpu_index_is_judged_by_the_nodes_class(dirs: tuple[Path, Path]) -> None:
     """site.yaml: gpu[001-128] are h100 (8 GPUs); node1 is a CPU node (0 GPUs)."""
+    from bluevela.archive.series import SeriesLimits
+
     spool, archive = dirs
     times = [T0 + 10 * k for k in range(6)]
     for job, node, cols in ((70, "gpu001", [f"gpu{i}.util_pct" for i in range(8)]),
