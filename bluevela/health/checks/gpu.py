@@ -7,12 +7,13 @@ errors over the ceiling, a row remap pending or failed, retired pages over NVIDI
 ceiling, temperature over the class's maximum, a hardware slowdown (HW slowdown / HW thermal /
 HW power brake) seen in two readings `gpu.recheck_s` apart, a PCIe link narrower than its
 maximum width, a compute process on the job's GPUs (prolog; every GPU at healthcheck) that is
-not ours and is still there at the second reading, or a fatal XID (`XID_TABLE`) within
-`gpu.xid_window_s`.
+not ours and is still there at the second reading, or an XID within `gpu.xid_window_s`
+whose resolution in NVIDIA's XID catalog is a reset, a reboot or a hardware action
+(checks/gpu_xids.py).
 WARNING: more GPUs than expected, aggregate (lifetime) uncorrected ECC over the ceiling,
 retired pages pending, software thermal slowdown, a hardware slowdown gone at the second
 reading, a PCIe link whose maximum generation is below the GPU's, persistence mode off, any
-other XID in the window.
+other XID in the window (the catalog's RESTART_APP and IGNORE among them).
 NVLink and fabric state, ECC by location, the row remapper histogram, throttle shares from the
 violation counters, expected power limit and application clocks, and NVSwitch SXids: see
 checks/gpu_fabric.py (their rates compare with the previous reading in the state dir,
@@ -35,6 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bluevela.health.checks import gpu_fabric as fabric
+from bluevela.health.checks.gpu_xids import XID_TABLE as XID_TABLE  # re-exported
+from bluevela.health.checks.gpu_xids import xid_verdict
 from bluevela.health.nvml import (
     FABRIC_COMPLETED,
     HW_REASONS,
@@ -65,39 +68,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class XidKind:
-    """What an XID means and what to do (NVIDIA's XID catalog, docs.nvidia.com/deploy/xid-errors)."""
-
-    status: Status
-    what: str
-    action: str
-
-
-_C, _W = Status.CRITICAL, Status.WARNING
-XID_TABLE: dict[int, XidKind] = {
-    13: XidKind(_W, "graphics engine exception", "usually the application; watch for repeats"),
-    31: XidKind(_W, "GPU memory page fault", "usually the application; watch for repeats"),
-    43: XidKind(_W, "GPU stopped processing", "usually the application; watch for repeats"),
-    45: XidKind(_W, "preemptive cleanup after earlier errors", "see the XID before it"),
-    48: XidKind(_C, "double-bit ECC error", "reset the GPU; RMA if it recurs"),
-    62: XidKind(_C, "internal micro-controller halt", "reset the GPU; RMA if it recurs"),
-    63: XidKind(_W, "ECC page retirement/row remap recorded", "reset the GPU when idle"),
-    64: XidKind(_C, "ECC page retirement/row remap failed", "reset the GPU; RMA if it recurs"),
-    74: XidKind(_C, "NVLink error", "reset the GPU, check NVLink/NVSwitch; RMA if it recurs"),
-    79: XidKind(_C, "fallen off the bus", "reboot the node, check PCIe/power; RMA if it recurs"),
-    80: XidKind(_C, "corrupted data sent to the GPU", "reset the GPU, check PCIe; RMA if it recurs"),
-    92: XidKind(_W, "high single-bit ECC error rate", "reset the GPU when idle"),
-    94: XidKind(_W, "contained ECC error", "reset the GPU when idle"),
-    95: XidKind(_C, "uncontained ECC error", "reset the GPU"),
-    119: XidKind(_C, "GSP RPC timeout", "reset the GPU; reboot if it recurs"),
-    120: XidKind(_C, "GSP error", "reset the GPU; reboot if it recurs"),
-    123: XidKind(_C, "SPI PMU RPC write failure", "reset the GPU; RMA if it recurs"),
-    140: XidKind(_C, "unrecovered ECC error", "reset the GPU"),
-    143: XidKind(_C, "GPU initialization failure", "reboot the node; RMA if it recurs"),
-    154: XidKind(_C, "GPU recovery action changed", "do the recovery action the log line names"),
-}
-FATAL_XIDS = frozenset(code for code, kind in XID_TABLE.items() if kind.status is Status.CRITICAL)
 # Processes are leftovers only where no job of ours should be running.
 PROCESS_PHASES = frozenset({"prolog", "healthcheck"})
 
@@ -323,7 +293,7 @@ def _xid_problems(facts: GPUFacts, usable: list[GPUInfo], window_s: float
         return [(Status.UNKNOWN, "kernel log unreadable: XIDs not checked")], 0, 0
     by_bus = {g.bus: g for g in usable if g.bus}
     problems: list[tuple[Status, str]] = []
-    seen: set[tuple[str, int]] = set()
+    seen: set[tuple[str, int, Status]] = set()
     counted = old = 0
     for x in facts.xids:
         if (window_s > 0 and x.at_s is not None and facts.uptime_s is not None
@@ -331,16 +301,18 @@ def _xid_problems(facts: GPUFacts, usable: list[GPUInfo], window_s: float
             old += 1
             continue
         counted += 1
-        if (x.bus, x.code) in seen:
+        verdict = xid_verdict(x.code, x.line)
+        key = (x.bus, x.code, verdict[0] if verdict else Status.WARNING)
+        if key in seen:
             continue
-        seen.add((x.bus, x.code))
+        seen.add(key)
         gpu = by_bus.get(x.bus)
         where = f"{gpu.label} (PCI {x.pci})" if gpu else f"PCI {x.pci}"
-        kind = XID_TABLE.get(x.code)
-        if kind is None:
+        if verdict is None:
             problems.append((Status.WARNING, f"XID {x.code} on {where}"))
         else:
-            problems.append((kind.status, f"XID {x.code} on {where}: {kind.what}; {kind.action}"))
+            status, what, action = verdict
+            problems.append((status, f"XID {x.code} on {where}: {what}; {action}"))
     return problems, counted, old
 
 
