@@ -24,9 +24,9 @@ import errno
 import json
 import logging
 import os
+import secrets
 import select
 import signal
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +47,8 @@ PF_KTHREAD = 0x00200000
 STA_UNSYNC = 0x0040
 TIME_ERROR = 5
 COMM_LEN = 15  # TASK_COMM_LEN - 1
+PROBE_PREFIX = ".bv-probe."  # + 32 random hex digits
+PROBE_NAME_TRIES = 8
 
 
 # -- mounts -------------------------------------------------------------------------------------
@@ -74,27 +76,60 @@ def _probe_one(path: Path, write_dir: Path | None) -> str:
             next(it, None)
         if write_dir is not None:
             step = "write"
-            name = write_dir / f".bv-probe.{socket.gethostname()}.{os.getpid()}"
-            payload = f"bluevela mount probe {time.time()}\n".encode()
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            return _write_probe(write_dir)
+    except OSError as exc:
+        return f"{step}: {exc.strerror or exc}"
+    return ""
+
+
+def _write_probe(write_dir: Path) -> str:
+    """Write, read back and remove a file under an unpredictable name in `write_dir` (opened
+    without following a link); a name someone planted (EEXIST) is passed over, never opened.
+    A user of a shared scratch directory cannot plant the name (the old `<host>.<pid>` name
+    could be planted for every pid, and the node was drained)."""
+    step = "open dir"
+    dfd = os.open(write_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        step = "write"
+        payload = f"bluevela mount probe {time.time()} {secrets.token_hex(8)}\n".encode()
+        for _ in range(PROBE_NAME_TRIES):
+            name = PROBE_PREFIX + secrets.token_hex(16)
             try:
-                os.write(fd, payload)
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+            except FileExistsError:
+                continue
+            break
+        else:
+            return f"write: {PROBE_NAME_TRIES} random names all existed"
+        got, err = b"", ""
+        try:
+            try:
+                view = memoryview(payload)
+                while view:
+                    view = view[os.write(fd, view):]
                 os.fsync(fd)
             finally:
                 os.close(fd)
             step = "read back"
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
             try:
                 got = os.read(fd, len(payload) + 1)
             finally:
                 os.close(fd)
-            step = "unlink"
-            os.unlink(name)
-            if got != payload:
-                return "read back differs from what was written"
+        except OSError as exc:
+            err = f"{step}: {exc.strerror or exc}"
+        try:
+            os.unlink(name, dir_fd=dfd)  # ours: O_EXCL made it
+        except OSError as exc:
+            err = err or f"unlink: {exc.strerror or exc}"
+        if not err and got != payload:
+            err = "read back differs from what was written"
+        return err
     except OSError as exc:
         return f"{step}: {exc.strerror or exc}"
-    return ""
+    finally:
+        os.close(dfd)
 
 
 def probe_mounts(root: Path, mounts: list[str], write_dirs: list[str],
