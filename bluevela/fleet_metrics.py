@@ -11,6 +11,7 @@ node_exporter's textfile directory, from one `sinfo` and one `scontrol show rese
 Families (docs/monitoring.md)::
 
     bluevela_slurm_node_info{node="gpu001",class="h100"} 1                    # every node
+    bluevela_slurm_node_busy{node="gpu001"} 1                                 # runs a job
     bluevela_slurm_node_drained{node="gpu007",class="h100",source="bv",reason="bv: ib: ..."} 1
     bluevela_breaker_nodes{partition="gpu"} 128                               # nodes counted
     bluevela_breaker_limit_nodes{partition="gpu"} 20                          # ceil(N * pct)
@@ -51,6 +52,11 @@ def _class_of(site: Site, node: str) -> str:
     return ""
 
 
+def _busy(state: str) -> bool:
+    flags = set(state.upper().split("+"))
+    return bool(flags & {"ALLOCATED", "MIXED", "COMPLETING"})
+
+
 def source_of(site: Site, reason: str) -> str:
     """`bv`, `nightly` or `operator`: who drained a node with this reason."""
     from bluevela.nodestate import is_nightly, is_ours
@@ -79,6 +85,9 @@ def render_fleet(site: Site, nodes: Sequence[NodeInfo] | None,
                           "Every Slurm node and its bluevela class (value 1).",
                           [({"node": n.name, "class": _class_of(site, n.name)}, 1)
                            for n in ordered])
+    lines += family_lines("bluevela_slurm_node_busy", "gauge",
+                          "1 while the node runs a job (allocated, mixed, completing).",
+                          [({"node": n.name}, 1 if _busy(n.state) else 0) for n in ordered])
     drained = [({"node": n.name, "class": _class_of(site, n.name),
                  "source": source_of(site, n.reason), "reason": n.reason}, 1.0)
                for n in ordered if n.drained]
