@@ -87,8 +87,12 @@ def _write_probe(write_dir: Path) -> str:
     without following a link); a name someone planted (EEXIST) is passed over, never opened.
     A user of a shared scratch directory cannot plant the name (the old `<host>.<pid>` name
     could be planted for every pid, and the node was drained)."""
-    step = "open dir"
-    dfd = os.open(write_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        dfd = os.open(write_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP) and os.path.islink(write_dir):
+            return "open dir: a symlink (never followed)"
+        return f"open dir: {exc.strerror or exc}"
     try:
         step = "write"
         payload = f"bluevela mount probe {time.time()} {secrets.token_hex(8)}\n".encode()
