@@ -92,6 +92,8 @@ class SubmitRequest:
     env: tuple[tuple[str, str], ...] = ()
     max_restarts: int = 0
     requeue: bool = True
+    # Validated for site.yaml compatibility but no longer used: the supervisor picks a free
+    # port on each step's first node (a fixed one could be taken first by another user).
     rdzv_port: int = 29500
     torchrun: tuple[str, ...] = ("torchrun",)
     output: str = "bv-%j.out"
@@ -264,14 +266,15 @@ class SubmitRequest:
         """The in-job supervisor (bluevela/launch/supervisor.py) the batch shell execs: it runs
         the srun+torchrun step, forwards the checkpoint signal to the workers, relaunches on
         spare/remaining nodes after a node loss, and requeues (docs/resilience.md)."""
-        argv = ["python3", "-m", "bluevela.launch.supervisor", f"--nodes={self.nodes}"]
+        # -P: the job's working directory (the user's submit directory) is not put on the
+        # import path; a module planted there (e.g. select.py) must not run in the supervisor.
+        argv = ["python3", "-P", "-m", "bluevela.launch.supervisor", f"--nodes={self.nodes}"]
         if self.spare_nodes:
             argv.append(f"--spare-nodes={self.spare_nodes}")
         if self.min_nodes is not None and self.min_nodes < self.nodes:
             argv.append(f"--min-nodes={self.min_nodes}")
         if self.hang_timeout:
             argv.append(f"--hang-timeout={self.hang_timeout:g}")
-        argv.append(f"--rdzv-port={self.rdzv_port}")
         return [*argv, "--", *self.torchrun_argv()]
 
     def materialize(self) -> str:

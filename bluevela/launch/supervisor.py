@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import logging
 import os
 import re
-import select
+import secrets
+import selectors
 import signal
 import socket
 import subprocess
@@ -51,9 +51,21 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
+from bluevela.launch.wire import (
+    SECRET_ENV,
+    Channel,
+    ChannelError,
+    challenge_line,
+    derive,
+    new_secret,
+    parse_challenge,
+    safe_name,
+    secret_from_env,
+)
 from bluevela.runtime.heartbeat import ENV_ADDR as HEARTBEAT_ENV
-from bluevela.runtime.heartbeat import parse_beat
+from bluevela.runtime.heartbeat import beat_key, parse_beat
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +169,44 @@ def choose_nodes(alloc: Sequence[str], excluded: Iterable[str], want: int,
     return None
 
 
-def torchrun_step_argv(base: Sequence[str], nodes: Sequence[str], port: int,
-                       rdzv_id: str) -> list[str]:
-    """torchrun's argv for one step: rendezvous flags inserted after the program word."""
-    return [base[0], f"--nnodes={len(nodes)}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={nodes[0]}:{port}", f"--rdzv-id={rdzv_id}", *base[1:]]
+def torchrun_step_argv(base: Sequence[str], nodes: Sequence[str], rdzv_id: str) -> list[str]:
+    """torchrun's argv for one step, all but the endpoint: rendezvous flags inserted after the
+    program word. The agent adds the endpoint (`with_endpoint`) once the rendezvous node's
+    agent has found a free port there."""
+    return [base[0], f"--nnodes={len(nodes)}", "--rdzv-backend=c10d", f"--rdzv-id={rdzv_id}",
+            *base[1:]]
+
+
+def with_endpoint(argv: Sequence[str], host: str, port: int) -> list[str]:
+    return [argv[0], f"--rdzv-endpoint={host}:{port}", *argv[1:]]
+
+
+def ranks_bound(torchrun: Sequence[str], nodes: int) -> int:
+    """How many ranks a step can have: nodes x torchrun's --nproc-per-node (1024 per node when
+    it is not a number, e.g. `gpu`). Beats naming a rank beyond it are dropped."""
+    per_node: str | None = None
+    words = list(torchrun)
+    for i, word in enumerate(words):
+        for flag in ("--nproc-per-node", "--nproc_per_node"):
+            if word.startswith(flag + "="):
+                per_node = word.split("=", 1)[1]
+            elif word == flag and i + 1 < len(words):
+                per_node = words[i + 1]
+    k = int(per_node) if per_node is not None and per_node.isdigit() else 1024
+    return max(1, nodes * max(1, min(k, 1024)))
+
+
+def bind_address(alloc: Sequence[str], host: str) -> str:
+    """Where the supervisor listens: loopback when the job has this one node (its only agent
+    runs here), else this host's own address, never wider; 0.0.0.0 only when the hostname
+    resolves to loopback (then the address agents use cannot be known here)."""
+    if len(set(alloc)) == 1:
+        return "127.0.0.1"
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        return "0.0.0.0"
+    return "0.0.0.0" if addr.startswith("127.") else addr
 
 
 @dataclass
@@ -208,58 +253,51 @@ def find_hang(beats: dict[int, RankBeat], started: float, now: float,
 
 
 # --------------------------------------------------------------------------------------------
-# Wire: one JSON object per line over TCP
+# Wire: signed lines over TCP (bluevela/launch/wire.py)
 
 
 class Conn:
-    def __init__(self, sock: socket.socket) -> None:
+    """An agent's connection. Pending until a signed hello names a node of the step that has
+    no connection yet; dropped on any protocol error, or without a hello in HELLO_DEADLINE_S."""
+
+    def __init__(self, sock: socket.socket, key: bytes, nonce: bytes, now: float) -> None:
         self.sock = sock
-        self.buf = b""
+        self.chan = Channel(sock, key, nonce, b"s")
+        self.opened = now
         self.node: str | None = None
-        self.last_seen = time.monotonic()
+        self.last_seen = now
         self.exit_rc: int | None = None
         self.signalled = 0  # workers this agent sent SIGUSR1 to (from its exit message)
+        self.go_sent = False
         self.closed = False
 
     def send(self, msg: dict[str, object]) -> None:
-        try:
-            self.sock.sendall(json.dumps(msg).encode() + b"\n")
-        except OSError:
-            pass
+        self.chan.send(msg)
 
-    def read(self) -> list[dict[str, object]] | None:
-        """Messages now readable; None on EOF/error."""
+    def read(self, now: float) -> list[dict[str, object]] | None:
+        """Messages now readable; None on EOF/error. Raises ChannelError (drop the peer)."""
         try:
             data = self.sock.recv(65536)
-        except BlockingIOError:
+        except (BlockingIOError, InterruptedError):
             return []
         except OSError:
             return None
         if not data:
             return None
-        self.buf += data
-        self.last_seen = time.monotonic()
-        out: list[dict[str, object]] = []
-        while b"\n" in self.buf:
-            line, self.buf = self.buf.split(b"\n", 1)
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(msg, dict):
-                out.append(msg)
-        return out
-
-    def close(self) -> None:
-        self.closed = True
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        msgs = self.chan.feed(data)
+        if msgs:
+            self.last_seen = now
+        return msgs
 
 
 # --------------------------------------------------------------------------------------------
 # Supervisor
+
+HELLO_DEADLINE_S = 5.0  # a connection without a signed hello by then is closed
+MAX_PENDING = 64  # connections without a hello yet; the oldest goes when one more comes
+MAX_ACCEPT_PER_TICK = 64
+MAX_BEATS_PER_TICK = 512  # then signals and agents get their turn (a flood cannot starve them)
+MAX_DROP_LOGS = 3  # per step; the rest are counted
 
 
 @dataclass
@@ -272,7 +310,6 @@ class Options:
     connect_timeout: float = 120.0
     settle_s: float = 2.0
     abort_grace_s: float = 5.0
-    rdzv_port: int = 29500
     max_relaunches: int = 8
     torchrun: list[str] = field(default_factory=list)
 
@@ -289,12 +326,18 @@ class StepResult:
 class StepState:
     nodes: list[str]
     started: float
+    line_key: bytes = b""
+    beat_key: bytes = b""
+    max_ranks: int = 1
+    rdzv_port: int | None = None  # reported by the rendezvous node's agent
     conns: list[Conn] = field(default_factory=list)
     beats: dict[int, RankBeat] = field(default_factory=dict)
+    seqs: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, pid) -> last seq
     lost: dict[str, str] = field(default_factory=dict)
     first_failure: tuple[str, int] | None = None  # (node, rc) of the first non-zero exit
     srun_rc: int | None = None
     srun_exit_at: float | None = None
+    dropped: int = 0  # connections dropped for a protocol error
 
     def by_node(self) -> dict[str, Conn]:
         return {c.node: c for c in self.conns if c.node is not None}
@@ -322,6 +365,7 @@ class Supervisor:
     def __init__(self, opts: Options, env: dict[str, str] | None = None) -> None:
         self.opts = opts
         self.env = dict(os.environ if env is None else env)
+        self.env.pop(SECRET_ENV, None)  # a step's secret is made by run_step, never inherited
         self.job = self.env.get("SLURM_JOB_ID", "0")
         nodelist = self.env.get("SLURM_JOB_NODELIST") or self.env.get("SLURM_NODELIST") or ""
         self.alloc = expand(nodelist) if nodelist else [socket.gethostname()]
@@ -331,14 +375,20 @@ class Supervisor:
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
         self.host = socket.gethostname()
+        addr = bind_address(self.alloc, self.host)
+        self.advertised = "127.0.0.1" if addr == "127.0.0.1" else self.host
         self.listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listen.bind(("0.0.0.0", 0))
+        self.listen.bind((addr, 0))
         self.listen.listen(256)
         self.listen.setblocking(False)
         self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.udp.bind(("0.0.0.0", 0))
+        self.udp.bind((addr, 0))
         self.udp.setblocking(False)
+        # selectors (epoll): no FD_SETSIZE limit, whatever the number of connections.
+        self.sel = selectors.DefaultSelector()
+        for fileobj in (self.listen, self.udp, self.wake_r):
+            self.sel.register(fileobj, selectors.EVENT_READ)
         self.conns: list[Conn] = []
 
     # -- signals ---------------------------------------------------------------------------
@@ -423,11 +473,13 @@ class Supervisor:
         # Slurm now ends this allocation (SIGTERM, then SIGKILL): wait for it rather than exit
         # first (an early exit could end the job before the requeue takes effect).
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            for sig in self._drain_signals():
-                if sig in (signal.SIGTERM, signal.SIGINT):
-                    return 0
-            select.select([self.wake_r], [], [], 1.0)
+        with selectors.DefaultSelector() as wait:
+            wait.register(self.wake_r, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                for sig in self._drain_signals():
+                    if sig in (signal.SIGTERM, signal.SIGINT):
+                        return 0
+                wait.select(1.0)
         return 0
 
     def _scontrol(self, *args: str) -> bool:
@@ -439,22 +491,30 @@ class Supervisor:
 
     # -- one step --------------------------------------------------------------------------
     def srun_argv(self, nodes: Sequence[str], launch: int) -> list[str]:
-        port = self.opts.rdzv_port + launch - 1
         rdzv_id = self.job if launch == 1 else f"{self.job}-{launch}"
-        agent = [sys.executable, "-m", "bluevela.launch.supervisor", "agent", "--"]
+        # -P: the job's working directory is not on the agent's import path (a module planted
+        # there, e.g. select.py, would run as the job's user inside every node agent).
+        agent = [sys.executable, "-P", "-m", "bluevela.launch.supervisor", "agent",
+                 f"--rdzv-node={nodes[0]}", "--"]
         return [
             "srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
             f"--nodelist={','.join(nodes)}", "--export=ALL",
             *(["--overlap"] if launch > 1 else []),
-            *agent, *torchrun_step_argv(self.opts.torchrun, nodes, port, rdzv_id),
+            *agent, *torchrun_step_argv(self.opts.torchrun, nodes, rdzv_id),
         ]
 
     def run_step(self, attempt: int, launch: int, nodes: list[str]) -> StepResult:
+        # A new secret per step: a straggler of an aborted step cannot speak in the next one.
+        secret = new_secret()
         env = dict(self.env)
-        env[SUPERVISOR_ENV] = f"{self.host}:{self.listen.getsockname()[1]}"
-        env[HEARTBEAT_ENV] = f"{self.host}:{self.udp.getsockname()[1]}"
+        env[SUPERVISOR_ENV] = f"{self.advertised}:{self.listen.getsockname()[1]}"
+        env[HEARTBEAT_ENV] = f"{self.advertised}:{self.udp.getsockname()[1]}"
         env[ATTEMPT_ENV] = str(attempt)
-        st = StepState(nodes=list(nodes), started=time.monotonic())
+        env[SECRET_ENV] = secret  # the environment only: argv is world-readable in /proc
+        key = bytes.fromhex(secret)
+        st = StepState(nodes=list(nodes), started=time.monotonic(),
+                       line_key=derive(key, b"line"), beat_key=beat_key(key),
+                       max_ranks=ranks_bound(self.opts.torchrun, len(nodes)))
         self.conns = st.conns
         srun = subprocess.Popen(self.srun_argv(nodes, launch), env=env, stdin=subprocess.DEVNULL)
         try:
@@ -489,37 +549,49 @@ class Supervisor:
                 if hang is not None:
                     return self._end_step(st, srun, hang)
         finally:
+            if st.dropped > MAX_DROP_LOGS:
+                _log(f"{st.dropped - MAX_DROP_LOGS} more connection(s) dropped in this step")
             for conn in st.conns:
-                conn.close()
+                self._close(conn)
             if srun.poll() is None:
                 srun.kill()
                 srun.wait()
 
     def _pump(self, st: StepState, srun: subprocess.Popen[bytes]) -> None:
         """One round: signals, new agents, agent messages, beats, srun, node timeouts."""
-        socks: list[socket.socket | int] = [self.listen, self.udp, self.wake_r]
-        socks += [c.sock for c in st.conns if not c.closed]
-        readable, _, _ = select.select(socks, [], [], TICK_S)
+        ready = {key.fileobj for key, _ in self.sel.select(TICK_S)}
         now = time.monotonic()
         for sig in self._drain_signals():
             self._on_signal(sig)
-        if self.listen in readable:
-            self._accept()
-        if self.udp in readable:
-            self._read_beats(st.beats, now)
-        for conn in [c for c in st.conns if not c.closed and c.sock in readable]:
-            msgs = conn.read()
+        if self.listen in ready:
+            self._accept(st, now)
+        if self.udp in ready:
+            self._read_beats(st, now)
+        for conn in [c for c in st.conns if not c.closed and c.sock in ready]:
+            try:
+                msgs = conn.read(now)
+            except ChannelError as exc:
+                self._drop(st, conn, str(exc))
+                continue
             if msgs is None:
-                conn.close()
-                if conn.exit_rc is None and conn.node is not None:
+                self._close(conn)
+                if conn.node is None:
+                    st.conns.remove(conn)
+                elif conn.exit_rc is None:
                     st.lost.setdefault(conn.node, "its agent's connection closed: the node or "
                                        "its processes died")
                 continue
             for msg in msgs:
-                self._on_msg(conn, msg)
+                why = self._on_msg(st, conn, msg)
+                if why is not None:
+                    self._drop(st, conn, why)
+                    break
                 if (msg.get("t") == "exit" and conn.exit_rc not in (None, 0)
                         and st.first_failure is None and conn.node is not None):
                     st.first_failure = (conn.node, conn.exit_rc or 1)
+        for conn in [c for c in st.conns if c.node is None]:
+            if now - conn.opened > HELLO_DEADLINE_S:
+                self._drop(st, conn, f"no signed hello in {HELLO_DEADLINE_S:.0f} s")
         if st.srun_rc is None and (rc := srun.poll()) is not None:
             st.srun_rc, st.srun_exit_at = rc, now
         by_node = st.by_node()
@@ -537,7 +609,7 @@ class Supervisor:
         (it is alive) or is lost (connection closed, or silent for --node-timeout); the hung
         srun (it would wait for a dead node until SlurmdTimeout) is killed here."""
         for conn in st.conns:
-            if not conn.closed and conn.exit_rc is None:
+            if not conn.closed and conn.node is not None and conn.exit_rc is None:
                 conn.send({"t": "abort"})
         deadline = time.monotonic() + self.opts.node_timeout + self.opts.abort_grace_s
         while st.unaccounted() and time.monotonic() < deadline:
@@ -574,40 +646,115 @@ class Supervisor:
         if first:
             _log(f"{signal.Signals(sig).name} received: asking every worker to checkpoint")
             for conn in self.conns:
-                if not conn.closed:
+                if not conn.closed and conn.node is not None:
                     conn.send({"t": "usr1"})
 
-    def _accept(self) -> None:
-        while True:
+    def _accept(self, st: StepState, now: float) -> None:
+        for _ in range(MAX_ACCEPT_PER_TICK):
             try:
                 sock, _ = self.listen.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except OSError as exc:  # EMFILE and the like: the backlog waits, the loop goes on
+                _log(f"accept: {exc.strerror or exc}")
+                return
+            pending = [c for c in st.conns if c.node is None]
+            if len(pending) >= MAX_PENDING:
+                self._drop(st, pending[0], f"more than {MAX_PENDING} connections without a "
+                           "hello")
             sock.setblocking(False)
-            self.conns.append(Conn(sock))
+            nonce = secrets.token_bytes(16)
+            conn = Conn(sock, st.line_key, nonce, now)
+            try:
+                sock.send(challenge_line(nonce))
+            except OSError:
+                sock.close()
+                continue
+            st.conns.append(conn)
+            self.sel.register(sock, selectors.EVENT_READ)
 
-    def _read_beats(self, beats: dict[int, RankBeat], now: float) -> None:
-        while True:
+    def _close(self, conn: Conn) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        try:
+            self.sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+
+    def _drop(self, st: StepState, conn: Conn, why: str) -> None:
+        """Close a connection that broke the protocol. One that was an agent of the step (it
+        had the secret) counts as a lost node; any other is forgotten."""
+        st.dropped += 1
+        if st.dropped <= MAX_DROP_LOGS:
+            try:
+                host, port = conn.sock.getpeername()[:2]
+                peer = f"{host}:{port}"
+            except OSError:
+                peer = "?"
+            _log(f"dropped a connection from {safe_name(peer)}: {why}")
+        self._close(conn)
+        if conn.node is None:
+            st.conns.remove(conn)
+        elif conn.exit_rc is None:
+            st.lost.setdefault(conn.node, f"its agent broke the protocol ({why})")
+
+    def _read_beats(self, st: StepState, now: float) -> None:
+        for _ in range(MAX_BEATS_PER_TICK):
             try:
                 data = self.udp.recv(2048)
             except (BlockingIOError, InterruptedError):
                 return
-            beat = parse_beat(data)
-            if beat is None:
+            except OSError:
+                return
+            beat = parse_beat(data, st.beat_key)
+            # A signed beat from this step's own ranks always passes these: a rank the step
+            # cannot have, or progress older than the step, is not one of ours.
+            if beat is None or beat.rank >= st.max_ranks or beat.age_s > now - st.started + 5:
                 continue
-            beats[beat.rank] = RankBeat(beat.node, beat.step, now - beat.age_s,
-                                        beat.in_collective, beat.where)
+            who = (beat.rank, beat.pid)
+            last = st.seqs.get(who)
+            if last is not None and beat.seq <= last:
+                continue  # a replayed or reordered beat
+            if last is None and len(st.seqs) >= 4 * st.max_ranks:
+                continue
+            st.seqs[who] = beat.seq
+            st.beats[beat.rank] = RankBeat(safe_name(beat.node), beat.step, now - beat.age_s,
+                                           beat.in_collective, safe_name(beat.where, 200))
 
-    def _on_msg(self, conn: Conn, msg: dict[str, object]) -> None:
+    def _on_msg(self, st: StepState, conn: Conn, msg: dict[str, object]) -> str | None:
+        """Act on one signed message; a reason to drop the connection, or None."""
         kind = msg.get("t")
-        if kind == "hello":
-            conn.node = str(msg.get("node"))
+        if conn.node is None:
+            node = msg.get("node")
+            if kind != "hello" or not isinstance(node, str):
+                return "a message before hello"
+            if node not in st.nodes:
+                return f"hello from {safe_name(node)}, not a node of this step"
+            if node in st.by_node():
+                return f"a second hello from {node}"
+            if node == st.nodes[0]:
+                port = msg.get("port")
+                if not isinstance(port, int) or not 1 <= port <= 65535:
+                    return f"hello from the rendezvous node {node} without a port"
+                st.rdzv_port = port
+            conn.node = node
+            if st.rdzv_port is not None:
+                for c in st.conns:
+                    if c.node is not None and not c.go_sent and not c.closed:
+                        c.send({"t": "go", "port": st.rdzv_port})
+                        c.go_sent = True
             if self.signal_seen is not None:
                 conn.send({"t": "usr1"})
         elif kind == "exit":
             rc, signalled = msg.get("rc"), msg.get("signalled")
-            conn.exit_rc = rc if isinstance(rc, int) else 1
+            conn.exit_rc = rc if isinstance(rc, int) and 0 <= rc <= 255 else 1
             conn.signalled = signalled if isinstance(signalled, int) else 0
+        return None
 
     @staticmethod
     def _reap(srun: subprocess.Popen[bytes], wait_s: float) -> None:
@@ -682,22 +829,86 @@ def worker_pids(torchrun_pid: int) -> list[int]:
     return sorted(found)
 
 
-def agent_main(argv: Sequence[str]) -> int:
-    addr = os.environ.get(SUPERVISOR_ENV, "")
+def free_port() -> int:
+    """A TCP port free on this node now, the kernel's pick: torchrun's c10d store binds it
+    moments later. A fixed port (29500) could be taken first by any user of the node."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])
+
+
+def _read_challenge(sock: socket.socket) -> bytes | None:
+    line = b""
+    while not line.endswith(b"\n") and len(line) < 128:
+        chunk = sock.recv(1)
+        if not chunk:
+            return None
+        line += chunk
+    return parse_challenge(line)
+
+
+def _agent_connect(addr: str, node: str, key: bytes) -> Channel | None:
     host, _, port = addr.rpartition(":")
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    sock: socket.socket | None = None
     deadline = time.monotonic() + 30
-    while sock is None:
+    while True:
+        sock: socket.socket | None = None
         try:
             sock = socket.create_connection((host, int(port)), timeout=5)
+            nonce = _read_challenge(sock)
+            if nonce is None:
+                raise OSError("no challenge from the supervisor")
+            return Channel(sock, key, nonce, b"a")
         except (OSError, ValueError) as exc:
+            if sock is not None:
+                sock.close()
             if time.monotonic() > deadline:
-                _log(f"agent on {node}: cannot reach the supervisor at {addr!r}: {exc}")
-                return 1
+                _log(f"agent on {safe_name(node)}: cannot reach the supervisor at "
+                     f"{safe_name(addr)}: {exc}")
+                return None
             time.sleep(0.2)
-    conn = Conn(sock)
-    conn.send({"t": "hello", "node": node, "pid": os.getpid()})
+
+
+def _agent_read(chan: Channel) -> list[dict[str, object]] | None:
+    """The supervisor's messages now readable; None when it is gone or its line does not
+    verify (then the channel cannot be trusted either)."""
+    try:
+        data = chan.sock.recv(65536)
+    except (BlockingIOError, InterruptedError):
+        return []
+    except OSError:
+        return None
+    if not data:
+        return None
+    try:
+        return chan.feed(data)
+    except ChannelError as exc:
+        _log(f"agent: {exc} from the supervisor")
+        return None
+
+
+def agent_main(argv: Sequence[str]) -> int:
+    args = list(argv)
+    rdzv_node = ""
+    while args and args[0].startswith("--rdzv-node="):
+        rdzv_node = args.pop(0).split("=", 1)[1]
+    if args[:1] == ["--"]:
+        args = args[1:]
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    if not args:
+        _log("agent: no torchrun command")
+        return 2
+    secret = secret_from_env()
+    if secret is None:
+        _log(f"agent on {safe_name(node)}: no job secret ({SECRET_ENV}) in the environment")
+        return 1
+    chan = _agent_connect(os.environ.get(SUPERVISOR_ENV, ""), node, derive(secret, b"line"))
+    if chan is None:
+        return 1
+    sock = chan.sock
+    hello: dict[str, object] = {"t": "hello", "node": node, "pid": os.getpid()}
+    if node == (rdzv_node or node):
+        hello["port"] = free_port()
+    chan.send(hello)
     sock.setblocking(False)
     signal.signal(signal.SIGUSR1, lambda *_: None)  # srun may forward one: handled below
     wake_r, wake_w = os.pipe()
@@ -707,32 +918,52 @@ def agent_main(argv: Sequence[str]) -> int:
     # SIGTERM: Slurm signals torchrun and the workers directly (proctrack); stay to report.
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
-    proc = subprocess.Popen(list(argv), start_new_session=True)
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    proc: subprocess.Popen[bytes] | None = None  # torchrun, once the supervisor says go
     signalled: set[int] = set()
     want_usr1 = False
     usr1_at: float | None = None
     aborting_at: float | None = None
     last_ping = 0.0
     while True:
-        ready, _, _ = select.select([sock.fileno(), wake_r], [], [], TICK_S)
+        ready = {key.fileobj for key, _ in sel.select(TICK_S)}
         if wake_r in ready:
             try:
                 if signal.SIGUSR1 in os.read(wake_r, 1024):
                     want_usr1 = True
             except BlockingIOError:
                 pass
-        if sock.fileno() in ready:
-            msgs = conn.read()
+        if sock in ready:
+            msgs = _agent_read(chan)
             if msgs is None:  # the supervisor is gone: do not leave training running
-                _kill_tree(proc)
-                proc.wait()
+                if proc is not None:
+                    _kill_tree(proc)
+                    proc.wait()
                 return 1
             for msg in msgs:
-                if msg.get("t") == "usr1":
+                kind = msg.get("t")
+                port = msg.get("port")
+                if (kind == "go" and proc is None and aborting_at is None
+                        and isinstance(port, int) and 1 <= port <= 65535):
+                    proc = subprocess.Popen(with_endpoint(args, rdzv_node or node, port),
+                                            start_new_session=True)
+                elif kind == "usr1":
                     want_usr1 = True
-                elif msg.get("t") == "abort" and aborting_at is None:
+                elif kind == "abort" and aborting_at is None:
                     aborting_at = time.monotonic()
-                    _kill_group(proc, signal.SIGTERM)
+                    if proc is not None:
+                        _kill_group(proc, signal.SIGTERM)
+        if proc is None:
+            if aborting_at is not None:
+                chan.send({"t": "exit", "rc": 1, "node": node, "signalled": 0})
+                sock.close()
+                return 1
+            if time.monotonic() - last_ping >= PING_S:
+                chan.send({"t": "ping"})
+                last_ping = time.monotonic()
+            continue
         if want_usr1:
             if usr1_at is None:
                 usr1_at = time.monotonic()
@@ -751,11 +982,11 @@ def agent_main(argv: Sequence[str]) -> int:
         rc = proc.poll()
         if rc is not None:
             code = rc if rc >= 0 else 128 - rc
-            conn.send({"t": "exit", "rc": code, "node": node, "signalled": len(signalled)})
-            conn.close()
+            chan.send({"t": "exit", "rc": code, "node": node, "signalled": len(signalled)})
+            sock.close()
             return code
         if time.monotonic() - last_ping >= PING_S:
-            conn.send({"t": "ping"})
+            chan.send({"t": "ping"})
             last_ping = time.monotonic()
 
 
@@ -784,15 +1015,24 @@ def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 # Entry
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad arguments end in one line on stderr and exit 2 (no usage block, no traceback)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"bv supervisor: {one_line(message)}\n")
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bluevela.launch.supervisor",
-                                     description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = _OneLineParser(prog="python -m bluevela.launch.supervisor",
+                            description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--nodes", type=int, required=True, help="training nodes per step")
     parser.add_argument("--spare-nodes", type=int, default=0)
     parser.add_argument("--min-nodes", type=int, default=None)
     parser.add_argument("--hang-timeout", type=float, default=0.0)
     parser.add_argument("--node-timeout", type=float, default=10.0)
-    parser.add_argument("--rdzv-port", type=int, default=29500)
+    # Ignored: batch scripts written before issue 16 still pass it; the rendezvous port is now
+    # a free one picked on the step's first node for every step.
+    parser.add_argument("--rdzv-port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("torchrun", nargs=argparse.REMAINDER)
     args = parser.parse_args(list(argv))
     if args.torchrun and args.torchrun[0] == "--":
@@ -803,6 +1043,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--nodes must be >= 1 and --spare-nodes >= 0")
     if args.min_nodes is not None and not 1 <= args.min_nodes <= args.nodes:
         parser.error("--min-nodes must be between 1 and --nodes")
+    inf = float("inf")
+    if not (0 <= args.hang_timeout < inf and 0 < args.node_timeout < inf):
+        parser.error("--hang-timeout must be >= 0 and --node-timeout > 0 (finite)")
     return args
 
 
@@ -814,7 +1057,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(args_list)
     opts = Options(nodes=args.nodes, spare_nodes=args.spare_nodes, min_nodes=args.min_nodes,
                    hang_timeout=args.hang_timeout, node_timeout=args.node_timeout,
-                   rdzv_port=args.rdzv_port, torchrun=list(args.torchrun))
+                   torchrun=list(args.torchrun))
     logging.basicConfig(level=logging.INFO, format="bv supervisor: %(message)s")
     return Supervisor(opts).run()
 

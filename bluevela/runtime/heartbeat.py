@@ -13,14 +13,18 @@ Why UDP: nodes share no file system, a datagram costs one syscall and cannot sta
 loop (no connect, no back-pressure), and a lost datagram only delays one beat of many (the
 hang timeout is tens of seconds; beats go out every second). The wire format is one ASCII line:
 
-    bvhb1 <rank> <node> <step> <pid> <age_ms> <in_collective 0|1> <where>
+    bvhb2 <rank> <node> <step> <pid> <seq> <age_ms> <in_collective 0|1> <where> <mac>
 
-(`step` is -1 when the caller gave none; `where` is `file:line:function`). The supervisor
-parses it with `parse_beat()`.
+(`step` is -1 when the caller gave none; `seq` counts this process's beats; `where` is
+`file:line:function`; `mac` is an HMAC of the rest of the line with the step's secret,
+``BV_JOB_SECRET``, see bluevela/launch/wire.py). Without that secret no beat is sent: the
+supervisor believes only signed beats, because anyone on the network can send it a datagram.
+The supervisor parses a beat with `parse_beat()`, which range-checks every number.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import socket
@@ -29,12 +33,21 @@ import threading
 import time
 from dataclasses import dataclass
 
+from bluevela.launch.wire import derive, mac, secret_from_env
+
 logger = logging.getLogger(__name__)
 
 ENV_ADDR = "BV_HEARTBEAT"
-MAGIC = "bvhb1"
+MAGIC = "bvhb2"
 INTERVAL_S = 1.0
 MAX_DATAGRAM = 512
+# Range checks (a signed beat from our own ranks always passes them): the word's length is
+# checked before int() so that no huge number is ever converted.
+MAX_RANK = 1 << 20
+MAX_STEP = 1 << 62
+MAX_PID = 1 << 22  # Linux pid_max limit
+MAX_AGE_MS = 1 << 40  # ~35 years
+_NUM_MAX_LEN = 20
 
 
 @dataclass(frozen=True)
@@ -48,27 +61,52 @@ class Beat:
     age_s: float = 0.0  # since the last progress() call
     in_collective: bool = False
     where: str = "?"
+    seq: int = 0  # this process's beat number (replay: the supervisor keeps the newest)
 
 
 def _word(text: str) -> str:
     return "".join(c for c in text if c.isalnum() or c in "-_.:/<>") or "?"
 
 
-def format_beat(beat: Beat) -> bytes:
-    line = (f"{MAGIC} {beat.rank} {_word(beat.node)} {beat.step} {beat.pid} "
-            f"{int(beat.age_s * 1000)} {int(beat.in_collective)} {_word(beat.where)[:200]}")
-    return line.encode("ascii", "replace")[:MAX_DATAGRAM]
+def beat_key(secret: bytes) -> bytes:
+    return derive(secret, b"beat")
 
 
-def parse_beat(data: bytes) -> Beat | None:
-    """The beat in a datagram, or None for anything that is not one (never raises)."""
+def format_beat(beat: Beat, key: bytes) -> bytes:
+    """The signed datagram for `beat` (`key`: `beat_key(secret)`)."""
+    body = (f"{MAGIC} {beat.rank} {_word(beat.node)[:64]} {beat.step} {beat.pid} {beat.seq} "
+            f"{max(0, int(beat.age_s * 1000))} {int(beat.in_collective)} "
+            f"{_word(beat.where)[:200]}").encode("ascii", "replace")
+    return body + b" " + mac(key, body)
+
+
+def _num(word: str, low: int, high: int) -> int:
+    if not 0 < len(word) <= _NUM_MAX_LEN:
+        raise ValueError(word)
+    value = int(word)
+    if not low <= value <= high:
+        raise ValueError(word)
+    return value
+
+
+def parse_beat(data: bytes, key: bytes) -> Beat | None:
+    """The beat in a datagram signed with `key`, or None for anything else: unsigned, badly
+    signed, oversized, or with a number out of range (never raises)."""
     try:
-        words = data.decode("ascii").split()
-        if len(words) != 8 or words[0] != MAGIC:
+        if len(data) > MAX_DATAGRAM:
             return None
-        return Beat(rank=int(words[1]), node=words[2], step=int(words[3]), pid=int(words[4]),
-                    age_s=int(words[5]) / 1000.0, in_collective=words[6] == "1", where=words[7])
-    except (UnicodeDecodeError, ValueError):
+        body, _, tag = data.rpartition(b" ")
+        if not hmac.compare_digest(tag, mac(key, body)):
+            return None
+        words = body.decode("ascii").split()
+        if len(words) != 9 or words[0] != MAGIC:
+            return None
+        return Beat(rank=_num(words[1], 0, MAX_RANK), node=words[2],
+                    step=_num(words[3], -1, MAX_STEP), pid=_num(words[4], 1, MAX_PID),
+                    seq=_num(words[5], 0, MAX_STEP),
+                    age_s=_num(words[6], 0, MAX_AGE_MS) / 1000.0,
+                    in_collective=words[7] == "1", where=words[8])
+    except (UnicodeDecodeError, ValueError, TypeError):
         return None
 
 
@@ -99,6 +137,8 @@ class _Sender:
     def __init__(self) -> None:
         self.sock: socket.socket | None = None
         self.target: tuple[str, int] | None = None
+        self.key = b""
+        self.seq = 0
         self.step = -1
         self.last_progress = time.monotonic()
         self.thread_pid: int | None = None  # the process whose thread runs (fork-safe)
@@ -120,6 +160,11 @@ class _Sender:
                 threading.Thread(target=self._loop, name="bv-heartbeat", daemon=True).start()
 
     def _connect(self, value: str) -> bool:
+        secret = secret_from_env()
+        if secret is None:
+            logger.warning("%s is set but the job secret is not: no heartbeat", ENV_ADDR)
+            return False
+        self.key = beat_key(secret)
         addr = parse_addr(value)
         if addr is None:
             logger.warning("ignoring %s=%r: not HOST:PORT", ENV_ADDR, value)
@@ -139,11 +184,13 @@ class _Sender:
         if self.target is None or self.sock is None:
             return
         in_coll, where = main_thread_position()
-        beat = Beat(rank=_int_env("RANK", 0), node=socket.gethostname(), step=self.step,
+        self.seq += 1
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        beat = Beat(rank=_int_env("RANK", 0), node=node, step=self.step,
                     pid=os.getpid(), age_s=time.monotonic() - self.last_progress,
-                    in_collective=in_coll, where=where)
+                    in_collective=in_coll, where=where, seq=self.seq)
         try:
-            self.sock.sendto(format_beat(beat), self.target)
+            self.sock.sendto(format_beat(beat, self.key), self.target)
         except OSError:  # a full buffer or an unreachable supervisor: skip this beat
             pass
 
