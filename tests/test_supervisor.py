@@ -5,7 +5,6 @@ stand-in, and only once a worker has a handler)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -29,10 +28,13 @@ from bluevela.launch.supervisor import (
     end_line,
     find_hang,
     previous_cause,
+    ranks_bound,
     read_history,
     torchrun_step_argv,
+    with_endpoint,
 )
-from bluevela.runtime.heartbeat import Beat, format_beat, parse_beat
+from bluevela.launch.wire import SECRET_ENV, Channel, challenge_line, derive, mac, new_secret
+from bluevela.runtime.heartbeat import Beat, beat_key, format_beat, parse_beat
 from tests.conftest import REPO
 
 # What `bv logs --attempt N` / `bv status` split on (the contract in /work/notes, H5's side).
@@ -71,9 +73,11 @@ def test_choose_nodes_spare_then_shrink_then_none() -> None:
 
 def test_torchrun_argv_per_step() -> None:
     base = ["torchrun", "--nproc-per-node=2", "--max-restarts=0", "train.py", "--x"]
-    assert torchrun_step_argv(base, ["n3", "n4"], 29501, "9-2") == [
-        "torchrun", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=n3:29501",
+    step = torchrun_step_argv(base, ["n3", "n4"], "9-2")
+    assert with_endpoint(step, "n3", 41234) == [
+        "torchrun", "--rdzv-endpoint=n3:41234", "--nnodes=2", "--rdzv-backend=c10d",
         "--rdzv-id=9-2", "--nproc-per-node=2", "--max-restarts=0", "train.py", "--x"]
+    assert ranks_bound(base, 2) == 4 and ranks_bound(["torchrun", "--nproc-per-node", "gpu"], 2) == 2048
 
 
 def test_hang_names_the_rank_outside_a_collective() -> None:
@@ -90,12 +94,33 @@ def test_hang_names_the_rank_outside_a_collective() -> None:
     assert find_hang(beats, 0.0, 1e6, 0.0) is None  # off
 
 
+KEY = beat_key(b"k" * 32)
+
+
 def test_beat_roundtrip_and_garbage() -> None:
-    beat = Beat(3, "node 7;x", 12, 99, 1.5, True, "a b.py:3:f")
-    back = parse_beat(format_beat(beat))
-    assert back == Beat(3, "node7x", 12, 99, 1.5, True, "ab.py:3:f")
-    for junk in (b"", b"bvhb1 x", b"\xff\xfe", b"bvhb1 1 n 2 3 4 1", b"GET / HTTP/1.1"):
-        assert parse_beat(junk) is None
+    beat = Beat(3, "node 7;x", 12, 99, 1.5, True, "a b.py:3:f", seq=4)
+    back = parse_beat(format_beat(beat, KEY), KEY)
+    assert back == Beat(3, "node7x", 12, 99, 1.5, True, "ab.py:3:f", seq=4)
+    assert parse_beat(format_beat(beat, beat_key(b"x" * 32)), KEY) is None  # another job's key
+    for junk in (b"", b"bvhb1 x", b"\xff\xfe", b"bvhb1 1 n 2 3 4 1", b"GET / HTTP/1.1",
+                 b"bvhb1 7 gpu042 5 1 999999000 0 x", b"x" * 4096):
+        assert parse_beat(junk, KEY) is None
+
+
+def _signed(body: bytes) -> bytes:
+    return body + b" " + mac(KEY, body)
+
+
+@pytest.mark.parametrize("body", [
+    b"bvhb2 0 n1 1 1 1 " + b"9" * 400 + b" 0 x",  # OverflowError in the old parse
+    b"bvhb2 0 n1 1 1 1 -5000 0 x",  # a negative age: progress in the future
+    b"bvhb2 -1 n1 1 1 1 5 0 x", b"bvhb2 9999999 n1 1 1 1 5 0 x",  # ranks out of range
+    b"bvhb2 0 n1 1 0 1 5 0 x", b"bvhb2 0 n1 1 1 1 5 0",  # pid 0; a word missing
+])
+def test_signed_beats_out_of_range_are_dropped(body: bytes) -> None:
+    """Even a correctly signed beat is range-checked: parse_beat never raises."""
+    assert parse_beat(_signed(body), KEY) is None
+    assert parse_beat(_signed(b"bvhb2 0 n1 1 1 1 5 0 x"), KEY) is not None  # the control
 
 
 def test_progress_sends_beats_over_udp(tmp_path: Path) -> None:
@@ -111,16 +136,20 @@ def test_progress_sends_beats_over_udp(tmp_path: Path) -> None:
             progress(step)
         time.sleep(2.5)
     """)
-    env = {**os.environ, "BV_HEARTBEAT": f"127.0.0.1:{udp.getsockname()[1]}", "RANK": "5"}
+    secret = new_secret()
+    key = beat_key(bytes.fromhex(secret))
+    env = {**os.environ, "BV_HEARTBEAT": f"127.0.0.1:{udp.getsockname()[1]}", "RANK": "5",
+           SECRET_ENV: secret}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO)
     try:
-        beats = [parse_beat(udp.recv(1024)) for _ in range(3)]
+        beats = [parse_beat(udp.recv(1024), key) for _ in range(3)]
     finally:
         proc.wait(timeout=30)
         udp.close()
     assert all(b is not None for b in beats)
     last = beats[-1]
     assert last is not None and last.rank == 5 and last.step == 3 and last.age_s >= 0.9
+    assert [b.seq for b in beats if b is not None] == [1, 2, 3]
     assert not last.in_collective and last.where.startswith("<string>:")
 
 
@@ -136,7 +165,8 @@ def test_progress_outside_a_job_is_a_noop() -> None:
 # before installing its SIGUSR1 handler (a worker still importing torch).
 FAKE_TORCHRUN = """
 import os, signal, subprocess, sys, time
-out = sys.argv[1]
+out = sys.argv[-1]
+open(os.path.join(out, "torchrun.argv"), "w").write("\\0".join(sys.argv))
 worker = '''
 import os, signal, sys, time
 out, delay = sys.argv[1], float(sys.argv[2])
@@ -158,31 +188,61 @@ sys.exit(max(codes))
 """
 
 
+class AgentPeer:
+    """The supervisor's end of one agent's channel (a real agent process, real sockets)."""
+
+    def __init__(self, tmp_path: Path, node: str = "nodeX") -> None:
+        secret = new_secret()
+        self.listen = socket.socket()
+        self.listen.bind(("127.0.0.1", 0))
+        self.listen.listen(1)
+        self.listen.settimeout(20)
+        torchrun = tmp_path / "torchrun"
+        torchrun.write_text(f"#!{sys.executable}\n{FAKE_TORCHRUN}")
+        torchrun.chmod(0o755)
+        env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+        env.update(BV_SUPERVISOR=f"127.0.0.1:{self.listen.getsockname()[1]}",
+                   SLURMD_NODENAME=node, **{SECRET_ENV: secret})
+        self.agent = subprocess.Popen(
+            [sys.executable, "-P", "-m", "bluevela.launch.supervisor", "agent",
+             f"--rdzv-node={node}", "--", str(torchrun), str(tmp_path)], env=env, cwd=REPO)
+        self.sock, _ = self.listen.accept()
+        self.sock.settimeout(20)
+        nonce = os.urandom(16)
+        self.sock.sendall(challenge_line(nonce))
+        self.chan = Channel(self.sock, derive(bytes.fromhex(secret), b"line"), nonce, b"s")
+        self.queue: list[dict[str, object]] = []
+
+    def next(self) -> dict[str, object] | None:
+        while not self.queue:
+            data = self.sock.recv(65536)
+            if not data:
+                return None
+            self.queue += self.chan.feed(data)
+        return self.queue.pop(0)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.listen.close()
+
+
 def test_agent_signals_workers_not_torchrun(tmp_path: Path) -> None:
-    listen = socket.socket()
-    listen.bind(("127.0.0.1", 0))
-    listen.listen(1)
-    listen.settimeout(20)
-    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
-    env.update(BV_SUPERVISOR=f"127.0.0.1:{listen.getsockname()[1]}", SLURMD_NODENAME="nodeX")
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "bluevela.launch.supervisor", "agent", "--", sys.executable,
-         "-c", FAKE_TORCHRUN, str(tmp_path)], env=env, cwd=REPO)
+    peer = AgentPeer(tmp_path)
     try:
-        conn, _ = listen.accept()
-        reader = conn.makefile("rb")
-        hello = json.loads(reader.readline())
-        assert hello["t"] == "hello" and hello["node"] == "nodeX"
+        hello = peer.next()
+        assert hello is not None and hello["t"] == "hello" and hello["node"] == "nodeX"
+        port = hello["port"]  # the rendezvous node's agent found a free port
+        assert isinstance(port, int) and 1024 <= port <= 65535
+        peer.chan.send({"t": "go", "port": port})
         deadline = time.monotonic() + 20
         while not (tmp_path / "ready.0").exists():
             assert time.monotonic() < deadline, "worker 0 never started"
             time.sleep(0.05)
-        conn.sendall(b'{"t": "usr1"}\n')  # worker 1 has no handler yet: it must not die
+        peer.chan.send({"t": "usr1"})  # worker 1 has no handler yet: it must not die
         msgs = []
         while True:
-            line = reader.readline()
-            assert line, "agent closed without an exit message"
-            msg = json.loads(line)
+            msg = peer.next()
+            assert msg is not None, "agent closed without an exit message"
             if msg["t"] == "exit":
                 break
             msgs.append(msg)
@@ -190,37 +250,48 @@ def test_agent_signals_workers_not_torchrun(tmp_path: Path) -> None:
         assert (tmp_path / "usr1.0").exists() and (tmp_path / "usr1.1").exists()
         # The stand-in got no SIGUSR1 (it would have died of it): it saw both workers exit 0.
         assert (tmp_path / "torchrun.exit").read_text() == "[0, 0]"
+        assert (tmp_path / "torchrun.argv").read_text().split("\0")[1] == f"--rdzv-endpoint=nodeX:{port}"
         assert any(m["t"] == "ping" for m in msgs)
     finally:
-        agent.wait(timeout=20)
-        listen.close()
-    assert agent.returncode == 0
+        peer.agent.wait(timeout=20)
+        peer.close()
+    assert peer.agent.returncode == 0
 
 
 def test_agent_kills_its_training_when_the_supervisor_goes(tmp_path: Path) -> None:
-    listen = socket.socket()
-    listen.bind(("127.0.0.1", 0))
-    listen.listen(1)
-    listen.settimeout(20)
-    env = {**os.environ, "BV_SUPERVISOR": f"127.0.0.1:{listen.getsockname()[1]}"}
-    env.pop("LOCAL_RANK", None)
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "bluevela.launch.supervisor", "agent", "--", sys.executable,
-         "-c", FAKE_TORCHRUN, str(tmp_path)], env=env, cwd=REPO)
-    conn, _ = listen.accept()
+    peer = AgentPeer(tmp_path)
+    hello = peer.next()
+    assert hello is not None
+    peer.chan.send({"t": "go", "port": hello["port"]})
     deadline = time.monotonic() + 20
     while not (tmp_path / "ready.0").exists():
         assert time.monotonic() < deadline
         time.sleep(0.05)
     pids = [int(p) for p in subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True,
                                            text=True, check=False).stdout.split()]
-    conn.close()
-    listen.close()
-    assert agent.wait(timeout=20) == 1
+    training = [p for p in pids if p != peer.agent.pid]
+    # The stand-in torchrun and its two workers: a test that found nothing proves nothing.
+    assert len(training) >= 3, f"training processes not found: {pids}"
+    peer.close()
+    assert peer.agent.wait(timeout=20) == 1
     time.sleep(0.2)
-    alive = [p for p in pids if p != agent.pid and Path(f"/proc/{p}").exists()
+    alive = [p for p in training if Path(f"/proc/{p}").exists()
              and "Z" not in Path(f"/proc/{p}/stat").read_text().split(")")[-1][:3]]
     assert not alive, f"training processes left behind: {alive}"
+
+
+def test_agent_refuses_a_channel_without_the_secret(tmp_path: Path) -> None:
+    """A listener that is not the job's supervisor (wrong key) gets a hello it can check
+    nothing against, and its orders are refused: the agent starts no training."""
+    peer = AgentPeer(tmp_path)
+    try:
+        assert peer.next() is not None
+        forged = Channel(peer.sock, derive(b"z" * 32, b"line"), peer.chan.nonce, b"s")
+        forged.send({"t": "go", "port": 40000})
+        assert peer.agent.wait(timeout=20) == 1
+        assert not (tmp_path / "torchrun.argv").exists()
+    finally:
+        peer.close()
 
 
 def test_catches_reads_the_handler_mask() -> None:
@@ -238,6 +309,8 @@ def test_bad_supervisor_arguments_are_one_line(argv: list[str]) -> None:
     proc = subprocess.run([sys.executable, "-m", "bluevela.launch.supervisor", *argv],
                           capture_output=True, text=True, timeout=30, cwd=REPO, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("bv supervisor: ")
 
 
 def test_allocation_smaller_than_the_job_is_one_line_not_a_requeue_loop(tmp_path: Path) -> None:
