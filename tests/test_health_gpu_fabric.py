@@ -209,12 +209,76 @@ def test_recordings_without_the_new_fields_still_evaluate(h100: NodeClass, tmp_p
                                                           cuda: str) -> None:
     one = dataclasses.replace(h100, gpus=1, gpu_model=model)
     r = run_gpu(one, "h100-healthy", tmp_path, snapshot=FIXTURES / recording)
+    # An 18-NVLink class and a recording without NVLink state: reported, not drained (issue 16:
+    # OK before, "not reported by NVML" in passing).
+    assert r.status is Status.WARNING, r
+    assert r.summary == ("NVLink state not in the recorded snapshot for GPU 0 (class has 18 "
+                         "NVLinks per GPU): an older recording, or no NVLink")
+    # The rest that the recording lacks is not judged, only named.
+    pcie = dataclasses.replace(one, gpu=dataclasses.replace(one.gpu, nvlinks=0))
+    r = run_gpu(pcie, "h100-healthy", tmp_path, snapshot=FIXTURES / recording)
     assert r.status is Status.OK, r
-    assert ("not reported by NVML: NVLink state, fabric state, SRAM ECC, row remapper "
-            "histogram, violation counters, application clocks") in r.summary
+    assert ("not reported by NVML: fabric state, SRAM ECC, row remapper histogram, violation "
+            "counters, application clocks") in r.summary
     snap = load_snapshot(FIXTURES / recording)
     assert snap.cuda_driver_version == cuda
     assert snap.gpus[0].vbios_version is None and snap.gpus[0].nvlink_state is None
+
+
+# -- a live reading without NVLink state (issue 16 §5) ------------------------------------------
+
+
+def _live_from(monkeypatch: pytest.MonkeyPatch, recording: Path) -> None:
+    """The live path (no BV_NVML_SNAPSHOT) reading what a real H100 VM's NVML answered: the
+    recording stands in for this machine's missing GPU at the NVML source seam only."""
+    from bluevela.health.checks import gpu
+    from bluevela.health.nvml import ReplayNVML
+
+    monkeypatch.setattr(gpu, "nvml_source", lambda ctx: ReplayNVML(recording))
+
+
+def test_live_reading_without_nvlink_state_on_an_nvlink_class_drains(
+        h100: NodeClass, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Old main: "1 x NVIDIA H100 80GB HBM3 OK ...; not reported by NVML: NVLink state, ..."."""
+    from bluevela.health.checks.gpu import evaluate_gpu, probe_gpu
+
+    rec = FIXTURES / "nvml-real-h100-1gpu.json"
+    one = dataclasses.replace(h100, gpus=1, gpu_model="NVIDIA H100 80GB HBM3")
+    _live_from(monkeypatch, rec)
+    kmsg = tmp_path / "dmesg.txt"
+    kmsg.write_text("", encoding="utf-8")
+    ctx = ProbeContext(one, "h100", root=FIXTURES / "h100-healthy" / "root", kmsg=kmsg,
+                       phase="prolog", state_dir=tmp_path / "state")
+    facts = probe_gpu(ctx)
+    assert facts.live and facts.snapshot is not None
+    assert facts.snapshot.gpus[0].nvlink_state is None
+    r = evaluate_gpu(facts, one)
+    assert r.status is Status.CRITICAL, r
+    assert r.summary == ("NVLink state not reported by NVML on GPU 0 (class has 18 NVLinks per "
+                         "GPU): a PCIe card in an SXM class, or a broken NVLink fabric")
+    # The same reading from the snapshot file: an old recording, WARNING.
+    replay = dataclasses.replace(ctx, nvml_snapshot=rec)
+    assert not probe_gpu(replay).live
+    assert evaluate_gpu(probe_gpu(replay), one).status is Status.WARNING
+    # A class without NVLinks is not judged on them, live or not.
+    pcie = dataclasses.replace(one, gpu=dataclasses.replace(one.gpu, nvlinks=0))
+    assert evaluate_gpu(probe_gpu(dataclasses.replace(ctx, node_class=pcie)), pcie).status \
+        is Status.OK
+
+
+def test_every_gpu_silent_is_one_reason(h100: NodeClass, tmp_path: Path) -> None:
+    data = json.loads((FIXTURES / "h100-healthy" / "nvml.json").read_text())
+    for g in data["gpus"]:
+        g.pop("nvlink_state")
+    path = tmp_path / "nvml.json"
+    path.write_text(json.dumps(data))
+    r = run_gpu(h100, "h100-healthy", tmp_path, snapshot=path)
+    assert r.status is Status.WARNING
+    assert r.summary.startswith("NVLink state not in the recorded snapshot for every GPU "), r
+    data["gpus"][2]["nvlink_state"] = [True] * 18
+    path.write_text(json.dumps(data))
+    r = run_gpu(h100, "h100-healthy", tmp_path, snapshot=path)
+    assert "for GPU 0,1,3,4,5,6,7 (class has 18" in r.summary, r
 
 
 # -- formats -----------------------------------------------------------------------------------

@@ -87,6 +87,7 @@ class GPUFacts:
     sxids: tuple[SXid, ...] = ()  # NVSwitch errors in the kernel log
     # Each GPU's previous counter reading (state dir), by fabric.gpu_key; empty: none.
     baselines: Mapping[str, fabric.Baseline] = field(default_factory=dict)
+    live: bool = False  # read from this node's NVML now (not a recorded snapshot)
 
 
 def _kmsg_lines(ctx: ProbeContext, snap: NVMLSnapshot | None) -> tuple[list[str] | None, str | None]:
@@ -164,7 +165,7 @@ def probe_gpu(ctx: ProbeContext) -> GPUFacts:
                     init_error=snap.init_error, uptime_s=uptime, job_gpus=ctx.job_gpus,
                     own_pids=own_processes(ctx, pids) if pids else frozenset(),
                     sxids=tuple(parse_sxids(lines)),
-                    baselines=_counter_baselines(ctx, snap))
+                    baselines=_counter_baselines(ctx, snap), live=live)
 
 
 def _counter_baselines(ctx: ProbeContext, snap: NVMLSnapshot) -> dict[str, fabric.Baseline]:
@@ -445,6 +446,7 @@ def evaluate_gpu(facts: GPUFacts, cls: NodeClass) -> CheckResult:
         problems.append((Status.WARNING, f"{len(usable)} GPUs visible, class has {cls.gpus}"))
     for g in usable:
         problems += _gpu_problems(g, cls, facts)
+    problems += fabric.nvlink_unreported_problems(usable, cls.gpu, facts.live)
     xid_problems, counted, old = _xid_problems(facts, usable, cls.gpu.xid_window_s)
     problems += xid_problems
     sxid_problems, sxids = fabric.sxid_problems(facts.sxids, facts.uptime_s, cls.gpu.xid_window_s)

@@ -8,7 +8,8 @@ NVML that does not support the call on this GPU) is not judged; `not_reported()`
 the class would have judged, for the check's summary.
 
 Verdicts (docs/health.md, "NVLink, fabric, ECC by location, throttling"):
-CRITICAL: an NVLink down, fewer NVLinks than `gpu.nvlinks`; on an NVSwitch class
+CRITICAL: an NVLink down, fewer NVLinks than `gpu.nvlinks`, no NVLink state at all in a live
+NVML reading of a class with `gpu.nvlinks` (WARNING in a recorded snapshot); on an NVSwitch class
 (`gpu.nvswitch`) a GPU whose fabric is not COMPLETED or whose fabric status is not
 NVML_SUCCESS; SRAM uncorrectable ECC (volatile) over `gpu.max_sram_uncorrected` (0); a fatal
 NVSwitch SXid within `gpu.xid_window_s`.
@@ -142,6 +143,27 @@ def nvlink_problems(g: GPUInfo, t: GPUThresholds, base: Baseline | None) -> list
                         p.append((Status.WARNING, f"{g.where} NVLink {link} {name} +{inc} "
                                   f"{_in(interval_s(g, base))} (allowed +{allowed})"))
     return p
+
+
+def nvlink_unreported_problems(gpus: Sequence[GPUInfo], t: GPUThresholds, live: bool
+                               ) -> list[Problem]:
+    """A class that declares `gpu.nvlinks` and GPUs whose NVML reading has no NVLink state at
+    all. Live, NVML answered every other call: the GPU has no NVLink to report (a PCIe card
+    in an SXM class) or the NVLink calls fail (a broken fabric): CRITICAL. In a recorded
+    snapshot it may only be older than the field: WARNING."""
+    if t.nvlinks <= 0:
+        return []
+    silent = [g for g in gpus if g.nvlink_state is None]
+    if not silent:
+        return []
+    which = ("every GPU" if len(silent) == len(gpus) and len(gpus) > 1
+             else "GPU " + ",".join(str(g.index) for g in silent))
+    if live:
+        return [(Status.CRITICAL, f"NVLink state not reported by NVML on {which} (class has "
+                 f"{t.nvlinks} NVLinks per GPU): a PCIe card in an SXM class, or a broken "
+                 "NVLink fabric")]
+    return [(Status.WARNING, f"NVLink state not in the recorded snapshot for {which} (class has "
+             f"{t.nvlinks} NVLinks per GPU): an older recording, or no NVLink")]
 
 
 def fabric_problems(g: GPUInfo, t: GPUThresholds) -> list[Problem]:
