@@ -6,6 +6,8 @@ from recorded fixtures in tests/data/, not from objects that return what a test 
 
 from __future__ import annotations
 
+import time
+
 
 class FakeClock:
     """monotonic() and sleep() over a virtual time line."""
@@ -65,28 +67,39 @@ class RecordingCuda:
 
 class SlowControllerSlurm:
     """A controller that answers reads and takes a breaker slot, then times out on the drain
-    (slurmctld overloaded mid-storm). Only the calls `bluevela.nodestate.drain_node` makes."""
+    (slurmctld overloaded mid-storm). Only the calls `bluevela.nodestate.drain_node` makes.
+    Reservations are kept as slurmctld keeps them: created ones are listed until deleted, and
+    every delete is recorded (`deleted`)."""
 
     def __init__(self, node: str, partition: str = "debug", total: int = 16) -> None:
-        from bluevela.slurm.client import NodeInfo
+        from bluevela.slurm.client import NodeInfo, ReservationInfo
 
         self.node = node
         self.nodes_ = [NodeInfo(f"n{i}", "IDLE", "", (partition,)) for i in range(1, total)]
         self.nodes_.append(NodeInfo(node, "ALLOCATED", "", (partition,)))
         self.created: list[str] = []
+        self.deleted: list[str] = []
+        self.held: dict[str, ReservationInfo] = {}
 
     def nodes(self, names: object = None) -> list[object]:
         return list(self.nodes_)
 
     def reservations(self, timeout_s: float | None = None) -> list[object]:
-        return []
+        return list(self.held.values())
 
-    def create_reservation(self, name: str, node: str, **kw: object) -> bool:
+    def create_reservation(self, name: str, node: str, *, start_in_s: float = 0.0,
+                           **kw: object) -> bool:
+        from bluevela.slurm.client import ReservationInfo
+
+        if name in self.held:  # slurmctld refuses a name in use
+            return False
         self.created.append(name)
+        self.held[name] = ReservationInfo(name, (node,), time.time() + start_in_s)
         return True
 
     def delete_reservation(self, name: str, **kw: object) -> bool:
-        return True
+        self.deleted.append(name)
+        return self.held.pop(name, None) is not None
 
     def drain(self, node: str, reason: str, timeout_s: float | None = None) -> None:
         from bluevela.errors import SlurmError

@@ -116,6 +116,13 @@ def test_a_drain_that_fails_after_winning_a_slot_keeps_the_slot_counted(site: Si
     with pytest.raises(DrainFailed) as info:
         drain_node(slurm, site, "gpu007", "ib: mlx5_0/1 state DOWN")  # type: ignore[arg-type]
     assert info.value.slots == tuple(slurm.created) and len(slurm.created) == 1
+    # The slot was not given back: no delete reached the controller, and the next drain's
+    # read of the reservations counts it against the partition's breaker.
+    assert slurm.deleted == []
+    held = parse_slots(slurm.reservations())  # type: ignore[arg-type]
+    assert [(s.name, s.node) for s in held] == [(slurm.created[0], "gpu007")]
+    (budget,) = budgets(site, slurm.nodes_, held, ["debug"])
+    assert budget.used == 1 and len(budget.free()) == budget.limit - 1
     # The prolog exits 1 for it (counted: Slurm may drain it); not for a failure before a slot.
     assert DrainResult(True, False, "r", error="timeout", slot_held=True).prolog_exit() == 1
     assert DrainResult(True, False, "r", error="unreachable").prolog_exit() == 0
