@@ -58,7 +58,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bluevela.telemetry.format import Column, Header, SegmentWriter, list_segments
+from bluevela.telemetry.format import (
+    Column,
+    FormatError,
+    Header,
+    SegmentWriter,
+    list_segments,
+    probe_file,
+)
 
 if TYPE_CHECKING:
     from bluevela.health.context import ProbeContext
@@ -731,9 +738,10 @@ class Sampler:
 
     def prune(self, now: float) -> list[str]:
         """Remove segments dated in the future (more than FUTURE_SLACK_S + one interval after
-        `now`: written under a wrong clock, later corrected), then those past `retain_s`, then
-        the oldest while over `max_bytes` (never the one being written). Returns the names
-        removed."""
+        `now`: written under a wrong clock, later corrected), then those that ended more than
+        `retain_s` ago (at the next one's start; the newest closed one at its last record),
+        then the oldest while over `max_bytes` (never the one being written). Returns the
+        names removed."""
         segs = list_segments(self.cfg.samples)
         current = self.writer.path.name if self.writer is not None else None
         removed = []
@@ -769,7 +777,13 @@ class Sampler:
         for i, (_, name) in enumerate(segs):
             if name == current:
                 break
-            ended = segs[i + 1][0] if i + 1 < len(segs) else now
+            if i + 1 < len(segs):
+                ended = segs[i + 1][0]
+            else:  # the newest, closed: it ended at its last record (a sampler down since?)
+                try:
+                    ended = min(now, probe_file(self.cfg.samples / name).t_last)
+                except (OSError, FormatError):
+                    ended = now
             if ended >= now - self.cfg.retain_s and total <= self.cfg.max_bytes:
                 continue
             if unlink(name):
