@@ -66,7 +66,7 @@ ODD_INPUT: list[tuple[str, list[str], str]] = [
     ("nonexistent site", ["--site", "/nonexistent/site.yaml", "site", "show"],
      "No such file"),
     ("job id not a number", ["status", "abc"], "not a valid integer"),
-    ("job id zero", ["logs", "0"], "0"),
+    ("job id zero", ["logs", "0"], "Invalid value for 'JOB_ID': 0 is not in the range x>=1"),
     ("unknown command", ["nosuch"], "No such command"),
     ("unknown hook phase", ["hook", "bogus"], "bogus"),
     ("missing script", ["submit"], "Missing argument"),
