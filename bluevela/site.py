@@ -336,6 +336,9 @@ class NodeThresholds:
     mount_write_dirs: list[str] = field(default_factory=list)
     # Process names (/proc/<pid>/stat comm, 15 characters) that must be running.
     required_services: list[str] = field(default_factory=list)
+    # The user (name in <root>/etc/passwd, or a uid) whose process stands for a service; a
+    # service not listed here must run as root. A user's process of the same name is not it.
+    service_owners: dict[str, str] = field(default_factory=dict)
     # A user process in uninterruptible sleep (D) in every reading for this long: WARNING.
     max_d_state_s: NonNegFloat = 600.0
     # EDAC: uncorrectable memory errors since boot over this: CRITICAL; corrected per hour

@@ -69,18 +69,27 @@ NVIDIA_VERSION = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.129.03  T
                   "11.4.0-1ubuntu1~22.04) \n")
 OSRELEASE = "5.15.0-91-generic\n"
 PF_KTHREAD = 0x00200000
-# pid, comm (the kernel's 15 characters), state, ppid, flags, starttime (clock ticks)
+# pid, comm (the kernel's 15 characters), state, ppid, flags, starttime (clock ticks), uid
 PROCS = [
-    (1, "systemd", "S", 0, 0x400100, 12),
-    (2, "kthreadd", "S", 0, 0x208040, 12),
-    (845, "kworker/12:1H", "I", 2, 0x4208060, 1411),
-    (1502, "munged", "S", 1, 0x400140, 2950),
-    (1618, "nvidia-persiste", "S", 1, 0x400140, 3012),
-    (1644, "nv-fabricmanage", "S", 1, 0x400140, 3020),
-    (1690, "nv-hostengine", "S", 1, 0x400140, 3105),
-    (2011, "slurmd", "S", 1, 0x400140, 3377),
-    (2213, "chronyd", "S", 1, 0x400140, 3391),
+    (1, "systemd", "S", 0, 0x400100, 12, 0),
+    (2, "kthreadd", "S", 0, 0x208040, 12, 0),
+    (845, "kworker/12:1H", "I", 2, 0x4208060, 1411, 0),
+    (1502, "munged", "S", 1, 0x400140, 2950, 105),
+    (1618, "nvidia-persiste", "S", 1, 0x400140, 3012, 106),
+    (1644, "nv-fabricmanage", "S", 1, 0x400140, 3020, 0),
+    (1690, "nv-hostengine", "S", 1, 0x400140, 3105, 0),
+    (2011, "slurmd", "S", 1, 0x400140, 3377, 0),
+    (2213, "chronyd", "S", 1, 0x400140, 3391, 107),
 ]
+# <root>/etc/passwd: the service accounts the node check resolves `node.service_owners` with.
+PASSWD = """\
+root:x:0:0:root:/root:/bin/bash
+daemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin
+nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin
+munge:x:105:112::/nonexistent:/usr/sbin/nologin
+nvidia-persistenced:x:106:113:NVIDIA Persistence Daemon,,,:/nonexistent:/usr/sbin/nologin
+_chrony:x:107:114:Chrony daemon,,,:/var/lib/chrony:/usr/sbin/nologin
+"""
 D_STATE_PID, D_STATE_START = 61234, 912_345_678
 
 
@@ -105,10 +114,19 @@ def write(path: Path, text: str) -> None:
     path.write_text(text)
 
 
+def status_text(pid: int, comm: str, state: str, ppid: int, uid: int) -> str:
+    """The head of a /proc/<pid>/status (proc(5)): the node check reads its Uid line."""
+    names = {"R": "running", "S": "sleeping", "D": "disk sleep", "I": "idle", "Z": "zombie"}
+    return (f"Name:\t{comm}\nUmask:\t0022\nState:\t{state} ({names.get(state, '?')})\n"
+            f"Tgid:\t{pid}\nNgid:\t0\nPid:\t{pid}\nPPid:\t{ppid}\nTracerPid:\t0\n"
+            f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}\nGid:\t{uid}\t{uid}\t{uid}\t{uid}\n")
+
+
 def write_proc(root: Path, pid: int, comm: str, state: str, ppid: int, flags: int,
-               starttime: int) -> None:
+               starttime: int, uid: int = 0) -> None:
     write(root / "proc" / str(pid) / "stat", stat_line(pid, comm, state, ppid, flags, starttime))
     write(root / "proc" / str(pid) / "comm", comm + "\n")
+    write(root / "proc" / str(pid) / "status", status_text(pid, comm, state, ppid, uid))
 
 
 def build_root(root: Path) -> None:
@@ -124,6 +142,7 @@ def build_root(root: Path) -> None:
     write(root / "proc/sys/kernel/osrelease", OSRELEASE)
     for proc in PROCS:
         write_proc(root, *proc)
+    write(root / "etc/passwd", PASSWD)
     for mc in range(4):
         base = root / "sys/devices/system/edac/mc" / f"mc{mc}"
         for name, text in {"mc_name": f"Intel_10nm Socket#{mc // 2} IMC#{mc % 2}\n",
@@ -194,7 +213,7 @@ def edac_ue(root: Path, nvml: dict[str, Any], state: Path) -> None:
 
 def d_state(root: Path, nvml: dict[str, Any], state: Path) -> None:
     """A job's python in D, first seen so by a reading 2 h before the stored one."""
-    write_proc(root, D_STATE_PID, "python3", "D", 2011, 0x400040, D_STATE_START)
+    write_proc(root, D_STATE_PID, "python3", "D", 2011, 0x400040, D_STATE_START, 1000)
     write(state / "host_state.json",
           json.dumps({"time": 1768464000.0, "edac": {f"mc{i}": 0 for i in range(4)},
                       "d_state": {f"{D_STATE_PID}:{D_STATE_START}": 1768456800.0}},

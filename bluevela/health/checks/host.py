@@ -10,7 +10,11 @@ Sources (formats are the kernel's):
 - processes: `<root>/proc/<pid>/stat` (proc(5): `pid (comm) state ppid ... flags ...
   starttime`), kernel threads (flags & PF_KTHREAD) skipped. One pass gives both the running
   services (by comm, which the kernel truncates to 15 characters) and the processes in
-  uninterruptible sleep. How long a process has been in D is told by the state dir: a
+  uninterruptible sleep. A process named as a service also has its owner read
+  (`<root>/proc/<pid>/status` `Uid:` real and effective; not the /proc dir's owner, which a
+  process that makes itself non-dumpable turns into root): any user can name a process
+  `nv-fabricmanage`, only the service's owner (`node.service_owners`, else root) counts.
+  Owner names resolve through `<root>/etc/passwd`. How long a process has been in D is told by the state dir: a
   process (pid + starttime) in D in every reading since it was first seen so.
 - EDAC: `<root>/sys/devices/system/edac/mc/mc<N>/ce_count`, `ue_count` (and
   `dimm<M>/dimm_label`, `dimm_ue_count`, `dimm_ce_count` to name the DIMM).
@@ -28,6 +32,7 @@ import secrets
 import select
 import signal
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -234,6 +239,7 @@ class Proc:
     state: str
     flags: int
     starttime: int
+    uids: tuple[int, int] | None = None  # (real, effective); None: not read
 
     @property
     def key(self) -> str:
@@ -255,8 +261,21 @@ def parse_stat(text: str) -> Proc | None:
         return None
 
 
-def read_procs(root: Path) -> list[Proc]:
+def parse_status_uids(text: str) -> tuple[int, int] | None:
+    """(real, effective) uid from a /proc/<pid>/status text; None when it has no Uid line."""
+    for line in text.splitlines():
+        if line.startswith("Uid:"):
+            fields = line.split()
+            if len(fields) >= 3 and fields[1].isdigit() and fields[2].isdigit():
+                return int(fields[1]), int(fields[2])
+            return None
+    return None
+
+
+def read_procs(root: Path, owned: frozenset[str] = frozenset()) -> list[Proc]:
     """Every process of `<root>/proc` (kernel threads included; a vanished pid is skipped).
+    A process whose comm is in `owned` also gets its uids from `status`, and is skipped when
+    they cannot be read (it cannot then stand for a service).
 
     Raises:
         OSError: `<root>/proc` cannot be listed.
@@ -271,8 +290,43 @@ def read_procs(root: Path) -> list[Proc]:
                 proc = parse_stat(fh.read(4096))
         except OSError:
             continue
-        if proc is not None:
-            out.append(proc)
+        if proc is None:
+            continue
+        if proc.comm in owned:
+            try:
+                with open(base / name / "status", encoding="utf-8", errors="replace") as fh:
+                    uids = parse_status_uids(fh.read(8192))
+            except OSError:
+                uids = None
+            if uids is None:
+                continue
+            proc = Proc(proc.pid, proc.comm, proc.state, proc.flags, proc.starttime, uids)
+        out.append(proc)
+    return out
+
+
+def user_ids(root: Path, names: Iterable[str]) -> dict[str, int | None]:
+    """The uid of each user name (`root` is 0, digits are a uid) from `<root>/etc/passwd`;
+    None for a name not there (service accounts are local: no NSS lookup)."""
+    out: dict[str, int | None] = {}
+    want = set()
+    for n in names:
+        if n == "root":
+            out[n] = 0
+        elif n.isdigit():
+            out[n] = int(n)
+        else:
+            out[n] = None
+            want.add(n)
+    if want:
+        try:
+            text = (root / "etc" / "passwd").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            text = ""
+        for line in text.splitlines():
+            f = line.split(":")
+            if len(f) >= 3 and f[0] in want and out[f[0]] is None and f[2].isdigit():
+                out[f[0]] = int(f[2])
     return out
 
 
@@ -282,16 +336,31 @@ class ProcFacts:
     d_state: dict[str, tuple[str, float]]  # key -> (comm, seconds in D across readings)
     d_state_now: int  # user processes in D in this reading
     tracked: bool  # a state dir holds the first-seen times (else durations are 0)
+    # comm -> uids of its live processes whose owner was read (-1: real and effective
+    # differ); a comm not here had no owner read.
+    owners: dict[str, frozenset[int]] = field(default_factory=dict)
+    owner_uids: dict[str, int | None] = field(default_factory=dict)  # user name -> uid
 
 
 def gather_procs(procs: list[Proc], first_seen: dict[str, float], now: float,
-                 tracked: bool) -> tuple[ProcFacts, dict[str, float]]:
+                 tracked: bool, owner_uids: dict[str, int | None] | None = None
+                 ) -> tuple[ProcFacts, dict[str, float]]:
     """The facts, and the new first-seen map (only processes in D now stay in it)."""
-    running = frozenset(p.comm for p in procs if p.state not in ("Z", "X"))
+    live = [p for p in procs if p.state not in ("Z", "X")]
+    running = frozenset(p.comm for p in live)
+    owners: dict[str, set[int]] = {}
+    for p in live:
+        if p.uids is not None:
+            owners.setdefault(p.comm, set()).add(p.uids[0] if p.uids[0] == p.uids[1] else -1)
     users_d = [p for p in procs if p.state == "D" and not p.flags & PF_KTHREAD]
     seen = {p.key: first_seen.get(p.key, now) for p in users_d}
     d_state = {p.key: (p.comm, now - seen[p.key]) for p in users_d}
-    return ProcFacts(running, d_state, len(users_d), tracked), seen
+    return ProcFacts(running, d_state, len(users_d), tracked,
+                     {c: frozenset(u) for c, u in owners.items()}, dict(owner_uids or {})), seen
+
+
+def service_owner(t: NodeThresholds, name: str) -> str:
+    return t.service_owners.get(name, "root")
 
 
 def evaluate_procs(facts: ProcFacts | None, t: NodeThresholds) -> list[tuple[Status, str]]:
@@ -299,8 +368,21 @@ def evaluate_procs(facts: ProcFacts | None, t: NodeThresholds) -> list[tuple[Sta
         return []
     problems: list[tuple[Status, str]] = []
     for name in t.required_services:
-        if name[:COMM_LEN] not in facts.running:
+        comm = name[:COMM_LEN]
+        if comm not in facts.running:
             problems.append((Status.CRITICAL, f"service {name} not running"))
+            continue
+        if comm not in facts.owners:
+            continue  # owners not read (a Proc list without uids)
+        owner = service_owner(t, name)
+        uid = facts.owner_uids.get(owner)
+        if uid is None:
+            problems.append((Status.UNKNOWN, f"service {name}: its owner {owner!r} is not in "
+                             f"/etc/passwd"))
+        elif uid not in facts.owners[comm]:
+            other = ", ".join(str(u) if u >= 0 else "mixed" for u in sorted(facts.owners[comm]))
+            problems.append((Status.CRITICAL, f"service {name} not running as {owner} (a "
+                             f"process of that name runs as uid {other})"))
     if t.max_d_state_s > 0:
         long = sorted(((secs, key, comm) for key, (comm, secs) in facts.d_state.items()
                        if secs >= t.max_d_state_s), reverse=True)
@@ -476,13 +558,14 @@ def gather_host(ctx: ProbeContext, mounted: frozenset[str] | None) -> HostFacts:
     first_seen: dict[str, float] = {}
     if t.required_services or t.max_d_state_s > 0:
         try:
-            listed = read_procs(ctx.root)
+            listed = read_procs(ctx.root, frozenset(n[:COMM_LEN] for n in t.required_services))
         except OSError as exc:
             errors.append(f"processes unreadable: {exc.strerror or exc}")
         else:
             old = stored.get("d_state") if isinstance(stored.get("d_state"), dict) else {}
             old = {k: float(v) for k, v in old.items() if isinstance(v, int | float)}
-            procs, first_seen = gather_procs(listed, old, now, ctx.state_dir is not None)
+            uids = user_ids(ctx.root, {service_owner(t, n) for n in t.required_services})
+            procs, first_seen = gather_procs(listed, old, now, ctx.state_dir is not None, uids)
     mcs = read_edac(ctx.root)
     edac: EdacFacts | None = None
     if mcs:
