@@ -257,9 +257,31 @@ def test_dcgm_hung_diag_is_killed_at_its_timeout(h100: NodeClass, tmp_path: Path
     took = time.monotonic() - t0
     assert r.status is Status.UNKNOWN and r.summary == "diag r2: no result in 1 s, dcgmi killed"
     assert took < 3, took
+    # The replaying dcgmi did start and hang (it wrote its pid and its sleeping child's) ...
+    pids_file = root / "usr/share/bv-dcgm-replay/r2.pids"
+    assert pids_file.is_file(), "dcgmi never ran: nothing hung, nothing was killed"
+    pids = [int(p) for p in pids_file.read_text().split()]
+    assert len(pids) == 2, pids
+    # ... and neither the shell nor its child outlived the check (a zombie counts as gone:
+    # killed, only not yet reaped by its parent).
+    deadline = time.monotonic() + 2.0
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _running(p)]
+        time.sleep(0.05)
+    assert not alive, f"the hung dcgmi outlived its check: {alive}"
     left = subprocess.run(["pgrep", "-f", str(root / "usr/bin/dcgmi")], capture_output=True,
                           text=True, check=False)
     assert left.stdout.strip() == "", "the hung dcgmi outlived its check"
+
+
+def _running(pid: int) -> bool:
+    """`pid` exists and is not a zombie (/proc/<pid>/stat state Z)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def test_dcgm_absent_where_enabled_is_unknown_and_logged(h100: NodeClass,
