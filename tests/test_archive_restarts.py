@@ -12,8 +12,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -42,8 +40,8 @@ from bluevela.telemetry.window import write_side_file
 
 REPO = Path(__file__).resolve().parent.parent
 T0 = 1_750_000_000.0
-# The last commit whose archive code had no `restart` column (segments written before it).
-OLD_ARCHIVE_COMMIT = "fd30df9"
+# An archive written before the `restart` column (commit fd30df9's archive code).
+OLD_ARCHIVE = REPO / "tests" / "data" / "archive-pre-restart"
 
 
 def _spool(spool: Path, job: int, nodes: list[str], restart: int, t: float, *,
@@ -172,36 +170,13 @@ def test_attempt_after_the_first_was_archived_adds_a_revision_and_survives_compa
     assert query.show_job(archive, 31)["restarts"] == 1
 
 
-def _old_code(tmp_path: Path) -> Path:
-    """The archive package as it was before the `restart` column, from git."""
-    ok = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e",
-                         f"{OLD_ARCHIVE_COMMIT}^{{commit}}"], capture_output=True)
-    if ok.returncode != 0:
-        pytest.skip(f"needs the git history of {REPO} (commit {OLD_ARCHIVE_COMMIT})")
-    old = tmp_path / "old"
-    old.mkdir()
-    tar = subprocess.run(["git", "-C", str(REPO), "archive", OLD_ARCHIVE_COMMIT, "bluevela"],
-                         capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(old)], input=tar, check=True)
-    return old
-
-
 def test_segment_written_before_the_restart_column_reads_as_restart_0(
-        dirs: tuple[Path, Path], tmp_path: Path) -> None:
+        dirs: tuple[Path, Path]) -> None:
+    """tests/data/archive-pre-restart: an archive written by the archive code of commit
+    fd30df9, the last without the `restart` column (job 32 on n1/n2, exit 9; how it was made:
+    tests/data/README.md). Copied in as a node's archive would hold it."""
     spool, archive = dirs
-    old = _old_code(tmp_path)
-    script = (
-        "import sys, bluevela.archive.ingest as i, bluevela.archive.sample as s\n"
-        "assert i.__file__.startswith(sys.argv[2]), i.__file__\n"
-        "reps = [s.sample_report(32, n, p, nodelist=['n1', 'n2'], time=float(sys.argv[3]) + (60 if p == "
-        "'epilog' else 0), exit_code=9) for n in ('n1', 'n2') for p in ('prolog', 'epilog')]\n"
-        "from bluevela.archive.spool import validate_report, SpoolEntry\n"
-        "reps = [validate_report({'schema': 1, 'kind': 'node_report', **r}, "
-        "SpoolEntry('x', 32, r['node'], r['phase'])) for r in reps]\n"
-        "i.store_reports(__import__('pathlib').Path(sys.argv[1]), reps, compact=False)\n")
-    env = {**os.environ, "PYTHONPATH": str(old)}
-    subprocess.run([sys.executable, "-c", script, str(archive), str(old), str(T0)], env=env,
-                   check=True, cwd=tmp_path)
+    shutil.copytree(OLD_ARCHIVE, archive, dirs_exist_ok=True)
     seg = next((archive / "segments").glob("*.h5"))
     with h5py.File(seg, "r") as f:
         assert "restart" not in f["reports"].dtype.names  # really the old layout
