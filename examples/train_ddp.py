@@ -10,8 +10,9 @@ rank loads DIR/ckpt.pt when there is one and prints
     rank=<R> attempt=<A> resumed_from_step=<S>
 (S = 0 on a fresh start); rank 0 saves a checkpoint every `--ckpt-every` steps and as soon as
 bv asks for one (SIGUSR1 before the time limit, SIGTERM on requeue/preemption), atomically
-(temp file, fsync, rename); then, on a request, every rank stops and exits 0 and bv requeues the
-job. Rank 0 prints `step=<n> attempt=<A>` after each step and
+(a temporary file under a random name created O_EXCL|O_NOFOLLOW, fsync, rename; the load never
+follows a symlink); then, on a request, every rank stops and exits 0 and bv requeues the job.
+Rank 0 prints `step=<n> attempt=<A>` after each step and
     checkpoint step=<S> reason=<every|SIGUSR1|SIGTERM>
 after each save.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import secrets
 import socket
 import sys
 import time
@@ -36,6 +38,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+CKPT = "ckpt.pt"
 
 
 def _say(line: str) -> None:
@@ -134,11 +138,14 @@ def main() -> int:
 
 
 def _load(ckpt_dir: Path, model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Load DIR/ckpt.pt when present; return the step to resume from (0: fresh)."""
-    path = ckpt_dir / "ckpt.pt"
-    if not path.exists():
+    """Load DIR/ckpt.pt when present (not through a symlink); return the step to resume from
+    (0: fresh)."""
+    try:  # never through a symlink someone planted at the name
+        fd = os.open(ckpt_dir / CKPT, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
         return 0
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    with os.fdopen(fd, "rb") as f:
+        state = torch.load(f, map_location="cpu", weights_only=True)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     return int(state["step"])
@@ -146,19 +153,38 @@ def _load(ckpt_dir: Path, model: nn.Module, opt: torch.optim.Optimizer) -> int:
 
 def _save(ckpt_dir: Path, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
     """Atomic: a reader (the next attempt) sees the old checkpoint or the new one, never half.
-    Temp file in the same directory, fsync, rename over, fsync the directory."""
+    A temporary file under an unpredictable name, created O_EXCL|O_NOFOLLOW in the directory's
+    fd (a name planted there, a symlink included, is passed over, never written through),
+    fsync, rename over `ckpt.pt`, fsync the directory."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt_dir / f".ckpt.pt.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, ckpt_dir / "ckpt.pt")
-    fd = os.open(ckpt_dir, os.O_RDONLY)
+    dfd = os.open(ckpt_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        os.fsync(fd)
+        for _ in range(8):
+            tmp = f".{CKPT}.{secrets.token_hex(16)}.tmp"
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+            except FileExistsError:
+                continue
+            break
+        else:
+            raise FileExistsError(f"{ckpt_dir}: no free temporary name in 8 tries")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                            "step": step}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, CKPT, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+            raise
+        os.fsync(dfd)
     finally:
-        os.close(fd)
+        os.close(dfd)
 
 
 if __name__ == "__main__":
