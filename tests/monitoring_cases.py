@@ -121,6 +121,15 @@ CASES: list[Case] = [
          [series("bluevela_infiniband_rate_bytes_per_second", {**N2, **PORT}, "5e10 2.5e10 5e10x11")],
          "10m", {**N2, **PORT}, 2.5e10,
          extra=[series("bluevela_infiniband_rate_bytes_per_second",
+                       {**N2, "device": "mlx5_0", "port": "1"}, "5e10x13"),
+                series("bluevela_infiniband_state_id", {**N2, **PORT}, "4x13")]),
+    # A port that is DOWN (its rate falls too) is BluevelaIbPortDown's, not this alert's.
+    Case("BluevelaIbPortDegraded",
+         [], [],
+         [series("bluevela_infiniband_rate_bytes_per_second", {**N2, **PORT}, "5e10 1e9x12"),
+          series("bluevela_infiniband_state_id", {**N2, **PORT}, "4 1x12")],
+         "10m", {}, 0,
+         extra=[series("bluevela_infiniband_rate_bytes_per_second",
                        {**N2, "device": "mlx5_0", "port": "1"}, "5e10x13")]),
     Case("BluevelaIbLinkFlapping",
          [series("bluevela_infiniband_link_downed_total", {**N2, **PORT}, "0x10 2x50")],
@@ -293,6 +302,7 @@ def build() -> dict[str, Any]:
         assert math.isfinite(c.value)
         labels = {**c.labels, **rule["labels"]}
         annotations = {k: render(v, labels, c.value) for k, v in rule["annotations"].items()}
+        name = c.alert if c.fault else f"{c.alert} (port down)"
         expected = [{"exp_labels": labels, "exp_annotations": annotations}]
         # Silent means silent at every evaluation up to c.at, the noisy sample's own
         # included: there an alert without its `for:` would already fire.
@@ -305,8 +315,10 @@ def build() -> dict[str, Any]:
                  [{"eval_time": c.at, "alertname": c.alert, "exp_alerts": expected}]),
                 ("silent when healthy", c.healthy, quiet),
                 ("silent on noise", c.noisy, quiet)):
+            if not inputs and not c.fault:
+                continue  # a case of one must-not-fire input only
             tests.append({
-                "name": f"{c.alert}: {kind}",
+                "name": f"{name}: {kind}",
                 "interval": "1m",
                 "input_series": inputs + c.extra,
                 "alert_rule_test": checks,

@@ -1,0 +1,201 @@
+"""bv's alerts end to end on the REAL dev cluster: Debian's node_exporter in each node's
+namespaces reads the node's bluevela.prom, Debian's prometheus scrapes them and the
+controller's fleet file, and evaluates bv's rules; a real fault on one node fires the matching
+alerts for that node only (Prometheus's own /api/v1/alerts), and they resolve after the repair
+and `bv health resume`.
+
+The rules are a TEST COPY of prolog_epilog/prometheus/ with every `for:` shortened to
+FOR_S and the recording group's interval to the scrape interval (the shipped values are
+minutes); the expressions are the shipped ones, byte for byte.
+
+    BV_DEVCLUSTER_ID=4 python -m pytest tests/test_monitoring_cluster.py
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import DevCluster
+from tests.fixture_trees import materialized
+
+pytestmark = [pytest.mark.cluster]
+
+REPO = Path(__file__).resolve().parent.parent
+DEVCLUSTER = REPO / "slurm" / "devcluster"
+RULES = REPO / "prolog_epilog" / "prometheus"
+FIXTURES = materialized()
+SCRAPE_S = 1
+FOR_S = 3
+
+
+def rules_copy(dest: Path) -> Path:
+    """The shipped rules with `for:` set to FOR_S and group intervals to SCRAPE_S."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("bluevela.rules.yml", "bluevela.recording.yml"):
+        text = (RULES / name).read_text()
+        text, n = re.subn(r"(?m)^(\s+for:) \d+[smh]$", rf"\1 {FOR_S}s", text)
+        text = re.sub(r"(?m)^(\s+interval:) \d+[smh]$", rf"\1 {SCRAPE_S}s", text)
+        assert n > 0 or name == "bluevela.recording.yml"
+        (dest / name).write_text(f"# TEST COPY: for: shortened to {FOR_S}s "
+                                 f"(tests/test_monitoring_cluster.py)\n" + text)
+    return dest
+
+
+def site_without_nccl(dest: Path) -> Path:
+    """site.yaml with the full tier's nccl left out: this machine has no GPU, so nccl on the
+    h100 fixture is UNKNOWN on every node (true, and BluevelaCheckUnknown would say so)."""
+    text = (REPO / "site.yaml").read_text()
+    text, n = re.subn(r"full: \{checks: \[gpu, ib, node, versions, nccl\]",
+                      "full: {checks: [gpu, ib, node, versions]", text)
+    assert n == 1, "site.yaml's full tier changed: update site_without_nccl"
+    dest.write_text(text)
+    return dest
+
+
+def point_at(cluster: DevCluster, node: str, fixture: str) -> None:
+    cluster.set_hook_env(node, SLURM_CONF=cluster.env["SLURM_CONF"], BV_NODE_CLASS="h100",
+                         BV_SYSFS_ROOT=str(FIXTURES / fixture / "root"),
+                         BV_NVML_SNAPSHOT=str(FIXTURES / fixture / "nvml.json"))
+
+
+def healthcheck(cluster: DevCluster, node: str) -> subprocess.CompletedProcess[str]:
+    """The node's HealthCheckProgram, run in its namespaces as slurmd runs it."""
+    pid = (cluster.state_dir / "run" / f"slurmd.{node}.pid").read_text().strip()
+    nsenter = shutil.which("nsenter")
+    assert nsenter
+    return subprocess.run([nsenter, "-t", pid, "-m", "-u", "-n", "--", "/usr/bin/env", "-i",
+                           sys.executable, "-m", "bluevela.hooks", "healthcheck"],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+class Prom:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def get(self, path: str, **params: str) -> Any:
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        with urllib.request.urlopen(f"{self.url}{path}{query}", timeout=5) as resp:
+            body = json.load(resp)
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> dict[str, float]:
+        """{node label (or the whole label set): value} of an instant query."""
+        out: dict[str, float] = {}
+        for r in self.get("/api/v1/query", query=expr)["result"]:
+            key = r["metric"].get("node") or json.dumps(r["metric"], sort_keys=True)
+            out[key] = float(r["value"][1])
+        return out
+
+    def firing(self) -> set[tuple[str, str]]:
+        """(alertname, node or partition/class) of every firing alert."""
+        return {(a["labels"]["alertname"],
+                 a["labels"].get("node") or a["labels"].get("partition")
+                 or a["labels"].get("class", ""))
+                for a in self.get("/api/v1/alerts")["alerts"] if a["state"] == "firing"}
+
+
+def wait_for(what: str, probe: Any, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.2)
+    raise AssertionError(f"{what}: not after {timeout:.0f} s (last: {last})")
+
+
+@pytest.fixture
+def monitored(devcluster: DevCluster, tmp_path: Path) -> Iterator[tuple[DevCluster, Prom]]:
+    saved = {n: devcluster.hook_env(n).read_text() for n in devcluster.nodes}
+    devcluster.wait_idle(timeout=120)
+    devcluster.resume_all()
+    rules = rules_copy(tmp_path / "rules")
+    site = site_without_nccl(tmp_path / "site.yaml")
+    for n in devcluster.nodes:
+        devcluster.set_hook_env(n, BV_SITE=str(site))
+        # results of checks other tests ran here (an nccl UNKNOWN) would stay in the file
+        (devcluster.node_dir(n) / "var" / "last_results.json").unlink(missing_ok=True)
+    up = devcluster.run([sys.executable, str(DEVCLUSTER), "monitoring", "up",
+                         "--scrape-interval", f"{SCRAPE_S}s", "--rules", str(rules)],
+                        timeout=120)
+    port = re.search(r"prometheus http://127\.0\.0\.1:(\d+)", up.stdout)
+    assert port, up.stdout
+    try:
+        yield devcluster, Prom(f"http://127.0.0.1:{port.group(1)}")
+    finally:
+        for n, text in saved.items():
+            devcluster.hook_env(n).write_text(text)
+        devcluster.resume_all()
+        devcluster.run([sys.executable, str(DEVCLUSTER), "monitoring", "down"], timeout=120)
+
+
+def test_fault_on_one_node_fires_its_alerts_only_and_resolves(
+        monitored: tuple[DevCluster, Prom]) -> None:
+    cluster, prom = monitored
+    nodes = cluster.nodes
+    t_start = time.monotonic()
+    for n in nodes:
+        point_at(cluster, n, "h100-healthy")
+        assert healthcheck(cluster, n).returncode == 0
+
+    # Healthy: node_exporter's real textfile collector parses every node's file, Prometheus
+    # has each node's status 0, and no alert fires.
+    def healthy() -> bool:
+        status = prom.query("bluevela_node_status")
+        errors = prom.query('node_textfile_scrape_error{job="node"}')
+        return (status == {n: 0.0 for n in nodes} and errors == {n: 0.0 for n in nodes}
+                and prom.query("bluevela_node_gpus_expected") == {n: 8.0 for n in nodes})
+
+    wait_for("healthy nodes scraped", healthy, 30)
+    time.sleep(FOR_S + 2 * SCRAPE_S)  # long enough for any alert to turn firing
+    assert prom.firing() == set(), prom.get("/api/v1/alerts")
+
+    # The fault: node2's mlx5_3/1 goes DOWN; its healthcheck sees it, drains node2.
+    point_at(cluster, "node2", "h100-ib-port-down")
+    hc = healthcheck(cluster, "node2")
+    t_fault = time.monotonic()
+    assert "drained node2" in hc.stderr or "drain" in hc.stderr, hc.stderr
+    expected = {("BluevelaCheckCritical", "node2"), ("BluevelaIbPortDown", "node2"),
+                ("BluevelaNodeDrained", "node2"),
+                # 1 of 3 nodes is the breaker's whole budget at 15 %, and 33 % > 10 % of the
+                # class is drained: the fleet alerts fire too, naming the partition and class.
+                ("BluevelaFleetBreakerFull", "debug"), ("BluevelaClassDrainedHigh", "cpu")}
+    fired = wait_for("alerts firing", lambda: expected <= prom.firing() and prom.firing(),
+                     FOR_S + 2 * SCRAPE_S + 20)
+    took = time.monotonic() - t_fault
+    assert fired == expected, fired  # nothing about node1, node3, nothing else
+    alerts = {a["labels"]["alertname"]: a for a in prom.get("/api/v1/alerts")["alerts"]
+              if a["labels"].get("node") == "node2"}
+    assert alerts["BluevelaIbPortDown"]["labels"]["device"] == "mlx5_3"
+    assert alerts["BluevelaNodeDrained"]["labels"]["reason"].startswith(
+        "bv: ib: mlx5_3/1 state DOWN")
+    assert "node2" in alerts["BluevelaNodeDrained"]["annotations"]["summary"]
+    # for: + two scrape intervals, + the fleet file's own 1 s period and sinfo's time
+    assert took <= FOR_S + 2 * SCRAPE_S + 4, f"alerts fired {took:.1f} s after the fault"
+
+    # Repair: the port is back; `bv health resume node2` from this login node, then node2's
+    # next healthcheck (slurmd runs it every HealthCheckInterval) rewrites its file.
+    point_at(cluster, "node2", "h100-healthy")
+    p = cluster.bv("health", "resume", "node2")
+    assert "node2: resumed" in p.stdout, p.stdout
+    assert healthcheck(cluster, "node2").returncode == 0
+    t_repair = time.monotonic()
+    wait_for("alerts resolved", lambda: prom.firing() == set() or None,
+             2 * SCRAPE_S + 20)
+    resolved = time.monotonic() - t_repair
+    print(f"\nfired {took:.1f} s after the fault (for: {FOR_S} s, scrape {SCRAPE_S} s), "
+          f"resolved {resolved:.1f} s after the repair; test {time.monotonic() - t_start:.0f} s")
