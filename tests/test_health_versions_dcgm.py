@@ -261,7 +261,7 @@ def test_dcgm_hung_diag_is_killed_at_its_timeout(h100: NodeClass, tmp_path: Path
     pids_file = root / "usr/share/bv-dcgm-replay/r2.pids"
     assert pids_file.is_file(), "dcgmi never ran: nothing hung, nothing was killed"
     pids = [int(p) for p in pids_file.read_text().split()]
-    assert len(pids) == 2, pids
+    assert 1 <= len(pids) <= 2, pids  # the shell, and its sleep unless killed before it began
     # ... and neither the shell nor its child outlived the check (a zombie counts as gone:
     # killed, only not yet reaped by its parent).
     deadline = time.monotonic() + 2.0
