@@ -72,7 +72,7 @@ def test_a_symlink_planted_at_the_temporary_name_is_not_written_through(tmp_path
             child.kill()
             child.wait()
     assert child.returncode == 0, err[-2000:]
-    assert victim.read_text() == "someone else's file\n"  # 6c9e5ca: overwritten by torch.save
+    assert victim.read_bytes() == b"someone else's file\n"  # 6c9e5ca: overwritten by torch.save
     assert "step 9" in out and "same True" in out, out
     assert sorted(os.listdir(ckpt)) == sorted(planted + ["ckpt.pt"])  # no temporary left
     assert not (ckpt / "ckpt.pt").is_symlink()
