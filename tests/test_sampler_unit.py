@@ -44,7 +44,7 @@ def test_unit_verifies_without_a_warning(tmp_path: Path) -> None:
     assert p.returncode == 0 and not about_unit, p.stdout + p.stderr
     # The check can fail: a misspelt hardening key is reported.
     bad = _verify(_unit_copy(tmp_path, UNIT.read_text().replace(
-        "ProtectKernelTunables=", "ProtectKernelTunabels=")))
+        "[Service]\n", "[Service]\nProtectKernelTunabels=yes\n")))
     assert "ProtectKernelTunabels" in bad.stdout + bad.stderr
 
 
@@ -105,7 +105,8 @@ def test_sampler_and_pynvml_run_under_memory_deny_write_execute(tmp_path: Path) 
             "from bluevela.telemetry.sampler import main; raise SystemExit(main(['--once']))")
     env = dict(os.environ, BV_HOOK_ENV="none", BV_SITE=str(REPO / "site.yaml"),
                BV_CACHE_DIR="off", BV_NODE_CLASS="h100", BV_SYSFS_ROOT=str(H100 / "root"),
-               BV_NVML_SNAPSHOT="", BV_STATE_DIR=str(tmp_path), BV_SAMPLER_INTERVAL_S="0.2")
+               BV_NVML_SNAPSHOT="", BV_STATE_DIR=str(tmp_path), BV_SAMPLER_INTERVAL_S="0.2",
+               PYTHONPATH=str(REPO))
     p = subprocess.run([str(tmp_path / "mdwe"), sys.executable, "-c", code], env=env, cwd="/",
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
