@@ -6,12 +6,13 @@ A file is a header then fixed-size records::
     one JSON line (UTF-8, ends with b"\\n", at most 1 MiB):
         {"node": "gpu001", "interval_s": 10.0, "start_unix_s": 1700000000.0,
          "columns": [{"name": "gpu0.util_pct", "component": "gpu0", "unit": "%"}, ...],
-         "components": {"gpu0": {"uuid": "GPU-..."}, ...},       # optional labels
+         "components": {"gpu0": {"uuid": "GPU-..."},             # optional labels
+                        "node": {"cpu_source": "cgroup v2 /sys/fs/cgroup/..."}},
          "job_id": 123}                                          # side files only
     records: float64 unix time + N float32 values, little-endian (NaN: not available)
 
 The sampler writes `<state>/samples/seg-<unix_start>.bvts` (a new segment on the hour, when the
-column set changes, and at every start); the epilog cuts a job's window out of them into one
+column set or the labels change, when the clock steps back, and at every start); the epilog cuts a job's window out of them into one
 file of the same format with the union of their columns (`cut_window`).
 
 A reader of a live segment ignores a last, partial record (the sampler may be writing it);
