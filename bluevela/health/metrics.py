@@ -27,7 +27,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,7 +66,7 @@ def _labels(pairs: Mapping[str, str]) -> str:
 
 
 def family_lines(name: str, type_: str, help_: str,
-                 samples: list[tuple[Mapping[str, str], float]]) -> list[str]:
+                 samples: Sequence[tuple[Mapping[str, str], float]]) -> list[str]:
     """One family in the text format: HELP, TYPE, then a line per (labels, value)."""
     out = [f"# HELP {name} {_help(help_)}", f"# TYPE {name} {type_}"]
     out.extend(f"{name}{_labels(labels)} {_num(v)}" for labels, v in samples)
