@@ -7,6 +7,12 @@
   (steady state, start-up excluded; start-up reported apart), RSS from /proc/<pid>/status.
   No GPU here: live NVML's own cost is not in these figures; the cost of one sample with the
   snapshot parsed afresh (as a live read would build it) is reported separately.
+- Faults (`BV_BENCH_TELEMETRY=faults` runs these alone): sample() with NVML read on its worker
+  thread against the same reading inline (interleaved rounds, median ratio and quartiles); a
+  tick while the recorded hung-NVML snapshot blocks (the first waits the deadline, later ones
+  not); SIGTERM to exit of the real sampler whose libnvidia-ml (a C stand-in) hangs in
+  nvmlInit; on a full 64 KiB tmpfs (root): descriptors gained, write attempts under backoff,
+  intervals from space freed to the first new segment.
 - Archive: a synthetic job of 1,000 nodes (`BV_BENCH_SERIES_NODES`; 20 with `--quick`) x 24 h
   at 10 s, 8 GPUs and 8 ports per node, with noisy values shaped like a training job (GPU util 90-100 % with
   checkpoint dips, power following util, integer temperatures drifting, SM clock with
@@ -228,8 +234,173 @@ def _ingest_job(tmp: Path, n_nodes: int, T: int) -> dict[str, Any]:
     return res
 
 
+# -- faults (issue 16 section 2) ----------------------------------------------------------------
+
+HUNG_NVML_C = """
+#include <unistd.h>
+int nvmlInitWithFlags(unsigned int f) { (void)f; for (;;) pause(); return 0; }
+int nvmlInit_v2(void) { for (;;) pause(); return 0; }
+"""
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    import statistics
+
+    q = statistics.quantiles(xs, n=4)
+    return q[0], statistics.median(xs), q[2]
+
+
+def _h100_sampler(snapshot: Path, samples: Path, interval: float = 10.0) -> Any:
+    from bluevela.health.context import ProbeContext
+    from bluevela.site import load_site
+    from bluevela.telemetry.sampler import Config, Sampler
+
+    site = load_site(REPO / "site.yaml")
+    ctx = ProbeContext(site.node_classes["h100"], "h100", root=H100 / "root",
+                       nvml_snapshot=snapshot)
+    return Sampler(ctx, Config(samples, "gpu001", interval, 1e9, 1 << 30))
+
+
+def _thread_vs_direct(rounds: int, per_round: int = 20) -> tuple[list[float], float, float]:
+    """sample() with NVML read through the worker thread (as now) against the same sample()
+    with the reading called on the loop's thread (as before), interleaved: per-round ratios."""
+    threaded = _h100_sampler(H100 / "nvml.json", Path("/nonexistent"))
+    direct = _h100_sampler(H100 / "nvml.json", Path("/nonexistent"))
+    direct.gpu.worker.get = lambda deadline_s, max_age_s: direct.gpu._fetch()
+    ratios, ta, tb = [], [], []
+    for r in range(rounds):
+        times = []
+        for s in (threaded, direct) if r % 2 else (direct, threaded):
+            t = time.perf_counter()
+            for i in range(per_round):
+                s.sample(T0 + 10 * i)
+            times.append((time.perf_counter() - t) / per_round)
+        a, b = (times[1], times[0]) if r % 2 == 0 else (times[0], times[1])
+        ta.append(a)
+        tb.append(b)
+        ratios.append(a / b)
+    return ratios, 1000 * sorted(ta)[len(ta) // 2], 1000 * sorted(tb)[len(tb) // 2]
+
+
+def _hung_ticks(n: int) -> tuple[float, list[float]]:
+    """Tick times (ms) with the recorded hung-NVML snapshot: the first waits the deadline."""
+    s = _h100_sampler(REPO / "tests/data/health/h100-gpu-nvml-hang/nvml.json",
+                      Path("/nonexistent"), interval=0.2)
+    t = time.perf_counter()
+    s.sample(T0)
+    first = 1000 * (time.perf_counter() - t)
+    rest = []
+    for i in range(1, n):
+        t = time.perf_counter()
+        s.sample(T0 + 0.2 * i)
+        rest.append(1000 * (time.perf_counter() - t))
+    return first, rest
+
+
+def _sigterm_exit_hung(tmp: Path, runs: int) -> list[float]:
+    """SIGTERM to exit (s) of the real sampler whose libnvidia-ml hangs in nvmlInit."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return []
+    (tmp / "hung.c").write_text(HUNG_NVML_C)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp / "libnvidia-ml.so.1"),
+                    str(tmp / "hung.c")], check=True, capture_output=True)
+    out = []
+    for k in range(runs):
+        env = dict(os.environ, BV_HOOK_ENV="none", BV_SITE=str(REPO / "site.yaml"),
+                   BV_CACHE_DIR="off", BV_NODE_CLASS="h100", BV_SYSFS_ROOT=str(H100 / "root"),
+                   BV_NVML_SNAPSHOT="", BV_STATE_DIR=str(tmp / f"hung{k}"),
+                   BV_SAMPLER_INTERVAL_S="1", BV_HOOK_LOG_LEVEL="WARNING",
+                   LD_LIBRARY_PATH=str(tmp))
+        p = subprocess.Popen([PY, "-I", "-m", "bluevela.telemetry.sampler"], env=env, cwd="/",
+                             stderr=subprocess.DEVNULL)
+        time.sleep(3)
+        t = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=30)
+            out.append(time.monotonic() - t)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            out.append(float("inf"))
+    return out
+
+
+def _full_disk(tmp: Path, interval: float = 0.05, seconds: float = 5.0) -> dict[str, float]:
+    """The real sampler on a full 64 KiB tmpfs: descriptors gained, write attempts, and how
+    many intervals after space returns the first record lands (root only)."""
+    mnt = tmp / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+                                            str(mnt)], capture_output=True).returncode:
+        return {}
+    try:
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        for size in (4096, 512, 8):
+            while True:
+                try:
+                    os.write(fd, b"\0" * size)
+                except OSError:
+                    break
+        os.close(fd)
+        env = dict(os.environ, BV_HOOK_ENV="none", BV_SITE=str(REPO / "site.yaml"),
+                   BV_CACHE_DIR="off", BV_NODE_CLASS="h100", BV_SYSFS_ROOT=str(H100 / "root"),
+                   BV_NVML_SNAPSHOT=str(H100 / "nvml.json"), BV_STATE_DIR=str(mnt),
+                   BV_SAMPLER_INTERVAL_S=str(interval), BV_HOOK_LOG_LEVEL="DEBUG")
+        p = subprocess.Popen([PY, "-I", "-m", "bluevela.telemetry.sampler"], env=env, cwd="/",
+                             stderr=subprocess.PIPE)
+        time.sleep(1.5)
+        fd0 = len(os.listdir(f"/proc/{p.pid}/fd"))
+        time.sleep(seconds)
+        fd1 = len(os.listdir(f"/proc/{p.pid}/fd"))
+        (mnt / "filler").unlink()
+        t = time.monotonic()
+        while not list((mnt / "samples").glob("seg-*.bvts")) and time.monotonic() - t < 60:
+            time.sleep(interval / 5)
+        back = time.monotonic() - t
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+        attempts = err.decode().count("sample not written")
+        return {"fd_growth": fd1 - fd0, "ticks": (seconds + 1.5) / interval,
+                "attempts": attempts, "recovery_intervals": back / interval}
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def fault_figures(tmp: Path, quick: bool) -> Iterator[Figure]:
+    ratios, a_ms, b_ms = _thread_vs_direct(10 if quick else 40)
+    q1, med, q3 = _quartiles(ratios)
+    yield Figure("sampler_sample_ms_nvml_thread_vs_inline", med, "ratio", "<= 1.2",
+                 f"thread {a_ms:.2f} ms / inline {b_ms:.2f} ms, median of {len(ratios)} "
+                 f"interleaved rounds, quartiles {q1:.3f}-{q3:.3f}")
+    first, rest = _hung_ticks(30)
+    q1, med, q3 = _quartiles(rest)
+    yield Figure("sampler_sample_ms_nvml_hung_first", first, "ms", "<= 150",
+                 "the first tick waits the deadline (half of a 0.2 s interval)")
+    yield Figure("sampler_sample_ms_nvml_hung_later", med, "ms", "",
+                 f"no wait while the call hangs; quartiles {q1:.2f}-{q3:.2f}, {len(rest)} ticks")
+    exits = _sigterm_exit_hung(tmp, 3 if quick else 5)
+    if exits:
+        yield Figure("sampler_sigterm_exit_s_nvml_hung", max(exits), "s", "<= 2",
+                     f"worst of {len(exits)} (median {sorted(exits)[len(exits) // 2]:.2f} s); "
+                     "hung libnvidia-ml stand-in, 1 s interval")
+    disk = _full_disk(tmp)
+    if disk:
+        yield Figure("sampler_full_disk_fd_growth", disk["fd_growth"], "fds", "<= 0",
+                     f"over {disk['ticks']:.0f} ticks of 0.05 s on a full 64 KiB tmpfs")
+        yield Figure("sampler_full_disk_write_attempts", disk["attempts"], "attempts", "",
+                     f"of {disk['ticks']:.0f} ticks (backoff 1, 2, 4 ... 32 intervals)")
+        yield Figure("sampler_full_disk_recovery_intervals", disk["recovery_intervals"],
+                     "intervals", "<= 33", "from space freed to the first new segment")
+
+
 def figures(args: argparse.Namespace) -> Iterator[Figure]:
     quick = getattr(args, "quick", False)
+    if os.environ.get("BV_BENCH_TELEMETRY") == "faults":  # the fault figures alone
+        with tempfile.TemporaryDirectory(prefix="bv-bench-telemetry-") as d:
+            yield from fault_figures(Path(d), quick)
+        return
     duration = 20.0 if quick else 60.0
     with tempfile.TemporaryDirectory(prefix="bv-bench-telemetry-") as d:
         tmp = Path(d)
@@ -251,9 +422,11 @@ def figures(args: argparse.Namespace) -> Iterator[Figure]:
         yield Figure("sampler_sample_cost_uncached", _sample_cost_ms(), "ms", "",
                      "8 GPUs + 8 ports + node, snapshot parsed afresh each sample")
         rb = runs[10.0]["record_bytes"]
-        yield Figure("sampler_record_bytes", rb, "B", "", "8 GPUs x 7 + 8 ports x 3 + 5 node")
+        yield Figure("sampler_record_bytes", rb, "B", "", "8 GPUs x 7 + 8 ports x 3 + 7 node")
         yield Figure("sampler_disk_per_node_day_10s", rb * 8640 / 1e6, "MB", "<= 256",
                      "local segments, before retention")
+
+        yield from fault_figures(tmp, quick)
 
         n = int(os.environ.get("BV_BENCH_SERIES_NODES") or (20 if quick else 1000))
         T = 8640  # 24 h at 10 s

@@ -14,6 +14,8 @@ import h5py
 import numpy as np
 import pytest
 
+from bluevela.telemetry.format import read_file
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -41,6 +43,14 @@ def test_ddp_job_series_holds_every_node_within_the_job_window(devcluster,
     spool = Path(devcluster.env["BV_SPOOL_DIR"])
     assert not list(spool.glob(f"{job_id}.*.series.bvts"))  # moved to done/ with the reports
     assert len(list((spool / "done").glob(f"{job_id}.*.series.bvts"))) == 3
+    # Where each node's sampler took its CPU figures: its own cgroup (named after the node),
+    # never the host-wide /proc/stat that every dev node shares.
+    sources = {}
+    for node in nodes:
+        [side] = (spool / "done").glob(f"{job_id}.{node}.*series.bvts")
+        sources[node] = read_file(side, strict=True).header.components["node"]["cpu_source"]
+    for node, src in sources.items():
+        assert src.startswith("cgroup ") and src.endswith(f"/{node}"), sources
 
     with h5py.File(archive / "series" / f"{job_id}.h5", "r") as f:
         assert f.attrs["format"] == "bluevela-job-series" and f.attrs["job_id"] == job_id
@@ -57,4 +67,4 @@ def test_ddp_job_series_holds_every_node_within_the_job_window(devcluster,
         assert have.sum() >= 3, (node, busy[i])  # a few seconds of 1 s samples
         # Per-node CPU from the node's own cgroup: the job's worker kept this node busy.
         assert np.nanmax(busy[i]) > 1.0, (node, busy[i])
-        assert np.isfinite(throttled[i][have]).all()  # read from the node's cgroup
+        assert np.isfinite(throttled[i][have]).all()
