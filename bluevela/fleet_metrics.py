@@ -144,6 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="rewrite every this many seconds (default: once)")
     parser.add_argument("--site", default=None, help="site.yaml (default: $BV_SITE or /etc)")
     args = parser.parse_args(argv)
+    if args.every < 0 or args.every != args.every:
+        print("bluevela fleet_metrics: --every must be >= 0", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="bluevela fleet_metrics: %(message)s")
     from bluevela.site import load_site
 
@@ -151,9 +154,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         site = load_site(args.site, cwd=False)
     except BluevelaError as exc:
         print(f"bluevela fleet_metrics: {exc}", file=sys.stderr)
-        return 2
-    if args.every < 0 or args.every != args.every:
-        print("bluevela fleet_metrics: --every must be >= 0", file=sys.stderr)
         return 2
     stop = False
 

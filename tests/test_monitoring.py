@@ -149,3 +149,68 @@ def test_example_scrape_config_is_valid(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stdout + p.stderr
     assert "2 rules files" in p.stdout or "SUCCESS: 2 rule files" in p.stdout \
         or "SUCCESS" in p.stdout, p.stdout
+
+
+def _fleet_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(s.name, dict(s.labels), s.value) for f in text_string_to_metric_families(text)
+            for s in f.samples]
+
+
+def test_fleet_file_drains_sources_busy_and_breaker() -> None:
+    site = load_site(REPO / "site.yaml")
+    nodes = [NodeInfo("node1", "MIXED", "", ("debug",)),
+             NodeInfo("node2", "IDLE+DRAIN", "bv: ib: mlx5_3/1 state DOWN", ("debug",)),
+             NodeInfo("node3", "ALLOCATED+DRAIN", "bv: nightly 2026-11-26: gemm low",
+                      ("debug",)),
+             NodeInfo("node4", "IDLE+DRAIN", 'maint "dimm" \\ swap\nnext', ("debug",)),
+             NodeInfo("node5", "IDLE", "", ())]
+    text = render_fleet(site, nodes, [ReservationInfo("bv-drain-debug-0", ("node2",), 1e9),
+                                      ReservationInfo("other", ("node1",), 1e9)])
+    got = _fleet_samples(text)  # the real parser: the operator's quotes/newline are escaped
+    drained = {lab["node"]: (lab["source"], lab["reason"]) for n, lab, _ in got
+               if n == "bluevela_slurm_node_drained"}
+    assert drained == {"node2": ("bv", "bv: ib: mlx5_3/1 state DOWN"),
+                       "node3": ("nightly", "bv: nightly 2026-11-26: gemm low"),
+                       "node4": ("operator", 'maint "dimm" \\ swap\nnext')}
+    busy = {lab["node"]: v for n, lab, v in got if n == "bluevela_slurm_node_busy"}
+    assert busy == {"node1": 1, "node2": 0, "node3": 1, "node4": 0, "node5": 0}
+    classes = {lab["node"]: lab["class"] for n, lab, _ in got if n == "bluevela_slurm_node_info"}
+    assert classes == {f"node{i}": "cpu" for i in range(1, 6)}
+    breaker = {(n, lab["partition"]): v for n, lab, v in got if n.startswith("bluevela_breaker")}
+    # debug: 4 nodes at 15 % -> 1; bv drained node2 (slot) and node3 (nightly, also ours)
+    assert breaker[("bluevela_breaker_nodes", "debug")] == 4
+    assert breaker[("bluevela_breaker_limit_nodes", "debug")] == 1
+    assert breaker[("bluevela_breaker_drained_nodes", "debug")] == 2
+    assert breaker[("bluevela_breaker_nodes", "_none")] == 5  # nodes in no partition: all
+
+
+def test_fleet_file_when_slurm_does_not_answer() -> None:
+    got = _fleet_samples(render_fleet(load_site(REPO / "site.yaml"), None))
+    assert {n for n, _, _ in got} == {"bluevela_fleet_scrape_success",
+                                      "bluevela_fleet_timestamp_seconds"}
+    assert next(v for n, _, v in got if n == "bluevela_fleet_scrape_success") == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out", "/tmp/x", "--every", "-1"], "--every must be >= 0"),
+    (["--out", "/tmp/x", "--site", "/nonexistent/site.yaml"], "site"),
+])
+def test_fleet_metrics_bad_input_is_one_line(argv: list[str], message: str) -> None:
+    p = subprocess.run([sys.executable, "-m", "bluevela.fleet_metrics", *argv],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert message in p.stderr
+
+
+def test_fleet_metrics_writes_scrape_failure_without_slurm(tmp_path: Path) -> None:
+    env = {**os.environ, "SLURM_CONF": str(tmp_path / "no-slurm.conf"),
+           "PATH": "/usr/bin:/bin"}
+    p = subprocess.run([sys.executable, "-m", "bluevela.fleet_metrics", "--out",
+                        str(tmp_path / "out"), "--site", str(REPO / "site.yaml")],
+                       env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 0, p.stderr
+    got = _fleet_samples((tmp_path / "out" / "bluevela_fleet.prom").read_text())
+    assert ("bluevela_fleet_scrape_success", {}, 0.0) in got
