@@ -207,7 +207,8 @@ class NVMLWorker:
     the tick goes on without GPUs, and nothing more is asked while the call hangs (one stuck
     thread, never one per tick). A reading that arrives after its tick's deadline (a slow
     NVML, not a hung one) is used by the next tick when at most `max_age_s` old, so a slow
-    NVML lags by a tick instead of missing every one.
+    NVML lags by a tick instead of missing every one. Only the tick that asks waits; later
+    ticks find the call still in flight and go on at once.
     """
 
     def __init__(self, fetch: Callable[[], GPUFetch]) -> None:
@@ -258,8 +259,9 @@ class NVMLWorker:
                     self._ask()  # the next tick's reading starts now
                     return res
                 self._consumed, self._result = self._answered, None  # stale: drop
-            if self._since is None:
-                self._ask()
+            if self._since is not None:
+                return None  # an earlier tick's call, past its deadline: no wait again
+            self._ask()
             want = self._asked
             if not self._cond.wait_for(lambda: self._answered >= want, timeout=deadline_s):
                 return None
