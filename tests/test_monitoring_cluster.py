@@ -184,8 +184,11 @@ def test_fault_on_one_node_fires_its_alerts_only_and_resolves(
     assert alerts["BluevelaNodeDrained"]["labels"]["reason"].startswith(
         "bv: ib: mlx5_3/1 state DOWN")
     assert "node2" in alerts["BluevelaNodeDrained"]["annotations"]["summary"]
-    # for: + two scrape intervals, + the fleet file's own 1 s period and sinfo's time
-    assert took <= FOR_S + 2 * SCRAPE_S + 4, f"alerts fired {took:.1f} s after the fault"
+    # for: + two scrape intervals (+ one evaluation), + the fleet file's own 1 s period and
+    # sinfo's time; slack for a loaded 2-core CI machine (measured 4.9-6.5 s here)
+    assert took <= FOR_S + 3 * SCRAPE_S + 5, f"alerts fired {took:.1f} s after the fault"
+    for a in alerts.values():  # pending as soon as the fault was scraped, firing after for:
+        assert a["state"] == "firing"
 
     # The dashboard: every panel's query parses in this Prometheus and returns series, but
     # for the nightly's (no nightly ran, and nccl cannot run without a GPU).
