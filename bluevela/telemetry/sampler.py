@@ -347,7 +347,11 @@ class GPUReader:
         if self.ctx.nvml_snapshot is None and not self.ctx.node_class.gpus:
             return [], "none", 0.0  # a class without GPUs: NVML is not even looked for
         source = "snapshot" if self.ctx.nvml_snapshot is not None else "live"
-        got = self.worker.get(deadline_s, max_age_s)
+        try:
+            got = self.worker.get(deadline_s, max_age_s)
+        except (OSError, ValueError) as exc:  # a replayed snapshot gone mid-run
+            self._warn_once("read", f"no GPU values: {exc}")
+            return [], source, 0.0
         if got is None:
             hung_s = self.worker.in_flight_s()
             if not self.hung:
