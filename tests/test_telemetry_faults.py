@@ -378,3 +378,44 @@ def test_a_clock_stepped_back_starts_a_new_segment(tmp_path: Path) -> None:
         times = [t for t, _ in read_file(tmp_path / "samples" / name).records()]
         assert times == sorted(times), (name, times)
     assert len(list_segments(tmp_path / "samples")) == 2
+
+
+def test_nvml_worker_slow_lags_a_tick_hung_costs_one_wait() -> None:
+    """A slow NVML (0.3 s a reading, deadline 0.1 s) misses its first tick only, then each tick
+    takes the reading the previous tick started; a hung one costs the asking tick its deadline
+    and later ticks nothing."""
+    from bluevela.telemetry.sampler import NVMLWorker
+
+    calls: list[float] = []
+
+    def slow() -> tuple[None, dict[int, dict[str, float]], str]:
+        calls.append(time.monotonic())
+        time.sleep(0.3)
+        return None, {0: {"n": float(len(calls))}}, "live"
+
+    w = NVMLWorker(slow)
+    got = []
+    for _ in range(5):
+        got.append(w.get(0.1, 1.0))
+        time.sleep(0.5)  # the interval
+    assert got[0] is None and all(g is not None for g in got[1:]), got
+    assert [g[1][0]["n"] for g in got[1:] if g] == [1.0, 2.0, 3.0, 4.0]
+    assert len(calls) == 5  # one call per tick, never two at once
+
+    release = threading.Event()
+
+    def stuck() -> tuple[None, dict[int, dict[str, float]], str]:
+        release.wait()
+        return None, {}, "live"
+
+    hung = NVMLWorker(stuck)
+    t = time.monotonic()
+    assert hung.get(0.2, 1.0) is None
+    assert 0.2 <= time.monotonic() - t < 1.0
+    t = time.monotonic()
+    for _ in range(10):
+        assert hung.get(0.2, 1.0) is None
+    assert time.monotonic() - t < 0.1 and hung.in_flight_s() > 0.2  # no wait while it hangs
+    release.set()
+    assert _wait(lambda: hung.in_flight_s() == 0.0, 2)
+    assert hung.get(0.2, 1.0) is not None  # it answered: read again
