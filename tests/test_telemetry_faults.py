@@ -83,7 +83,7 @@ def _env(state: Path, root: Path, *, snapshot: Path | None, interval: float = 0.
     env = dict(os.environ, BV_HOOK_ENV="none", BV_SITE=str(REPO / "site.yaml"),
                BV_CACHE_DIR="off", BV_NODE_CLASS="h100", BV_SYSFS_ROOT=str(root),
                BV_STATE_DIR=str(state), BV_SAMPLER_INTERVAL_S=str(interval),
-               BV_NVML_SNAPSHOT=str(snapshot) if snapshot else "")
+               BV_NVML_SNAPSHOT=str(snapshot) if snapshot else "", BV_HOOK_LOG_LEVEL="INFO")
     for k in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LD_LIBRARY_PATH"):
         env.pop(k, None)
     env.update(more)
