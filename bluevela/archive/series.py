@@ -470,7 +470,11 @@ class SeriesLimits:
 
     @classmethod
     def from_site(cls, site: Site) -> SeriesLimits:
-        return cls(gpus={h: c.gpus for c in site.node_classes.values() for h in c.hostnames})
+        """The GPU count of each node's class; room for a side file as large as the sampler
+        keeps (`telemetry.max_mb`: its records are held about twice while a row is made)."""
+        keep = int(3 * site.telemetry.max_mb * 2**20)
+        return cls(gpus={h: c.gpus for c in site.node_classes.values() for h in c.hostnames},
+                   max_node_bytes=max(MAX_NODE_BYTES, keep))
 
     @classmethod
     def configured(cls) -> SeriesLimits:
