@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -100,23 +101,21 @@ def test_a_write_dir_that_is_a_symlink_is_not_followed(tmp_path: Path) -> None:
     assert os.listdir(elsewhere) == []
 
 
-def test_probe_names_are_unpredictable(tmp_path: Path) -> None:
+def test_probe_names_are_unpredictable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two probes from this host never use the same name, and neither names host or pid."""
     seen: set[str] = set()
     real_open = os.open
 
-    def spy(path: str, flags: int, *args: object, **kw: object) -> int:
+    def spy(path: str, flags: int, *args: Any, **kw: Any) -> int:
         if str(path).startswith(host.PROBE_PREFIX) and flags & os.O_CREAT:
             seen.add(str(path))
-        return real_open(path, flags, *args, **kw)  # type: ignore[arg-type]
+        return real_open(path, flags, *args, **kw)
 
     root, scratch, _ = _tree(tmp_path)
-    os_open, os.open = os.open, spy  # the write runs in this process: no fork here
-    try:
-        assert host._write_probe(scratch) == ""
-        assert host._write_probe(scratch) == ""
-    finally:
-        os.open = os_open
+    monkeypatch.setattr(host.os, "open", spy)  # the write runs in this process: no fork here
+    assert host._write_probe(scratch) == ""
+    assert host._write_probe(scratch) == ""
+    monkeypatch.undo()
     assert len(seen) == 2
     for name in seen:
         suffix = name[len(host.PROBE_PREFIX):]

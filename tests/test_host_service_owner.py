@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,7 +63,7 @@ def stop() -> Iterator[list[subprocess.Popen[str]]]:
 
 def _node_check(owners: dict[str, str] | None = None) -> tuple[Status, str]:
     cls = NodeClass(nodes="n1")
-    extra = {"service_owners": owners} if owners is not None else {}
+    extra: dict[str, Any] = {"service_owners": owners} if owners is not None else {}
     node = replace(cls.node, required_services=["nv-fabricmanager"], min_free_gib={},
                    max_d_state_s=0, mount_probe_timeout_s=0, **extra)
     r = get_check("node").run_once(ProbeContext(replace(cls, node=node), "t", root=Path("/")))

@@ -91,7 +91,8 @@ def _in_child(tmp: Path, body: str, as_limit_gib: float = 2.0) -> dict[str, Any]
                        timeout=120, env=env, cwd=tmp)
     if p.returncode != 0:
         return {"rc": p.returncode, "stderr": p.stderr[-2000:]}
-    return json.loads(p.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    out: dict[str, Any] = json.loads(p.stdout.strip().splitlines()[-1])
+    return out
 
 
 INGEST_BODY = """
