@@ -30,6 +30,7 @@ N2 = {"node": "node2", "instance": "node2:9100", "job": "node"}
 N1 = {"node": "node1", "instance": "node1:9100", "job": "node"}
 FLEET = {"instance": "ctl:9100", "job": "bluevela-fleet"}
 GPU3 = {"gpu": "3", "UUID": "GPU-3", "pci_bus_id": "00000000:5D:00.0", "device": "nvidia3"}
+GPU1 = {"gpu": "1", "UUID": "GPU-1", "pci_bus_id": "00000000:1B:00.0", "device": "nvidia1"}
 PORT = {"device": "mlx5_3", "port": "1"}
 PROM = "/var/lib/node_exporter/textfile/bluevela.prom"
 
@@ -81,10 +82,13 @@ CASES: list[Case] = [
          [series("bluevela_gpu_xid_errors", {**N2, **GPU3}, "0 79 0x9")],
          "8m", {**N2, **GPU3}, 79),
     Case("BluevelaGpuXidNeedsReset",
-         [series("bluevela_gpu_xid_errors", {**N2, **GPU3}, "0 48x10")],
-         # XID 13 (an application's graphics exception) needs no reset: silent.
-         [series("bluevela_gpu_xid_errors", {**N2, **GPU3}, "0 13x10")],
-         [series("bluevela_gpu_xid_errors", {**N2, **GPU3}, "0 48 0x9")],
+         [series("bluevela_gpu_xid_critical", {**N2, **GPU3}, "0 48x10")],
+         # XID 13 (an application's graphics exception) needs no reset: the check writes 0;
+         # 79 (fallen off the bus) has its own alert.
+         [series("bluevela_gpu_xid_errors", {**N2, **GPU3}, "0 13x10"),
+          series("bluevela_gpu_xid_critical", {**N2, **GPU3}, "0x11"),
+          series("bluevela_gpu_xid_critical", {**N2, **GPU1}, "0 79x10")],
+         [series("bluevela_gpu_xid_critical", {**N2, **GPU3}, "0 48 0x9")],
          "8m", {**N2, **GPU3}, 48),
     Case("BluevelaGpuRowRemapPending",
          [series("bluevela_gpu_row_remap_pending", {**N2, **GPU3}, "0 1x12")],

@@ -167,6 +167,8 @@ GPU_FAMILIES: tuple[Family, ...] = (
            "1 when persistence mode is on.", "DCGM_FI_DEV_PERSISTENCE_MODE"),
     Family("bluevela_gpu_xid_errors", "gauge", "xid_last",
            "Last XID on the GPU within gpu.xid_window_s (0: none).", "DCGM_FI_DEV_XID_ERRORS"),
+    Family("bluevela_gpu_xid_critical", "gauge", "xid_critical_last",
+           "Last XID on the GPU within gpu.xid_window_s that bv drains for (0: none).", "-"),
     Family("bluevela_gpu_xid_window_errors", "gauge", "xid_count",
            "XIDs on the GPU within gpu.xid_window_s.", "-"),
     Family("bluevela_gpu_foreign_processes", "gauge", "processes_count",

@@ -376,10 +376,16 @@ def _components(gpus: list[GPUInfo], facts: GPUFacts, window_s: float) -> tuple[
     """One entry per GPU (labels gpu/uuid/pci_bus_id/model, its NVML readings and its XIDs
     within the window) for the per-GPU Prometheus series; None readings are left out."""
     xids: dict[str, list[int]] = {}
+    # The last XID per GPU that bv drains for (its line decides for 154 and 144-150, so the
+    # code alone cannot tell a rule in Prometheus): the reset alert reads this, not a code list.
+    critical: dict[str, int] = {}
     for x in facts.xids if facts.xid_source is not None else ():
         if not (window_s > 0 and x.at_s is not None and facts.uptime_s is not None
                 and facts.uptime_s - x.at_s > window_s):
             xids.setdefault(x.bus, []).append(x.code)
+            verdict = xid_verdict(x.code, x.line)
+            if verdict is not None and verdict[0] is Status.CRITICAL:
+                critical[x.bus] = x.code
     out: list[dict[str, object]] = []
     for g in gpus:
         values: dict[str, float | None] = {
@@ -407,6 +413,7 @@ def _components(gpus: list[GPUInfo], facts: GPUFacts, window_s: float) -> tuple[
             codes = xids.get(g.bus or "", [])
             values["xid_count"] = len(codes)
             values["xid_last"] = codes[-1] if codes else 0
+            values["xid_critical_last"] = critical.get(g.bus or "", 0)
         values["processes_count"] = len(_leftovers(g, facts)[0])
         out.append({"kind": "gpu",
                     "labels": {"gpu": str(g.index), "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
