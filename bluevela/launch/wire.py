@@ -61,7 +61,8 @@ def derive(secret: bytes, purpose: bytes) -> bytes:
 
 
 def mac(key: bytes, data: bytes) -> bytes:
-    return hmac.new(key, data, hashlib.sha256).hexdigest()[:MAC_HEX].encode()
+    # hmac.digest: the one-shot C path (a third of hmac.new's cost per beat).
+    return hmac.digest(key, data, "sha256").hex()[:MAC_HEX].encode()
 
 
 def safe_name(text: object, limit: int = NAME_MAX) -> str:
