@@ -20,11 +20,17 @@ as it appears (polled at 20 Hz); phases are measured from the crash:
 
 The runs are interleaved (bv, bare, bv silent, ...) on the same cluster. A measurement that
 prints, not a timed test. Dev cluster: SlurmdTimeout=30, cred_expire=20 (left as they are).
+
+Before/after a change (issue 16: the signed control channel): with
+``BV_BENCH_OLD=<checkout of the old commit>`` only the `bv` (spare) crash is run, alternately
+by the old checkout (``PYTHONPATH`` points the submit and the job at it) and by this one;
+``recovery.bv_new_vs_old_ratio`` is the median of the per-pair ratios, with their range.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import statistics
@@ -130,8 +136,15 @@ def _settle(env: dict[str, str], job: str, crashed: str) -> None:
         time.sleep(0.5)
 
 
-def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True) -> Run:
+def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
+           old: Path | None = None) -> Run:
     run = Run("bv silent" if silent else "bv" if spare else "bv no spare")
+    if old is not None:  # the submit and the job (sbatch exports it) import the old checkout
+        env = {**env, "PYTHONPATH": str(old)}
+        if "BV_SITE" in env:  # its site model rejects keys added since
+            env["BV_SITE"] = str(old / "site.yaml")
+    else:
+        env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     ckpt = work / "ckpt"
     out = subprocess.run(
         [PY, "-m", "bluevela", "submit", "-N", "2", "--spare-nodes", "1" if spare else "0",
@@ -232,11 +245,49 @@ def _phases(runs: list[Run]) -> str:
     return ", ".join(f"{k} {statistics.median(r.phases[k] for r in runs):.1f}" for k in names)
 
 
+def _before_after(env: dict[str, str], old: Path, pairs: int) -> Iterator[Figure]:
+    """`bv` (spare) crash -> resumed, old checkout and this one alternately."""
+    got: dict[str, list[float]] = {"old": [], "new": []}
+    ratios: list[float] = []
+    for i in range(pairs):
+        pair: dict[str, float] = {}
+        for which in (("old", "new") if i % 2 == 0 else ("new", "old")):
+            with tempfile.TemporaryDirectory(prefix="bv-bench-recovery-") as tmp:
+                try:
+                    run = run_bv(env, Path(tmp), silent=False,
+                                 old=old if which == "old" else None)
+                except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
+                    run = Run("bv", error=f"{type(exc).__name__}: {exc}")
+            print(f"recovery: bv ({which}): " + ", ".join(
+                f"{k} {v:.1f} s" for k, v in run.phases.items())
+                + (f" (ERROR {run.error})" if run.error else ""), flush=True)
+            if not run.error:
+                pair[which] = run.total
+                got[which].append(run.total)
+        if len(pair) == 2:
+            ratios.append(pair["new"] / pair["old"])
+    med = {k: statistics.median(v) if v else float("nan") for k, v in got.items()}
+    yield Figure("recovery.bv_crash_to_resumed_old_s", med["old"], "s", "",
+                 f"{old}: median of {len(got['old'])}: "
+                 + ", ".join(f"{x:.1f}" for x in got["old"]))
+    yield Figure("recovery.bv_crash_to_resumed_new_s", med["new"], "s", "<= 24",
+                 f"this checkout: median of {len(got['new'])}: "
+                 + ", ".join(f"{x:.1f}" for x in got["new"]))
+    yield Figure("recovery.bv_new_vs_old_ratio",
+                 statistics.median(ratios) if ratios else float("nan"), "ratio", "<= 1.1",
+                 f"{len(ratios)} interleaved pairs; per-pair range "
+                 + (f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "n/a"))
+
+
 def figures(args: argparse.Namespace) -> Iterator[Figure]:
     env = devcluster_env()
     if env is None:
         yield Figure("recovery.bv_crash_to_resumed_s", float("nan"), "s", "<= 24",
                      "dev cluster unavailable (needs root and slurm/devcluster)")
+        return
+    old_dir = os.environ.get("BV_BENCH_OLD")
+    if old_dir:
+        yield from _before_after(env, Path(old_dir), 2 if args.quick else 3)
         return
     rounds = 1 if args.quick else 2
     runs: dict[str, list[Run]] = {"bv": [], "bare": [], "bv silent": [], "bv no spare": []}
