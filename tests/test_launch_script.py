@@ -81,7 +81,7 @@ def test_hostile_values_run_nothing(value: str, tmp_path: Path) -> None:
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "scontrol").write_text("#!/bin/sh\necho node1\n")
-    # The batch script execs `python3 -m bluevela.launch.supervisor`: this interpreter.
+    # The batch script execs `python3 -P -m bluevela.launch.supervisor`: this interpreter.
     (bindir / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     # Records argv NUL-separated, and the env value it saw.
     (bindir / "srun").write_text('#!/bin/sh\nprintf "%s\\0" "$@" > "$OUT"\nprintf "%s" "$BV_TEST" > "$OUT.env"\n')

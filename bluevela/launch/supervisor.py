@@ -1,13 +1,19 @@
 """The in-job supervisor: what a `bv submit` batch script `exec`s on the job's first node.
 
-    python3 -m bluevela.launch.supervisor --nodes=N [--spare-nodes=S] [--min-nodes=M]
-        [--hang-timeout=T] [--rdzv-port=P] -- torchrun --nproc-per-node=K ... script args
+    python3 -P -m bluevela.launch.supervisor --nodes=N [--spare-nodes=S] [--min-nodes=M]
+        [--hang-timeout=T] -- torchrun --nproc-per-node=K ... script args
 
 It runs one training STEP at a time: ``srun`` starts one *node agent* per node (this module's
-``agent`` subcommand), each agent runs ``torchrun`` and keeps a TCP connection to the
-supervisor (hello, a ping every second, its exit status). The supervisor adds torchrun's
-rendezvous flags per step (c10d on the step's first node). What it does (docs/resilience.md,
-"What bv does inside the job"):
+``agent`` subcommand), each agent keeps a TCP connection to the supervisor (hello, a ping
+every second, its exit status) and runs ``torchrun`` once told the rendezvous port. The
+supervisor adds torchrun's rendezvous flags per step: c10d on the step's first node, on a port
+that node's agent found free there. What it does (docs/resilience.md, "What bv does inside
+the job"):
+
+- Only the step's own processes can speak to it (bluevela/launch/wire.py): a new secret per
+  step in the job environment, an HMAC on every line and beat, a hello only from a node of
+  the step and once, caps on line size and connections, a hello deadline; a bad message drops
+  that message or connection, never the supervisor ("Who can speak to the supervisor").
 
 - Per attempt, one banner line in the job output before the step starts, and an end line
   when the attempt ends for a reason it knows (`banner()`, `end_line()`).
