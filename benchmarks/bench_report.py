@@ -63,7 +63,7 @@ def _old_module(tmp: Path) -> object | None:
 
 
 def figures(args: argparse.Namespace) -> Iterator[Figure]:
-    from bluevela.bench.report import write_report
+    from bluevela.report.nightly_html import write_report
 
     with tempfile.TemporaryDirectory(prefix="bv-bench-report-") as d:
         tmp = Path(d)

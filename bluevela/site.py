@@ -148,7 +148,7 @@ class Launch:
 def _check_names(v: list[str]) -> list[str]:
     """Tier check names must be registered checks (imports the check registry: only when a
     file is parsed, never on a cache hit)."""
-    from bluevela.health.registry import all_checks
+    from bluevela.checks_registry import all_checks
 
     known = all_checks()
     unknown = [n for n in v if n not in known]

@@ -116,7 +116,7 @@ class DevCluster:
         raise AssertionError(f"nodes not idle after {timeout}s: {out}")
 
     def resume_all(self) -> None:
-        """Resume every node and free the fleet breaker's slots (bluevela.nodestate): a slot
+        """Resume every node and free the fleet breaker's slots (bluevela.fleet.nodestate): a slot
         left by a test would hold the next test's drains."""
         for n in self.nodes:
             self.run(["scontrol", "update", f"NodeName={n}", "State=RESUME"], check=False)

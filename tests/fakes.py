@@ -67,7 +67,7 @@ class RecordingCuda:
 
 class SlowControllerSlurm:
     """A controller that answers reads and takes a breaker slot, then times out on the drain
-    (slurmctld overloaded mid-storm). Only the calls `bluevela.nodestate.drain_node` makes.
+    (slurmctld overloaded mid-storm). Only the calls `bluevela.fleet.nodestate.drain_node` makes.
     Reservations are kept as slurmctld keeps them: created ones are listed until deleted, and
     every delete is recorded (`deleted`)."""
 

@@ -267,8 +267,8 @@ def test_efficiency_counts_restarts_from_the_archive(dirs: tuple[Path, Path]) ->
     a 300 s job-wide idle stretch inside attempt 1. The requeue's gap comes from the report
     times (400 s: last epilog of attempt 0 to first prolog of attempt 1), not from the series'
     NaN stretch, which is not counted again."""
-    from bluevela.archive.efficiency import job_efficiency, summary_lines
     from bluevela.archive.series import JobSeries, write_series
+    from bluevela.report.efficiency import job_efficiency, summary_lines
 
     spool, archive = dirs
     job, ts = 4243, T0 + 10_000

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.archive import query, slurmctld
+from bluevela.archive import query
 from bluevela.archive.sample import sample_report
 from bluevela.archive.spool import write_report
+from bluevela.hooks import slurmctld
 
 REPO = Path(__file__).resolve().parent.parent
 SHIM = REPO / "prolog_epilog" / "epilog_slurmctld"
@@ -72,7 +73,7 @@ def test_entry_point_waits_for_the_last_epilog(dirs: tuple[Path, Path]) -> None:
     write_report(spool, sample_report(33, "n1", "epilog", nodelist=nodes, time=time.time()))
     env = {"BV_HOOK_ENV": "none", "SLURM_JOB_ID": "33", "BV_SPOOL_DIR": str(spool),
            "BV_ARCHIVE_DIR": str(archive), "BV_ARCHIVE_WAIT_S": "20"}
-    proc = subprocess.Popen([sys.executable, "-m", "bluevela.archive.slurmctld"],
+    proc = subprocess.Popen([sys.executable, "-m", "bluevela.hooks.slurmctld"],
                             env={**os.environ, **env}, cwd=REPO, stderr=subprocess.PIPE,
                             text=True)
     time.sleep(1.0)

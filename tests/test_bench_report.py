@@ -22,12 +22,12 @@ from bluevela.bench import pairing
 from bluevela.bench.evaluate import evaluate
 from bluevela.bench.nightly import NightlyOutcome, SubjectResult, to_record
 from bluevela.bench.registry import get
-from bluevela.bench.report import render_html, write_report
 from bluevela.bench.result import Facts
 from bluevela.bench.runner import facts_from_document
 from bluevela.bench.store import NightRecord, write_night
 from bluevela.errors import ArchiveError
-from bluevela.nodestate import DrainOutcome
+from bluevela.fleet.nodestate import DrainOutcome
+from bluevela.report.nightly_html import render_html, write_report
 from tests.test_bench_store import BENCH, _pair_facts, _site, sample_record
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

@@ -30,7 +30,7 @@ from bluevela.bench.store import (
     write_night,
 )
 from bluevela.errors import ArchiveError
-from bluevela.nodestate import DrainOutcome
+from bluevela.fleet.nodestate import DrainOutcome
 from bluevela.site import Site, load_site
 from tests.conftest import DATA, REPO
 

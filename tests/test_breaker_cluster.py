@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.nodestate import (
+from bluevela.fleet.nodestate import (
     DrainOutcome,
     breaker_limit,
     drain_node,
@@ -263,7 +263,7 @@ def test_stale_slot_is_freed_by_its_holder_and_the_nightly_not_by_others(
     """An operator resumes a node with scontrol: its slot stays (another node's hook does not
     free it: that could race a fresh holder), until the node's own healthcheck, `bv health
     resume` or the nightly frees it."""
-    import bluevela.nodestate as nodestate
+    import bluevela.fleet.nodestate as nodestate
 
     site = _site(5.0)  # ceil(16 * 0.05) = 1 slot
     client = hook_client(site)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.nodestate import (
+from bluevela.fleet.nodestate import (
     SLOT_START_IN_S,
     breaker_limit,
     budgets,
@@ -108,8 +108,8 @@ def test_free_slots_never_let_the_total_pass_the_limit(site: Site, unslotted: in
 
 
 def test_a_drain_that_fails_after_winning_a_slot_keeps_the_slot_counted(site: Site) -> None:
+    from bluevela.fleet.nodestate import DrainFailed, drain_node
     from bluevela.hooks.phases import DrainResult
-    from bluevela.nodestate import DrainFailed, drain_node
     from tests.fakes import SlowControllerSlurm
 
     slurm = SlowControllerSlurm("gpu007")

@@ -1,4 +1,4 @@
-"""Job efficiency and straggler detection (`bluevela.archive.efficiency`) on synthetic series.
+"""Job efficiency and straggler detection (`bluevela.report.efficiency`) on synthetic series.
 
 Each series is written with `write_series` (the archive's layout) and read back through
 `efficiency_of_file` (the path `bv archive show --efficiency` takes), so the block-wise reader is
@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bluevela.archive.efficiency import Thresholds, analyze, efficiency_of_file
 from bluevela.archive.series import JobSeries, write_series
 from bluevela.errors import ArchiveError
+from bluevela.report.efficiency import Thresholds, analyze, efficiency_of_file
 
 T0 = 1_790_000_000.0
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bluevela.archive.efficiency import analyze, series_path
-from bluevela.archive.efficiency_html import render_html
 from bluevela.archive.ingest import ingest
 from bluevela.archive.sample import sample_report
 from bluevela.archive.spool import write_report
+from bluevela.report.efficiency import analyze, series_path
+from bluevela.report.efficiency_html import render_html
 from tests.test_efficiency import T0, make_series, write_h5
 
 REPO = Path(__file__).resolve().parent.parent

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from bluevela.checks_registry import get_check
 from bluevela.health.checks.gpu import GPUFacts, evaluate_gpu, probe_gpu
 from bluevela.health.checks.ib import (
     IBFacts,
@@ -26,7 +27,6 @@ from bluevela.health.checks.ib import (
 from bluevela.health.checks.node import evaluate_node, parse_meminfo, parse_mounts, probe_node
 from bluevela.health.context import ProbeContext
 from bluevela.health.nvml import ISSUE11_GPU_FIELDS, bus_key, load_snapshot, parse_xids
-from bluevela.health.registry import get_check
 from bluevela.health.result import Status
 from bluevela.health.runner import run_checks
 from bluevela.health.state import IB_COUNTERS

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from bluevela.checks_registry import Check, all_checks, check, get_check, register, unregister
 from bluevela.errors import HealthError
 from bluevela.health.metrics import PROM_FILE, merge_last_results, render, write_prom
-from bluevela.health.registry import Check, all_checks, check, get_check, register, unregister
 from bluevela.health.result import CheckResult, HealthReport, Status, worst
 
 
@@ -150,7 +150,7 @@ def test_unknown_check_in_a_tier_is_a_validation_error(tmp_path: Path) -> None:
 def test_nightly_drain_is_not_resumed_by_passing_health_checks() -> None:
     """The hourly healthcheck resumed `bv: nightly <date>: ...` drains once gpu/ib/node/nccl
     passed, without re-measuring what the nightly found."""
-    from bluevela.nodestate import passes_for_resume
+    from bluevela.fleet.nodestate import passes_for_resume
     from bluevela.site import load_site
 
     site = load_site(REPO / "site.yaml")
@@ -163,7 +163,7 @@ def test_nightly_drain_is_not_resumed_by_passing_health_checks() -> None:
 
 def test_checks_never_import_the_node_state_module() -> None:
     """Checks judge; hooks, the nightly and `bv health resume` act. No module under
-    bluevela/health/checks imports bluevela.nodestate (directly or through what it imports)."""
+    bluevela/health/checks imports bluevela.fleet.nodestate (directly or through what it imports)."""
     import ast
     import subprocess
     import sys
@@ -174,10 +174,10 @@ def test_checks_never_import_the_node_state_module() -> None:
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             for name in names:
-                assert not name.startswith("bluevela.nodestate"), f"{path} imports {name}"
+                assert not name.startswith("bluevela.fleet.nodestate"), f"{path} imports {name}"
                 assert "drain" not in name, f"{path} imports {name}"
     code = ("import sys, bluevela.health.checks, bluevela.health.runner; "
-            "print('bluevela.nodestate' in sys.modules)")
+            "print('bluevela.fleet.nodestate' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=REPO).stdout.strip()
     assert out == "False"

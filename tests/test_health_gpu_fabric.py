@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from bluevela.checks_registry import get_check
 from bluevela.health.checks import gpu_fabric
 from bluevela.health.context import ProbeContext
 from bluevela.health.nvml import (
@@ -29,7 +30,6 @@ from bluevela.health.nvml import (
     parse_sxids,
     short_pci,
 )
-from bluevela.health.registry import get_check
 from bluevela.health.result import CheckResult, Status
 from bluevela.site import NodeClass, Site, load_site
 from tests.fixture_trees import materialized

@@ -21,10 +21,10 @@ from bluevela.bench.evaluate import GPUS_FIGURE, evaluate, short_of_gpus
 from bluevela.bench.registry import get as get_measurement
 from bluevela.bench.result import Facts
 from bluevela.bench.result import Status as BenchStatus
+from bluevela.checks_registry import get_check
 from bluevela.health.checks.gpu import XID_TABLE, evaluate_gpu, probe_gpu
 from bluevela.health.context import ProbeContext, parse_gpu_list
 from bluevela.health.nvml import load_snapshot
-from bluevela.health.registry import get_check
 from bluevela.health.result import Status
 from bluevela.health.runner import plan_tier, run_checks, run_plan
 from bluevela.hooks.env import HookContext

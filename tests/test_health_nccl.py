@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from bluevela.checks_registry import get_check
 from bluevela.health.checks.nccl import NCCLFacts, bus_bandwidth, evaluate_nccl, measure
 from bluevela.health.context import ProbeContext
-from bluevela.health.registry import get_check
 from bluevela.health.result import Status
 from bluevela.health.runner import plan_prolog, plan_tier, run_plan
 from bluevela.health.state import (

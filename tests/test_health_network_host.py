@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from bluevela.checks_registry import get_check
 from bluevela.health.checks.dcgm import DcgmFacts, evaluate_dcgm, parse_diag
 from bluevela.health.checks.host import (
     ClockFacts,
@@ -40,7 +41,6 @@ from bluevela.health.checks.ib import (
     parse_modules,
 )
 from bluevela.health.context import ProbeContext
-from bluevela.health.registry import get_check
 from bluevela.health.result import Status
 from bluevela.health.state import IB_COUNTERS
 from bluevela.site import NodeClass, load_site

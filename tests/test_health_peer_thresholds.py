@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from bluevela.checks_registry import get_check
 from bluevela.health.context import ProbeContext
-from bluevela.health.registry import get_check
 from bluevela.health.result import Status
 from bluevela.health.state import IB_COUNTERS
 from bluevela.site import NodeClass, load_site

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from bluevela.checks_registry import check, unregister
 from bluevela.errors import HealthError
 from bluevela.health.context import ProbeContext
-from bluevela.health.registry import check, unregister
 from bluevela.health.result import CheckResult, Status
 from bluevela.health.runner import RunPlan, plan_prolog, plan_tier, run_checks, run_plan
 from bluevela.health.state import nccl_is_stale, record_nccl_pass

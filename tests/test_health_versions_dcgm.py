@@ -20,16 +20,16 @@ from pathlib import Path
 import pytest
 
 from bluevela.archive.spool import SpoolEntry, validate_report
+from bluevela.checks_registry import get_check
 from bluevela.errors import SiteConfigError
-from bluevela.health.api import versions_view
+from bluevela.fleet.api import versions_view
+from bluevela.fleet.nodestate import dcgm_gate
 from bluevela.health.checks import dcgm as dcgm_mod
 from bluevela.health.checks.versions import VersionFacts, cuda_text, evaluate_versions
 from bluevela.health.context import ProbeContext
 from bluevela.health.metrics import render
-from bluevela.health.registry import get_check
 from bluevela.health.result import Status
 from bluevela.health.runner import plan_tier, run_checks
-from bluevela.nodestate import dcgm_gate
 from bluevela.site import NodeClass, Site, VersionPins, load_site, parse_site
 from tests.fixture_trees import materialized
 

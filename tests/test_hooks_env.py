@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bluevela.errors import UnsafeValueError
+from bluevela.fleet.nodestate import check_of_reason, passes_for_resume
 from bluevela.health.result import CheckResult, HealthReport, Status
 from bluevela.hooks.env import (
     HookContext,
@@ -18,7 +19,6 @@ from bluevela.hooks.env import (
     read_hook_env,
 )
 from bluevela.hooks.telemetry import job_telemetry, reading_of
-from bluevela.nodestate import check_of_reason, passes_for_resume
 from bluevela.site import Site, load_site
 
 REPO = Path(__file__).resolve().parent.parent

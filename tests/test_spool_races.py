@@ -253,7 +253,7 @@ def test_a_leftover_root_lock_is_named_in_one_line(dirs: tuple[Path, Path]) -> N
 @root_only
 def test_ownership_errors_are_one_line_at_the_cli_and_in_epilog_slurmctld(
         dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    from bluevela.archive import slurmctld
+    from bluevela.hooks import slurmctld
 
     spool, archive = dirs
     _spool_job(spool, 31, ["n1"])

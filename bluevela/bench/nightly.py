@@ -9,7 +9,7 @@ Phases:
    node-disjoint pairs: first pairs that cover every node, then follow-up pairs that isolate the
    node or link behind a slow pair (`bluevela.bench.pairing`). Nodes that failed phase 2 are
    not paired (they are drained anyway, and would only make their partners look slow).
-4. Drain every culprit with a `bv: nightly <date>:` reason through `bluevela.nodestate.drain_node`
+4. Drain every culprit with a `bv: nightly <date>:` reason through `bluevela.fleet.nodestate.drain_node`
    (fleet breaker applies). The healthcheck never resumes such a drain; an operator does.
 5. Write the night's HDF5 record and its HTML report.
 
@@ -52,8 +52,8 @@ from bluevela.bench.store import (
     write_night,
 )
 from bluevela.errors import BenchError, SiteConfigError, SlurmError
+from bluevela.fleet.nodestate import DrainOutcome, drain_node, release_stale_slots
 from bluevela.launch.bench_job import BenchJobRequest, BenchStep
-from bluevela.nodestate import DrainOutcome, drain_node, release_stale_slots
 from bluevela.site import NodeClass, Site
 from bluevela.slurm.client import JobInfo, SlurmClient
 from bluevela.slurm.states import JobState
@@ -557,7 +557,7 @@ def run_nightly(client: SlurmClient, site: Site, opts: NightlyOptions,
                               f"{', '.join(partners)} ({details[0] if details else ''})")
 
     # Phase 3: drain, archive, report. First free the fleet breaker's stale slots (nodes an
-    # operator resumed by hand): the nightly is one process, so it may (bluevela.nodestate).
+    # operator resumed by hand): the nightly is one process, so it may (bluevela.fleet.nodestate).
     if opts.drain and out.culprits:
         try:
             for name in release_stale_slots(client, site):
@@ -578,7 +578,7 @@ def run_nightly(client: SlurmClient, site: Site, opts: NightlyOptions,
     out.finished_utc = _utc_now()
     out.record_path = write_night(root, to_record(out, site))
     if opts.report:
-        from bluevela.bench.report import write_report
+        from bluevela.report.nightly_html import write_report
 
         out.report_path = write_report(root, night, root / f"{night}.html")
     return out

@@ -14,18 +14,14 @@
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+from bluevela.util.names import natural_key
 
 logger = logging.getLogger(__name__)
 
 Pair = tuple[str, str]
-
-
-def natural_key(name: str) -> list[object]:
-    """node2 before node10."""
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
 def pair_of(a: str, b: str) -> Pair:

@@ -134,8 +134,8 @@ def nightly_cmd(obj: State, partition: str | None, node_list: str | None, wait: 
 @click.pass_obj
 def report_cmd(obj: State, night: str | None, html_path: str) -> None:
     """Write a night's report: failures first, pairs, distributions, trends."""
-    from bluevela.bench.report import write_report
     from bluevela.bench.store import check_night, nightly_dir
+    from bluevela.report.nightly_html import write_report
 
     site = obj.site()
     path = write_report(nightly_dir(site.path("archive")), check_night(night) if night else None,

@@ -35,7 +35,7 @@ def run(obj: State, tier: str, checks: tuple[str, ...], class_name: str | None,
     2 CRITICAL, 3 UNKNOWN)."""
     import os
 
-    from bluevela.health.api import run_local
+    from bluevela.fleet.api import run_local
 
     env = dict(os.environ)
     if sysfs_root:
@@ -60,7 +60,7 @@ def run(obj: State, tier: str, checks: tuple[str, ...], class_name: str | None,
 def snapshot(obj: State, out: Path, no_kmsg: bool) -> None:
     """Record this node's live NVML values (pynvml) in the replay format."""
     from bluevela.errors import HealthError
-    from bluevela.health.api import record_snapshot
+    from bluevela.fleet.api import record_snapshot
 
     try:
         data = record_snapshot(out, include_kmsg=not no_kmsg)
@@ -85,7 +85,7 @@ def snapshot(obj: State, out: Path, no_kmsg: bool) -> None:
 @click.pass_obj
 def nodes(obj: State, as_json: bool, versions: bool, per_node: bool) -> None:
     """Each node's Slurm state, drain reason and last bluevela report."""
-    from bluevela.health.api import node_overview
+    from bluevela.fleet.api import node_overview
 
     if per_node and not versions:
         raise click.UsageError("--all goes with --versions")
@@ -110,7 +110,7 @@ def nodes(obj: State, as_json: bool, versions: bool, per_node: bool) -> None:
 
 
 def _versions(obj: State, as_json: bool, per_node: bool) -> None:
-    from bluevela.health.api import versions_overview
+    from bluevela.fleet.api import versions_overview
 
     view = versions_overview(obj.site(), obj.client(retry_s=10))
     if as_json:
@@ -162,7 +162,7 @@ def dcgm(obj: State, level: int, timeout_s: float | None, class_name: str | None
     import json
 
     from bluevela.errors import HealthError
-    from bluevela.health.api import run_dcgm
+    from bluevela.fleet.api import run_dcgm
 
     site = obj.site()
     result = run_dcgm(site, level=level, class_name=class_name,
@@ -193,7 +193,7 @@ def resume(obj: State, node_names: tuple[str, ...], as_json: bool) -> None:
     """
     import hostlist
 
-    from bluevela.health.api import resume_nodes
+    from bluevela.fleet.api import resume_nodes
 
     try:
         names = [n for expr in node_names for n in hostlist.expand_hostlist(expr)]

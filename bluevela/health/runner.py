@@ -25,9 +25,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bluevela.checks_registry import Check, all_checks
 from bluevela.errors import HealthError
 from bluevela.health.context import ProbeContext
-from bluevela.health.registry import Check, all_checks
 from bluevela.health.result import CheckResult, HealthReport, Status
 
 if TYPE_CHECKING:

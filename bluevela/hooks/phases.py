@@ -13,7 +13,7 @@
   reason is ours (`bv:`) and the check it names passes again. Operators' drains are never touched,
   nor nightly drains (the healthcheck does not re-measure what the nightly found).
 
-Drains, resumes and the fleet breaker live in `bluevela.nodestate` (the checks never import it).
+Drains, resumes and the fleet breaker live in `bluevela.fleet.nodestate` (the checks never import it).
 
 Failing open: an error of the hook itself (bad site.yaml, a bug) logs one line and exits 0 -
 a broken installation must not drain the fleet; the checks themselves never raise (a check
@@ -201,7 +201,7 @@ def _drain_if_critical(site: Site, node: str, report: HealthReport) -> DrainResu
     detail = report.drain_detail()
     if detail is None:
         return DrainResult()
-    from bluevela.nodestate import HOOK_JITTER_S, drain_node, hook_client, make_reason
+    from bluevela.fleet.nodestate import HOOK_JITTER_S, drain_node, hook_client, make_reason
 
     reason = make_reason(site, detail)
     try:
@@ -314,7 +314,7 @@ def _attempt(hctx: HookContext, reading: dict[str, Any] | None) -> int:
 
 
 def healthcheck(site: Site, hctx: HookContext) -> HookOutcome:
-    from bluevela.nodestate import hook_client, resume_if_passing
+    from bluevela.fleet.nodestate import hook_client, resume_if_passing
 
     started = time.monotonic()
     state = _state_dir(site)

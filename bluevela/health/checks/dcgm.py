@@ -10,7 +10,7 @@ logged), never OK: nothing was diagnosed.
 Where it runs is the site's `health.dcgm` (`bluevela.site.DcgmOptions`), by purpose:
 - `healthcheck_level`: added to the healthcheck hook's run (`with_purpose`);
 - `before_resume_level`: run before bluevela resumes a node it drained (the healthcheck's
-  auto-resume and `bv health resume` on the node; `bluevela.nodestate.resume_if_passing`);
+  auto-resume and `bv health resume` on the node; `bluevela.fleet.nodestate.resume_if_passing`);
 - `nightly_level`: a step of each node's nightly job (`bv health dcgm`), a failure drains it
   `bv: nightly <date>: dcgm: diag r3 GPU 3 memory failed: ...`.
 A tier may also name `dcgm`; it then runs at `node.dcgm_level`.
@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from bluevela.health.registry import check
+from bluevela.checks_registry import check
 from bluevela.health.result import CheckResult, Status, summarize
 
 if TYPE_CHECKING:

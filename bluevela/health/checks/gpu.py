@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bluevela.checks_registry import check
 from bluevela.health.checks import gpu_fabric as fabric
 from bluevela.health.checks.gpu_xids import XID_TABLE as XID_TABLE  # re-exported
 from bluevela.health.checks.gpu_xids import xid_verdict
@@ -57,7 +58,6 @@ from bluevela.health.nvml import (
     parse_xids,
     reason_names,
 )
-from bluevela.health.registry import check
 from bluevela.health.result import CheckResult, Status, summarize
 from bluevela.health.state import read_json, write_json
 

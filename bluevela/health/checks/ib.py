@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bluevela.health.registry import check
+from bluevela.checks_registry import check
 from bluevela.health.result import CheckResult, Status, duration_text, summarize
 from bluevela.health.state import IB_COUNTERS, read_json, write_json
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bluevela.health.registry import check
+from bluevela.checks_registry import check
 from bluevela.health.result import CheckResult, Status
 
 if TYPE_CHECKING:

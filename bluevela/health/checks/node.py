@@ -17,8 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from bluevela.checks_registry import check
 from bluevela.health.checks.host import HostFacts, evaluate_host, gather_host
-from bluevela.health.registry import check
 from bluevela.health.result import CheckResult, Status, summarize
 
 if TYPE_CHECKING:

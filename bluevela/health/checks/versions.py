@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from bluevela.health.registry import check
+from bluevela.checks_registry import check
 from bluevela.health.result import CheckResult, Status, summarize
 
 if TYPE_CHECKING:

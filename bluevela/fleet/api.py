@@ -189,7 +189,7 @@ def _latest_with_local(site: Site) -> dict[str, dict[str, Any]]:
 
 def node_overview(site: Site, client: SlurmClient) -> list[NodeHealth]:
     """Every node's Slurm state and drain reason with its last bluevela report."""
-    from bluevela.nodestate import is_ours
+    from bluevela.fleet.nodestate import is_ours
 
     last = _latest_with_local(site)
     return [NodeHealth(n.name, n.state, n.reason, n.drained and is_ours(site, n.reason),
@@ -277,8 +277,8 @@ def versions_view(site: Site, observed: Mapping[str, Mapping[str, str] | None],
     """
     from collections import Counter
 
-    from bluevela.bench.pairing import natural_key
     from bluevela.health.checks.versions import FIELDS
+    from bluevela.util.names import natural_key
 
     classes = _class_of(site)
     by_class: dict[str, list[str]] = {}
@@ -345,7 +345,7 @@ def resume_nodes(site: Site, client: SlurmClient, nodes: Sequence[str], *,
     names must pass). For another node (from a login node) the re-check is the node's own:
     its healthcheck, and the prolog before its next job, drain it again if it still fails.
     """
-    from bluevela.nodestate import dcgm_gate, is_ours, passes_for_resume, resume_node
+    from bluevela.fleet.nodestate import dcgm_gate, is_ours, passes_for_resume, resume_node
 
     here = socket.gethostname().split(".")[0]
     out: list[ResumeOutcome] = []

@@ -18,11 +18,11 @@ import math
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
-from bluevela.bench.pairing import natural_key
 from bluevela.bench.result import Status
 from bluevela.bench.store import NightRecord, list_nights, night_path, read_night, read_nights
 from bluevela.errors import ArchiveError
 from bluevela.util.fs import atomic_write
+from bluevela.util.names import natural_key
 
 logger = logging.getLogger(__name__)
 

@@ -2,10 +2,15 @@
 
 A check is a probe (gathers facts once, through the roots in `ProbeContext`) and a pure
 evaluator `(facts, node_class) -> CheckResult`. Registering a name twice is an error.
+
+A leaf: it imports nothing of bluevela but `errors`, so both the site model (which validates
+tier check names against it) and the checks (which register into it) may import it without
+a loop. The built-in checks are loaded by module name (`BUILTIN`), as a plugin would be.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,9 +97,15 @@ def check(
     return deco
 
 
+#: The packages whose import registers the built-in checks.
+BUILTIN = ("bluevela.health.checks",)
+
+
 def load_builtin() -> None:
-    """Import the built-in checks (gpu, ib, node, nccl); cheap, none imports torch or pynvml."""
-    import bluevela.health.checks  # noqa: F401
+    """Import the built-in checks (gpu, ib, node, nccl, ...); cheap, none imports torch or
+    pynvml."""
+    for name in BUILTIN:
+        importlib.import_module(name)
 
 
 def all_checks() -> dict[str, Check]:

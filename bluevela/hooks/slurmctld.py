@@ -1,4 +1,4 @@
-"""`python -m bluevela.archive.slurmctld`: ingest one finished job (what EpilogSlurmctld runs).
+"""`python -m bluevela.hooks.slurmctld`: ingest one finished job (what EpilogSlurmctld runs).
 
 `prolog_epilog/epilog_slurmctld` (a POSIX sh shim) execs `python -I -m` this from `/` with
 SLURM_JOB_ID in the environment. Settings come from `/etc/bluevela/hook.env` (the same
@@ -71,5 +71,5 @@ def _dirs(env: MutableMapping[str, str]) -> tuple[Path, Path]:
 if __name__ == "__main__":
     from bluevela.hooks.env import isolate
 
-    isolate("bluevela.archive.slurmctld")  # python -I, from /: see bluevela.hooks.env
+    isolate("bluevela.hooks.slurmctld")  # python -I, from /: see bluevela.hooks.env
     sys.exit(main())

@@ -17,12 +17,12 @@ import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from bluevela.archive.efficiency import fmt_duration
+from bluevela.report.efficiency import fmt_duration
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from bluevela.archive.efficiency import Efficiency
+    from bluevela.report.efficiency import Efficiency
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1100px}
