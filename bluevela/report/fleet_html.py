@@ -7,22 +7,23 @@ goodput), never one chart per node, so the page stays the same size at 10 or 10,
 the only tables that grow are capped (the worst `top` nodes, the nodes out of service now).
 No script, no external resource.
 
-matplotlib is imported inside `write_html` (pip extra `report`).
+Built on `bluevela.report.page` (stylesheet, escaping, formatting, writer, matplotlib);
+matplotlib is imported when the first chart is drawn (pip extra `report`).
 """
 
 from __future__ import annotations
 
-import html
-import io
 import logging
-import re
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bluevela.errors import ArchiveError
+from bluevela.report import page
+from bluevela.report.page import ReportError, esc, fmt_num
+
+__all__ = ["ReportError", "render_html", "write_html"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,59 +38,29 @@ MAX_OUT_LISTED = 50
 TIME_CAUSES = 6  # causes drawn separately over time; the rest are "other"
 
 
-class ReportError(ArchiveError):
-    """The report cannot be written (no plotting library, unwritable file)."""
-
-
-def _e(value: object) -> str:
-    return html.escape(str(value), quote=True)
-
-
 def _num(value: float | None, digits: int = 1) -> str:
-    if value is None:
-        return "-"
-    return f"{value:,.{digits}f}"
+    return fmt_num(value, digits)
 
 
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise ReportError("the HTML fleet report needs matplotlib: "
-                          "pip install 'bluevela[report]' (or use --json)") from exc
-    matplotlib.use("svg", force=True)
-    import matplotlib.pyplot as plt
-
-    plt.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "bluevela",
-                         "font.size": 9, "axes.spines.top": False,
-                         "axes.spines.right": False, "figure.dpi": 72})
-    return plt
+def _svg(fig: Any, label: str) -> str:
+    return page.svg(fig, label, tight=True)
 
 
-def _svg(plt: Any, fig: Any, label: str) -> str:
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
-    plt.close(fig)
-    text = buf.getvalue()
-    text = text[text.index("<svg"):]
-    text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)
-    return text.replace("<svg ", f'<svg role="img" aria-label="{_e(label)}" ', 1)
-
-
-def _ints(plt: Any) -> Any:
+def _ints() -> Any:
     """Whole-number ticks for an axis of counts."""
     from matplotlib.ticker import MaxNLocator
 
     return MaxNLocator(integer=True)
 
 
-def _causes_chart(plt: Any, rep: dict[str, Any]) -> str:
+def _causes_chart(rep: dict[str, Any]) -> str:
     rows = rep["interruptions"]["by_cause"]
     per: dict[str, Counter[str]] = defaultdict(Counter)
     for r in rows:
         per[r["cause"]][r["source"]] += r["count"]
     causes = sorted(per, key=lambda c: (-sum(per[c].values()), c))[:15]
-    fig, ax = plt.subplots(figsize=(7.5, 0.35 * max(3, len(causes)) + 0.8))
+    fig = page.figure(540, 72 * (0.35 * max(3, len(causes)) + 0.8))
+    ax = fig.subplots()
     left = [0] * len(causes)
     for source, color in SOURCE_COLORS.items():
         vals = [per[c][source] for c in causes]
@@ -99,11 +70,11 @@ def _causes_chart(plt: Any, rep: dict[str, Any]) -> str:
     for y, total in enumerate(left):
         ax.text(total, y, f" {total}", va="center")
     ax.invert_yaxis()
-    ax.xaxis.set_major_locator(_ints(plt))
+    ax.xaxis.set_major_locator(_ints())
     ax.set_xlabel("interruptions")
     ax.legend(title="found by", loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
     ax.set_title("Interruptions by cause")
-    return _svg(plt, fig, "interruptions by cause")
+    return _svg(fig, "interruptions by cause")
 
 
 def _days(rep: dict[str, Any]) -> list[str]:
@@ -117,7 +88,7 @@ def _days(rep: dict[str, Any]) -> list[str]:
     return out
 
 
-def _time_chart(plt: Any, rep: dict[str, Any]) -> str:
+def _time_chart(rep: dict[str, Any]) -> str:
     days = _days(rep)
     total: Counter[str] = Counter()
     for r in rep["interruptions"]["by_day"]:
@@ -130,31 +101,33 @@ def _time_chart(plt: Any, rep: dict[str, Any]) -> str:
             series[r["cause"] if r["cause"] in shown else "other"][at[r["day"]]] += r["count"]
     if not any(series["other"]):
         del series["other"]
-    fig, ax = plt.subplots(figsize=(7.5, 2.6))
+    fig = page.figure(540, 187)
+    ax = fig.subplots()
     bottom = [0] * len(days)
     x = list(range(len(days)))
-    cmap = plt.get_cmap("tab10")
+    cmap = page.mpl().colormaps["tab10"]
     for k, (cause, vals) in enumerate(series.items()):
         ax.bar(x, vals, bottom=bottom, width=0.85, color=cmap(k % 10), label=cause)
         bottom = [a + b for a, b in zip(bottom, vals, strict=True)]
     step = max(1, len(days) // 10)
     ax.set_xticks(x[::step], [d[5:] for d in days[::step]])
     ax.set_ylabel("interruptions per day")
-    ax.yaxis.set_major_locator(_ints(plt))
+    ax.yaxis.set_major_locator(_ints())
     if series:
         ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title("Interruptions over time (UTC days)")
-    return _svg(plt, fig, "interruptions per day by cause")
+    return _svg(fig, "interruptions per day by cause")
 
 
-def _mtbf_chart(plt: Any, rep: dict[str, Any]) -> str:
+def _mtbf_chart(rep: dict[str, Any]) -> str:
     vals = [n["mtbf_h"] for n in rep["nodes"] if n["mtbf_h"] is not None]
-    fig, ax = plt.subplots(figsize=(7.5, 2.6))
+    fig = page.figure(540, 187)
+    ax = fig.subplots()
     window = rep["window"]["hours"]
     if vals:
         ax.hist(vals, bins=min(40, max(5, len(vals) // 3)), range=(0, max(window, max(vals))),
                 color="#1f77b4")
-    cmap = plt.get_cmap("tab10")
+    cmap = page.mpl().colormaps["tab10"]
     lines = 0
     for k, c in enumerate(rep["mtbf"]["by_class"]):
         # a class MTBF beyond the window (few failures over many nodes) is in the table only
@@ -164,19 +137,20 @@ def _mtbf_chart(plt: Any, rep: dict[str, Any]) -> str:
             lines += 1
     if lines:
         ax.legend(frameon=False, fontsize=8)
-    ax.yaxis.set_major_locator(_ints(plt))
+    ax.yaxis.set_major_locator(_ints())
     ax.set_xlabel("MTBF per node (hours in service / incidents)")
     ax.set_ylabel("nodes")
     ax.set_title(f"MTBF of the {len(vals)} nodes that failed "
                  f"({rep['mtbf']['nodes_without_failure']} had no failure in "
                  f"{_num(window, 0)} h)")
-    return _svg(plt, fig, "MTBF per node histogram")
+    return _svg(fig, "MTBF per node histogram")
 
 
-def _rts_chart(plt: Any, rep: dict[str, Any]) -> str:
+def _rts_chart(rep: dict[str, Any]) -> str:
     rts = rep["return_to_service"]
     vals = rts["hours"]
-    fig, ax = plt.subplots(figsize=(7.5, 2.6))
+    fig = page.figure(540, 187)
+    ax = fig.subplots()
     if vals:
         ax.hist(vals, bins=min(30, max(5, len(vals) // 2)), color="#9467bd")
         for q, name in ((rts["median_h"], "median"), (rts["p90_h"], "p90")):
@@ -184,20 +158,21 @@ def _rts_chart(plt: Any, rep: dict[str, Any]) -> str:
                 ax.axvline(q, color="black", linestyle=":" if name == "p90" else "--",
                            label=f"{name} {_num(q)} h")
         ax.legend(frameon=False, fontsize=8)
-    ax.yaxis.set_major_locator(_ints(plt))
+    ax.yaxis.set_major_locator(_ints())
     ax.set_xlabel("hours from the failure to the node's next passing prolog")
     ax.set_ylabel("incidents")
     ax.set_title(f"Time to return to service ({rts['returned']} returned, "
                  f"{rts['still_out']} still out)")
-    return _svg(plt, fig, "time to return to service histogram")
+    return _svg(fig, "time to return to service histogram")
 
 
-def _goodput_chart(plt: Any, rep: dict[str, Any]) -> str:
+def _goodput_chart(rep: dict[str, Any]) -> str:
     g = rep["goodput"]
     hours = g["gpu_hours"] if g["basis"] == "gpu_hours" else g["node_hours"]
     unit = "GPU hours" if g["basis"] == "gpu_hours" else "node hours"
     total = sum(hours.values()) or 1.0
-    fig, ax = plt.subplots(figsize=(7.5, 1.5))
+    fig = page.figure(540, 108)
+    ax = fig.subplots()
     left = 0.0
     for kind, color in OUTCOME_COLORS.items():
         v = hours.get(kind, 0.0)
@@ -207,31 +182,20 @@ def _goodput_chart(plt: Any, rep: dict[str, Any]) -> str:
                 label=f"{OUTCOME_LABELS[kind]}: {_num(v, 0)} ({100 * v / total:.1f} %)")
         left += v
     ax.set_yticks([])
-    ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
     ax.set_xlabel(unit)
     ax.legend(ncol=2, frameon=False, fontsize=8, loc="upper center",
               bbox_to_anchor=(0.5, -0.55))
     ax.set_title(f"Goodput: {unit} of the jobs that ended in the window, by how they ended")
-    return _svg(plt, fig, "goodput by job outcome")
+    return _svg(fig, "goodput by job outcome")
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]], cls: str = "") -> str:
-    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
+    head = "".join(f"<th>{esc(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows)
     return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
-
-
-_CSS = """
-body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1100px;color:#222}
-h1{font-size:1.5em;margin-bottom:.2em} h2{font-size:1.15em;margin-top:1.6em}
-.sub{color:#555} .tiles{display:flex;flex-wrap:wrap;gap:.8em;margin:1em 0}
-.tile{border:1px solid #ccc;border-radius:6px;padding:.5em .9em;min-width:9em}
-.tile b{display:block;font-size:1.4em} .bad{color:#b00}
-table{border-collapse:collapse;margin:.5em 0;font-size:.9em}
-th,td{border-bottom:1px solid #ddd;padding:.25em .7em;text-align:left}
-th{background:#f3f3f3} svg{max-width:100%;height:auto;display:block;margin:.5em 0}
-.note{color:#555;font-size:.85em}
-"""
 
 
 def render_html(rep: dict[str, Any], top: int = 20) -> str:
@@ -240,7 +204,6 @@ def render_html(rep: dict[str, Any], top: int = 20) -> str:
     Raises:
         ReportError: matplotlib is not installed.
     """
-    plt = _pyplot()
     w, fl, rts, g = rep["window"], rep["fleet"], rep["return_to_service"], rep["goodput"]
     out_now = fl["out_now"]
     tiles = [
@@ -254,23 +217,20 @@ def render_html(rep: dict[str, Any], top: int = 20) -> str:
          "bad" if g["lost_to_nodes_pct"] else ""),
     ]
     parts = [
-        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">",
-        "<title>Fleet reliability report</title>",
-        f"<style>{_CSS}</style></head><body>",
         "<h1>Fleet reliability report</h1>",
-        f"<p class=\"sub\">{_e(w['since_utc'])} to {_e(w['now_utc'])} "
+        f"<p class=\"sub\">{esc(w['since_utc'])} to {esc(w['now_utc'])} "
         f"({_num(w['hours'], 0)} h): {rep['sources']['jobs']:,} jobs, "
         f"{rep['sources']['reports']:,} node reports, {len(rep['sources']['nights'])} "
         "nightly runs</p>",
         '<div class="tiles">' + "".join(
-            f'<div class="tile {c}"><b>{_e(v)}</b>{_e(k)}</div>' for k, v, c in tiles) + "</div>",
+            f'<div class="tile {c}"><b>{esc(v)}</b>{esc(k)}</div>' for k, v, c in tiles) + "</div>",
     ]
     if out_now:
-        shown = ", ".join(_e(n) for n in out_now[:MAX_OUT_LISTED])
+        shown = ", ".join(esc(n) for n in out_now[:MAX_OUT_LISTED])
         more = f" and {len(out_now) - MAX_OUT_LISTED} more" if len(out_now) > MAX_OUT_LISTED \
             else ""
         parts.append(f'<p class="bad" id="out-now"><b>still out of service:</b> '
-                     f"{shown}{_e(more)}</p>")
+                     f"{shown}{esc(more)}</p>")
     worst = rep["worst_nodes"][:top]
     parts += [
         f"<h2 id=\"worst\">Worst nodes (top {len(worst)} of {fl['nodes_failed']} that failed)"
@@ -286,20 +246,20 @@ def render_html(rep: dict[str, Any], top: int = 20) -> str:
         f"<p>{rep['interruptions']['total']} interruptions; requeued jobs: "
         f"{rep['requeues']['jobs_requeued']} (at least {rep['requeues']['requeues_min']} "
         "requeues).</p>",
-        _causes_chart(plt, rep),
-        _time_chart(plt, rep),
+        _causes_chart(rep),
+        _time_chart(rep),
         "<h2 id=\"mtbf\">Mean time between failures</h2>",
         _table(["class", "nodes", "nodes that failed", "incidents", "in service h",
                 "MTBF h"],
                [[c["class"], c["nodes"], c["nodes_failed"], c["incidents"],
                  _num(c["in_service_h"], 0), _num(c["mtbf_h"])]
                 for c in rep["mtbf"]["by_class"]]),
-        _mtbf_chart(plt, rep),
+        _mtbf_chart(rep),
         "<h2 id=\"rts\">Return to service</h2>",
         f"<p>median {_num(rts['median_h'])} h, p90 {_num(rts['p90_h'])} h, "
         f"max {_num(rts['max_h'])} h; {rts['still_out']} still out. Measured to the node's "
         "next passing prolog report (the archive records no resume): an upper bound.</p>",
-        _rts_chart(plt, rep),
+        _rts_chart(rep),
         "<h2 id=\"goodput\">Goodput</h2>",
         f"<p>{_num(g['goodput_pct'])} % of {_num(g['gpu_hours_total'], 0)} GPU hours "
         f"({_num(g['node_hours_total'], 0)} node hours) ran to completion; up to "
@@ -307,29 +267,17 @@ def render_html(rep: dict[str, Any], top: int = 20) -> str:
         "limit, or a requeue after a checkpoint: the archive cannot tell them apart); "
         f"{_num(g['lost_to_nodes_pct'])} % was lost to node failures (the whole job: the "
         "archive does not record checkpoint times).</p>",
-        _goodput_chart(plt, rep),
+        _goodput_chart(rep),
         '<p class="note">Definitions and sources: docs/report.md. Produced by '
         "<code>bv report fleet</code>.</p>",
-        "</body></html>",
     ]
-    return "\n".join(parts)
+    return page.document("Fleet reliability report", parts)
 
 
 def write_html(rep: dict[str, Any], path: Path, top: int = 20) -> Path:
-    """Render `rep` to `path` (written whole, then renamed into place).
+    """Render `rep` to `path` (`page.write_page`: atomic, follows no symlink).
 
     Raises:
         ReportError: matplotlib missing, or the file cannot be written.
     """
-    import os
-
-    text = render_html(rep, top)
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise ReportError(f"cannot write {path}: {exc.strerror or exc}") from exc
-    return path
+    return page.write_page(path, render_html(rep, top))
