@@ -254,18 +254,14 @@ def show_cmd(ctx: click.Context, job_id: int, as_json: bool, efficiency: bool,
 
 def _show_efficiency(archive: Path, job: dict[str, Any], as_json: bool,
                      html_out: Path | None) -> None:
-    from bluevela.errors import ArchiveError
     from bluevela.report.efficiency import job_efficiency, summary_lines
-    from bluevela.util.fs import atomic_write
 
     eff = job_efficiency(archive, job["job_id"], job=job)
     if html_out is not None:
         from bluevela.report.efficiency_html import render_html
+        from bluevela.report.page import write_page
 
-        try:
-            atomic_write(html_out, render_html(eff).encode(), 0o644)
-        except OSError as exc:
-            raise ArchiveError(f"cannot write {html_out}: {exc.strerror or exc}") from exc
+        write_page(html_out, render_html(eff))
     if as_json:
         emit_json(eff.to_dict())
         return

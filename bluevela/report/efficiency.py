@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from bluevela.errors import ArchiveError
+from bluevela.report import page
 
 if TYPE_CHECKING:
     import numpy as np
@@ -904,14 +905,8 @@ def _bins_for_plots(src: _Source, acc: _Acc, starts: np.ndarray, bin_len: np.nda
 
 
 def fmt_duration(s: float | None, missing: str = "?") -> str:
-    """`12 s`, `7 min`, `3.5 h` (the summary's and the page's durations)."""
-    if s is None:
-        return missing
-    if s >= 3600:
-        return f"{s / 3600:.1f} h"
-    if s >= 60:
-        return f"{s / 60:.0f} min"
-    return f"{s:.0f} s"
+    """`12 s`, `7 min`, `3.5 h`: the pages' formatter, `?` when unknown (the summary)."""
+    return page.fmt_duration(s, missing)
 
 
 def summary_lines(eff: Efficiency) -> list[str]:

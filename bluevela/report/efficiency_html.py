@@ -1,92 +1,31 @@
 """The `--efficiency --html` page: one self-contained file (no scripts, no external resources).
 
-Sized for 1,000 nodes: the node x time heatmap is ONE embedded palette PNG (one pixel per node
-and time bin, encoded here with zlib: no imaging library), the per-node distributions are
-histograms with the stragglers labelled, and only the stragglers get a time series, drawn
-against the job's 10-90 % band and median. Stragglers and their evidence come first.
+Sized for 1,000 nodes: the node x time heatmap is ONE `imshow` image (one pixel per node and
+time bin), the per-node distributions are histograms with the stragglers labelled, and only the
+stragglers get a time series, drawn against the job's 10-90 % band and median. Stragglers and
+their evidence come first. Drawn with matplotlib through `bluevela.report.page`.
 """
 
 from __future__ import annotations
 
-import base64
-import html
-import math
-import struct
 import time
-import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from bluevela.report.efficiency import fmt_duration
+from bluevela.report import page
+from bluevela.report.page import esc, fmt_duration, fmt_num
 
 if TYPE_CHECKING:
     import numpy as np
 
     from bluevela.report.efficiency import Efficiency
 
-_CSS = """
-body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1100px}
-h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px}
-.sub{color:#666;margin-bottom:16px}
-.cards{display:flex;flex-wrap:wrap;gap:10px}
-.card{border:1px solid #ddd;border-radius:6px;padding:8px 12px;min-width:140px}
-.card b{display:block;font-size:20px}.card span{color:#666;font-size:12px}
-.bad{color:#b00020}.ok{color:#1b7f3b}
-table{border-collapse:collapse;font-size:13px}td,th{border-bottom:1px solid #eee;
-padding:3px 8px;text-align:left}th{background:#f6f6f6}
-svg text{font-size:11px;fill:#333}.note{color:#666;font-size:12px}
-"""
-
-# viridis, 5 anchors, interpolated to 254 levels; index 255 = no data (light grey)
-_ANCHORS = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
-
-
-def _palette() -> bytes:
-    out = bytearray()
-    for i in range(254):
-        x = i / 253 * (len(_ANCHORS) - 1)
-        k = min(int(x), len(_ANCHORS) - 2)
-        f = x - k
-        a, b = _ANCHORS[k], _ANCHORS[k + 1]
-        out += bytes(round(a[c] + (b[c] - a[c]) * f) for c in range(3))
-    out += bytes((200, 200, 200)) + bytes((230, 230, 230))
-    return bytes(out)
-
-
-def _color(v: float, lo: float, hi: float) -> str:
-    pal = _palette()
-    i = 0 if hi <= lo else max(0, min(253, round((v - lo) / (hi - lo) * 253)))
-    return "#" + pal[3 * i:3 * i + 3].hex()
-
-
-def png_palette(index: np.ndarray) -> bytes:
-    """An 8-bit palette PNG of a [H, W] uint8 index array (255 = no data)."""
-    import numpy as np
-
-    h, w = index.shape
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + \
-            struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    raw = np.hstack([np.zeros((h, 1), np.uint8), index.astype(np.uint8)]).tobytes()
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 3, 0, 0, 0))
-            + chunk(b"PLTE", _palette()) + chunk(b"IDAT", zlib.compress(raw, 9))
-            + chunk(b"IEND", b""))
-
-
-def _e(x: object) -> str:
-    return html.escape(str(x), quote=True)
-
-
 def _fmt(v: float | None, unit: str = "", nd: int = 0) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "–"
-    return f"{v:,.{nd}f}{unit}"
+    return fmt_num(v, nd, unit)
 
 
 def _dur(s: float | None) -> str:
-    return fmt_duration(s, missing="–")
+    return fmt_duration(s)
 
 
 _UNITS = {"util_pct": ("GPU utilisation", "%", 0.0, 100.0),
@@ -96,73 +35,64 @@ _UNITS = {"util_pct": ("GPU utilisation", "%", 0.0, 100.0),
           "sm_clock_mhz": ("SM clock", " MHz", None, None)}
 
 
+def _time_axis(ax: Any, span: float) -> None:
+    """x: time since the first sample, as durations."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter
+
+    ax.xaxis.set_major_locator(FixedLocator([span * k / 5 for k in range(6)]))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: _dur(v)))
+
+
 def _heatmap(values: np.ndarray, title: str, lo: float, hi: float, nodes: Sequence[str],
              marked: dict[str, str], times: np.ndarray, steady: np.ndarray) -> str:
-    """Nodes (rows) x time bins (columns) as one PNG inside an SVG with axes and labels."""
+    """Nodes (rows) x time bins (columns): one `imshow` image (one pixel per node and bin),
+    the steady state as a strip above, stragglers named on the right, a colour bar."""
     import numpy as np
 
     n, b = values.shape
-    with np.errstate(invalid="ignore"):
-        idx = np.clip(np.round((values - lo) / max(hi - lo, 1e-9) * 253), 0, 253)
-    idx = np.where(np.isfinite(values), idx, 255).astype(np.uint8)
-    png = base64.b64encode(png_palette(idx)).decode()
+    span = float(times[-1] - times[0]) if len(times) > 1 else float(max(b, 1))
     row = 24 if n <= 8 else 12 if n <= 40 else 4 if n <= 200 else 1
-    left, top, width = 120, 18, 820
     height = n * row
-    parts = [f'<svg width="{left + width + 190}" height="{max(top + height + 40, 170)}" '
-             f'role="img" aria-label="{_e(title)}">']
-    # steady-state strip
-    for k in range(b):
-        if steady[k]:
-            x = left + width * k / b
-            parts.append(f'<rect x="{x:.1f}" y="4" width="{width / b + 0.5:.1f}" height="8" '
-                         'fill="#9ecae1"/>')
-    parts.append(f'<text x="{left - 6}" y="12" text-anchor="end">steady</text>')
-    parts.append(f'<image x="{left}" y="{top}" width="{width}" height="{height}" '
-                 f'preserveAspectRatio="none" style="image-rendering:pixelated" '
-                 f'href="data:image/png;base64,{png}"/>')
+    fig = page.figure(1130, max(height + 70, 170))
+    h = fig.get_figheight() * 72
+    left, width = 120 / 1130, 820 / 1130
+    ax = fig.add_axes((left, 40 / h, width, height / h))
+    strip = fig.add_axes((left, (height + 44) / h, width, 8 / h), sharex=ax)
+    cmap = page.mpl().colormaps["viridis"].resampled(254).with_extremes(bad="#c8c8c8")
+    img = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap=cmap, vmin=lo, vmax=hi,
+                    extent=(0, span, n, 0))
+    edges = np.linspace(0, span, b + 1)
+    strip.fill_between(edges[:-1], 0, 1, where=steady[:b].astype(bool) if len(steady) else
+                       np.zeros(b, bool), step="post", color="#9ecae1", lw=0)
+    strip.set_ylim(0, 1)
+    strip.set_yticks([0.5], ["steady"])
+    strip.tick_params(bottom=False, labelbottom=False, left=False)
+    for side in ("left", "bottom"):
+        strip.spines[side].set_visible(False)
     if n <= 40:
-        for i, name in enumerate(nodes):
-            parts.append(f'<text x="{left - 6}" y="{top + i * row + row / 2 + 4:.1f}" '
-                         f'text-anchor="end">{_e(name)}</text>')
+        ax.set_yticks([i + 0.5 for i in range(n)], list(nodes))
     else:
-        parts.append(f'<text x="{left - 6}" y="{top + 10}" text-anchor="end">{_e(nodes[0])}'
-                     f'</text><text x="{left - 6}" y="{top + height}" text-anchor="end">'
-                     f'{_e(nodes[-1])}</text>')
-    for j, (name, why) in enumerate(sorted(marked.items())[:20]):
-        if name not in nodes:
-            continue
-        y = top + nodes.index(name) * row + row / 2
-        ly = min(top + height - 4, max(top + 8, y)) + (0 if n <= 40 else 0)
-        parts.append(f'<line x1="{left + width}" y1="{y:.1f}" x2="{left + width + 14}" '
-                     f'y2="{ly:.1f}" stroke="#b00020"/>'
-                     f'<text x="{left + width + 16}" y="{ly + 4:.1f}" fill="#b00020" '
-                     f'class="bad"><title>{_e(why)}</title>{_e(name)}</text>')
-        del j
-    if len(times):
-        span = float(times[-1] - times[0]) if len(times) > 1 else 0.0
-        for k in range(6):
-            frac = k / 5
-            parts.append(f'<text x="{left + width * frac:.0f}" y="{top + height + 16}" '
-                         f'text-anchor="middle">{_dur(span * frac)}</text>')
-    parts.append(f'<text x="{left + width / 2}" y="{top + height + 34}" text-anchor="middle">'
-                 f'time since the first sample</text>')
-    # colour legend
-    for k in range(11):
-        v = lo + (hi - lo) * k / 10
-        parts.append(f'<rect x="{left + width + 120}" y="{top + 10 + (10 - k) * 12}" '
-                     f'width="14" height="12" fill="{_color(v, lo, hi)}"/>')
-        if k % 5 == 0:
-            parts.append(f'<text x="{left + width + 138}" y="{top + 20 + (10 - k) * 12}">'
-                         f'{v:.0f}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+        ax.set_yticks([0.5, n - 0.5], [nodes[0], nodes[-1]])
+    ax.tick_params(left=False)
+    _time_axis(ax, span)
+    ax.set_xlabel("time since the first sample")
+    for name in sorted(marked)[:20]:
+        if name in nodes:
+            y = nodes.index(name) + 0.5
+            ax.annotate(name, xy=(1.0, y), xycoords=("axes fraction", "data"),
+                        xytext=(16, 0), textcoords="offset points", va="center",
+                        color=page.BAD, arrowprops={"arrowstyle": "-", "color": page.BAD})
+    cax = fig.add_axes((left + width + 110 / 1130, 40 / h, 14 / 1130, min(height, 132) / h))
+    fig.colorbar(img, cax=cax, ticks=[lo, (lo + hi) / 2, hi], format="%.0f")
+    return page.svg(fig, title, "heat")
 
 
 def _histogram(values: np.ndarray, names: Sequence[str], title: str, unit: str,
                marked: dict[str, str]) -> str:
-    """Distribution of per-unit values; bars holding a straggler red, stragglers labelled."""
+    """Distribution of per-unit values (log-scaled counts); bars holding a straggler red,
+    stragglers named below."""
     import numpy as np
+    from matplotlib.ticker import NullLocator
 
     ok = np.isfinite(values)
     if not ok.any():
@@ -173,43 +103,36 @@ def _histogram(values: np.ndarray, names: Sequence[str], title: str, unit: str,
         lo, hi = lo - 1, hi + 1
     bins = 40
     counts, edges = np.histogram(v, bins=bins, range=(lo, hi))
-    w, h, left, top = 520, 170, 40, 20
-    cmax = max(int(counts.max()), 1)
     which = np.clip(((np.nan_to_num(values, nan=lo) - lo) / (hi - lo) * bins).astype(int),
                     0, bins - 1)
     red = {int(which[i]) for i, nm in enumerate(names) if nm in marked and ok[i]}
-    parts = [f'<svg width="{w + left + 20}" height="{h + top + 90}" role="img" '
-             f'aria-label="{_e(title)}"><text x="{left}" y="12">{_e(title)}</text>']
-    bw = w / bins
-    for k, c in enumerate(counts):
-        if not c:
-            continue
-        bh = max(1.0, h * math.log1p(int(c)) / math.log1p(cmax))
-        fill = "#b00020" if k in red else "#4c78a8"
-        parts.append(f'<rect x="{left + k * bw:.1f}" y="{top + h - bh:.1f}" '
-                     f'width="{bw - 1:.1f}" height="{bh:.1f}" fill="{fill}">'
-                     f'<title>{int(c)} in [{edges[k]:.1f}, {edges[k + 1]:.1f})</title></rect>')
     nd = 0 if hi - lo >= 10 else 1 if hi - lo >= 1 else 2
-    for k in range(5):
-        x = lo + (hi - lo) * k / 4
-        parts.append(f'<text x="{left + w * k / 4:.0f}" y="{top + h + 14}" '
-                     f'text-anchor="middle">{x:.{nd}f}{_e(unit)}</text>')
     seen: dict[str, float] = {}  # one label per straggler (a whole node: its first GPU)
     for i, nm in enumerate(names):
         if nm in marked and ok[i] and marked[nm] not in seen:
             seen[marked[nm]] = float(values[i])
-    lab = [(x, nm) for nm, x in seen.items()]
-    for j, (x, nm) in enumerate(sorted(lab)[:8]):
-        px = left + (x - lo) / (hi - lo) * w
-        anchor = "end" if px > left + 0.7 * w else "start"
-        parts.append(f'<line x1="{px:.1f}" y1="{top + h + 18}" x2="{px:.1f}" '
-                     f'y2="{top + h + 26 + 12 * j}" stroke="#b00020"/>'
-                     f'<text x="{px + (-3 if anchor == "end" else 3):.1f}" '
-                     f'y="{top + h + 34 + 12 * j}" fill="#b00020" text-anchor="{anchor}">'
-                     f'{_e(nm)} {x:.{nd}f}{_e(unit)}</text>')
-    parts.append(f'<text x="{left + w}" y="12" text-anchor="end" class="note">'
-                 f'{len(v)} values, log-scaled counts</text></svg>')
-    return "".join(parts)
+    labels = sorted((x, nm) for nm, x in seen.items())[:8]
+    fig = page.figure(580, 200 + 12 * len(labels))
+    h = fig.get_figheight() * 72
+    ax = fig.add_axes((40 / 580, (50 + 12 * len(labels)) / h, 520 / 580, 130 / h))
+    # two filled step outlines (the bins holding a straggler in red): two paths, not 40 bars
+    hot = np.array([k in red for k in range(bins)])
+    ax.stairs(np.where(hot, 0, counts), edges, fill=True, color="#4c78a8", baseline=0.5)
+    if hot.any():
+        ax.stairs(np.where(hot, counts, 0), edges, fill=True, color=page.BAD, baseline=0.5)
+    ax.set_yscale("log")
+    ax.set_ylim(0.5, max(2.0, float(counts.max()) * 1.5))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.set_xlim(lo, hi)
+    ax.set_title(title)
+    ax.set_title(f"{len(v)} values, log-scaled counts", loc="right", color="#666")
+    ax.xaxis.set_major_formatter(f"{{x:.{nd}f}}{unit}")
+    for j, (x, nm) in enumerate(labels):
+        ax.annotate(f"{nm} {x:.{nd}f}{unit}", xy=(x, 0), xycoords=("data", "axes fraction"),
+                    xytext=(0, -26 - 12 * j), textcoords="offset points", color=page.BAD,
+                    ha="right" if x > lo + 0.7 * (hi - lo) else "left", va="top",
+                    arrowprops={"arrowstyle": "-", "color": page.BAD})
+    return page.svg(fig, title, "hist")
 
 
 def _line_chart(line: dict[str, Any], times: np.ndarray, steady: np.ndarray) -> str:
@@ -225,46 +148,21 @@ def _line_chart(line: dict[str, Any], times: np.ndarray, steady: np.ndarray) -> 
     hi = float(allv.max()) if hi is None else hi
     if hi - lo < 1e-9:
         hi = lo + 1
-    w, h, left, top = 480, 150, 60, 22
     b = len(series)
-
-    def xy(k: int, v: float) -> str:
-        x = left + (w * k / max(b - 1, 1))
-        y = top + h - (v - lo) / (hi - lo) * h
-        return f"{x:.1f},{y:.1f}"
-
-    def path(v: np.ndarray) -> str:
-        out, pen = [], "M"
-        for k in range(b):
-            if not np.isfinite(v[k]):
-                pen = "M"
-                continue
-            out.append(pen + xy(k, float(v[k])))
-            pen = "L"
-        return " ".join(out)
-
-    ok = np.isfinite(band[0]) & np.isfinite(band[2])
-    poly = [xy(k, float(band[2][k])) for k in range(b) if ok[k]] + \
-        [xy(k, float(band[0][k])) for k in reversed(range(b)) if ok[k]]
-    parts = [f'<svg width="{w + left + 20}" height="{h + top + 34}" role="img" '
-             f'aria-label="{_e(line["label"])}">'
-             f'<text x="{left}" y="14"><tspan fill="#b00020">{_e(line["label"])}</tspan> '
-             f'{_e(name)} vs job median (10–90 % band)</text>']
-    if poly:
-        parts.append(f'<polygon points="{" ".join(poly)}" fill="#ddd"/>')
-    parts.append(f'<path d="{path(band[1])}" stroke="#333" fill="none" stroke-width="1"/>')
-    parts.append(f'<path d="{path(series)}" stroke="#b00020" fill="none" stroke-width="1.6"/>')
-    for k in range(3):
-        v = lo + (hi - lo) * k / 2
-        parts.append(f'<text x="{left - 4}" y="{top + h - h * k / 2 + 4:.0f}" '
-                     f'text-anchor="end">{v:.0f}{_e(unit)}</text>')
-    if len(times):
-        parts.append(f'<text x="{left}" y="{top + h + 16}">0 s</text><text x="{left + w}" '
-                     f'y="{top + h + 16}" text-anchor="end">{_dur(float(times[-1] - times[0]))}'
-                     '</text>')
-    parts.append("</svg>")
+    span = float(times[-1] - times[0]) if len(times) > 1 else float(max(b - 1, 1))
+    x = np.linspace(0, span, b)
+    fig = page.figure(560, 206)
+    ax = fig.add_axes((60 / 560, 34 / 206, 480 / 560, 150 / 206))
+    ax.fill_between(x, band[0], band[2], color="#ddd", lw=0)
+    ax.plot(x, band[1], color="#333", lw=1)
+    ax.plot(x, series, color=page.BAD, lw=1.6)
+    ax.set_ylim(lo, hi)
+    ax.set_yticks([lo, (lo + hi) / 2, hi], [f"{v:.0f}{unit}" for v in (lo, (lo + hi) / 2, hi)])
+    ax.set_xlim(0, span)
+    _time_axis(ax, span)
+    ax.set_title(f"{line['label']}: {name} vs job median (10–90 % band)")
     del steady
-    return "".join(parts)
+    return page.svg(fig, line["label"], "line")
 
 
 def _gpu_cell(s: Any) -> str:
@@ -288,13 +186,11 @@ def render_html(eff: Efficiency) -> str:
         marked.setdefault(s.node, s.evidence)
     g, cpu, en, rs = d["gpu"], d["cpu"], d["energy"], d["restarts"]
     start = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(eff.t0_unix_s or 0))
-    out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'>"
-           f"<title>Job {eff.job_id} efficiency</title><style>{_CSS}</style></head><body>",
-           f"<h1>Job {eff.job_id}: efficiency and stragglers</h1>",
+    out = [f"<h1>Job {eff.job_id}: efficiency and stragglers</h1>",
            f"<div class='sub'>{len(eff.nodes)} nodes × {eff.n_gpus} GPUs · {start} · "
            f"{_dur(eff.duration_s)} at {eff.interval_s:g} s ({eff.n_samples} samples) · steady "
            f"state {_dur(d['steady']['samples'] * eff.interval_s)} (by "
-           f"{_e(d['steady']['basis'])})</div>"]
+           f"{esc(d['steady']['basis'])})</div>"]
     cards = []
     if g:
         cards += [(_fmt(g.get("util_steady_pct"), " %"), "GPU util, steady state"),
@@ -313,20 +209,20 @@ def render_html(eff: Efficiency) -> str:
     n_str = len(eff.straggler_nodes)
     cards.append((f"<span class='{'bad' if n_str else 'ok'}'>{n_str}</span>",
                   "straggler node(s)"))
-    out.append("<div class='cards'>" + "".join(
-        f"<div class='card'><b>{v}</b><span>{_e(k)}</span></div>" for v, k in cards) + "</div>")
+    out.append("<div class='tiles'>" + "".join(
+        f"<div class='tile'><b>{v}</b><span>{esc(k)}</span></div>" for v, k in cards) + "</div>")
 
     out.append("<h2>Stragglers</h2>")
     if eff.stragglers:
         out.append("<table><tr><th>node</th><th>GPU</th><th>evidence</th></tr>" + "".join(
-            f"<tr><td class='bad'>{_e(s.node)}</td><td>{_gpu_cell(s)}</td>"
-            f"<td>{_e(s.evidence)}</td></tr>" for s in eff.stragglers[:200]) + "</table>")
+            f"<tr><td class='bad'>{esc(s.node)}</td><td>{_gpu_cell(s)}</td>"
+            f"<td>{esc(s.evidence)}</td></tr>" for s in eff.stragglers[:200]) + "</table>")
     else:
         out.append("<p class='ok'>None: every GPU and node stayed within the thresholds of the "
                    "job's median (below).</p>")
     if eff.missing:
         out.append("<p><b>No verdict (too few samples):</b> " + ", ".join(
-            f"{_e(m['node'])} ({_e(m['why'])})" for m in eff.missing[:50]) + "</p>")
+            f"{esc(m['node'])} ({esc(m['why'])})" for m in eff.missing[:50]) + "</p>")
 
     for values, metric in bins.get("heats", []):
         title, unit, lo, hi = _UNITS[metric]
@@ -336,9 +232,9 @@ def render_html(eff: Efficiency) -> str:
             lo, hi = (float(np.percentile(fin, 0.05)), float(np.percentile(fin, 99.95))) \
                 if len(fin) else (0.0, 1.0)
         over = " (its lowest GPU in each bin)" if metric in ("util_pct", "power_w") else ""
-        out.append(f"<h2>{_e(title)} per node over time</h2><p class='note'>One row per node"
+        out.append(f"<h2>{esc(title)} per node over time</h2><p class='note'>One row per node"
                    f"{over}, one column per {_dur(bins['bin_s'])}; colours {lo:.0f}–{hi:.0f}"
-                   f"{_e(unit)}; grey = no samples; the blue strip marks the steady state. "
+                   f"{esc(unit)}; grey = no samples; the blue strip marks the steady state. "
                    "Stragglers marked on the right.</p>")
         out.append(_heatmap(values, title, lo or 0.0, 100.0 if hi is None else hi, eff.nodes,
                             marked, times, steady))
@@ -374,11 +270,11 @@ def render_html(eff: Efficiency) -> str:
 
     if eff.idle_gpus:
         out.append(f"<h2>Idle GPUs ({len(eff.idle_gpus)})</h2><p>" + ", ".join(
-            f"{_e(x['node'])} GPU {x['gpu']}" for x in eff.idle_gpus[:100])
+            f"{esc(x['node'])} GPU {x['gpu']}" for x in eff.idle_gpus[:100])
             + (" …" if len(eff.idle_gpus) > 100 else "") + "</p>")
     out.append("<h2>Restarts</h2><p>" + (
         ", ".join(f"{_dur(x['duration_s'])} at +{_dur(x['start_unix_s'] - (eff.t0_unix_s or 0))}"
-                  for x in rs["gaps"]) or "no gap") + f". <span class='note'>{_e(rs['source'])}"
+                  for x in rs["gaps"]) or "no gap") + f". <span class='note'>{esc(rs['source'])}"
         "</span></p>")
     th = d["thresholds"]
     out.append("<h2>How stragglers are decided</h2><p class='note'>Over the steady state, "
@@ -393,6 +289,5 @@ def render_html(eff: Efficiency) -> str:
                f"{th['idle_util_pct']:g} % in ≥ {th['idle_min_share']:.0%} of samples) are "
                "listed, not compared.</p>")
     for note in eff.notes:
-        out.append(f"<p class='note'>{_e(note)}</p>")
-    out.append("</body></html>")
-    return "\n".join(out)
+        out.append(f"<p class='note'>{esc(note)}</p>")
+    return page.document(f"Job {eff.job_id} efficiency", out)
