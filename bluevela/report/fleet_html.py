@@ -59,7 +59,7 @@ def _causes_chart(rep: dict[str, Any]) -> str:
     for r in rows:
         per[r["cause"]][r["source"]] += r["count"]
     causes = sorted(per, key=lambda c: (-sum(per[c].values()), c))[:15]
-    fig = page.figure(540, 72 * (0.35 * max(3, len(causes)) + 0.8))
+    fig = page.figure(720, 96 * (0.35 * max(3, len(causes)) + 0.8))
     ax = fig.subplots()
     left = [0] * len(causes)
     for source, color in SOURCE_COLORS.items():
@@ -101,7 +101,7 @@ def _time_chart(rep: dict[str, Any]) -> str:
             series[r["cause"] if r["cause"] in shown else "other"][at[r["day"]]] += r["count"]
     if not any(series["other"]):
         del series["other"]
-    fig = page.figure(540, 187)
+    fig = page.figure(720, 249)
     ax = fig.subplots()
     bottom = [0] * len(days)
     x = list(range(len(days)))
@@ -114,14 +114,14 @@ def _time_chart(rep: dict[str, Any]) -> str:
     ax.set_ylabel("interruptions per day")
     ax.yaxis.set_major_locator(_ints())
     if series:
-        ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        ax.legend(frameon=False, fontsize=10, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title("Interruptions over time (UTC days)")
     return _svg(fig, "interruptions per day by cause")
 
 
 def _mtbf_chart(rep: dict[str, Any]) -> str:
     vals = [n["mtbf_h"] for n in rep["nodes"] if n["mtbf_h"] is not None]
-    fig = page.figure(540, 187)
+    fig = page.figure(720, 249)
     ax = fig.subplots()
     window = rep["window"]["hours"]
     if vals:
@@ -136,7 +136,7 @@ def _mtbf_chart(rep: dict[str, Any]) -> str:
                        label=f"class {c['class']}: {_num(c['mtbf_h'])} h")
             lines += 1
     if lines:
-        ax.legend(frameon=False, fontsize=8)
+        ax.legend(frameon=False, fontsize=10)
     ax.yaxis.set_major_locator(_ints())
     ax.set_xlabel("MTBF per node (hours in service / incidents)")
     ax.set_ylabel("nodes")
@@ -149,7 +149,7 @@ def _mtbf_chart(rep: dict[str, Any]) -> str:
 def _rts_chart(rep: dict[str, Any]) -> str:
     rts = rep["return_to_service"]
     vals = rts["hours"]
-    fig = page.figure(540, 187)
+    fig = page.figure(720, 249)
     ax = fig.subplots()
     if vals:
         ax.hist(vals, bins=min(30, max(5, len(vals) // 2)), color="#9467bd")
@@ -157,7 +157,7 @@ def _rts_chart(rep: dict[str, Any]) -> str:
             if q is not None:
                 ax.axvline(q, color="black", linestyle=":" if name == "p90" else "--",
                            label=f"{name} {_num(q)} h")
-        ax.legend(frameon=False, fontsize=8)
+        ax.legend(frameon=False, fontsize=10)
     ax.yaxis.set_major_locator(_ints())
     ax.set_xlabel("hours from the failure to the node's next passing prolog")
     ax.set_ylabel("incidents")
@@ -171,7 +171,7 @@ def _goodput_chart(rep: dict[str, Any]) -> str:
     hours = g["gpu_hours"] if g["basis"] == "gpu_hours" else g["node_hours"]
     unit = "GPU hours" if g["basis"] == "gpu_hours" else "node hours"
     total = sum(hours.values()) or 1.0
-    fig = page.figure(540, 108)
+    fig = page.figure(720, 144)
     ax = fig.subplots()
     left = 0.0
     for kind, color in OUTCOME_COLORS.items():
@@ -186,7 +186,7 @@ def _goodput_chart(rep: dict[str, Any]) -> str:
 
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
     ax.set_xlabel(unit)
-    ax.legend(ncol=2, frameon=False, fontsize=8, loc="upper center",
+    ax.legend(ncol=2, frameon=False, fontsize=10, loc="upper center",
               bbox_to_anchor=(0.5, -0.55))
     ax.set_title(f"Goodput: {unit} of the jobs that ended in the window, by how they ended")
     return _svg(fig, "goodput by job outcome")

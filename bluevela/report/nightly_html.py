@@ -6,141 +6,87 @@ slowest first), the distribution of every headline figure over all nodes with th
 worst nodes labelled, trends (every node on a small cluster; on a large one only the failing and
 regressed nodes, plus the fleet's median), and one compact text row per node.
 A 1,000-node night stays under 2 MB (it was 202 MB as a million-cell heatmap and 3,000 trend
-panels). Plots are inline SVG generated here: no JavaScript, no fonts or images fetched, no
-matplotlib. Every text from the record is HTML-escaped.
+panels). The numbers come from `bluevela.report.nightly`; the charts are matplotlib figures
+inlined as SVG through `bluevela.report.page`: no JavaScript, nothing fetched. Every text from
+the record is HTML-escaped.
 """
 
 from __future__ import annotations
 
-import html
 import logging
 import math
 from collections.abc import Collection, Sequence
 from pathlib import Path
+from typing import Any
 
 from bluevela.bench.result import Status
 from bluevela.bench.store import NightRecord, list_nights, night_path, read_night, read_nights
 from bluevela.errors import ArchiveError
-from bluevela.util.fs import atomic_write
+from bluevela.report import page
+from bluevela.report.nightly import (
+    FIGURES,
+    LOWER_IS_BETTER,
+    MAX_PROBLEM_ROWS,
+    MAX_TREND_NODES,
+    SMALL_CLUSTER,
+    TREND_NIGHTS,
+    WORST_N,
+    flagged_nodes,
+    fleet_trends,
+    floors,
+    node_series,
+    tonight_values,
+)
+from bluevela.report.page import esc as _e
+from bluevela.report.page import fmt_num as _fmt
 from bluevela.util.names import natural_key
 
 logger = logging.getLogger(__name__)
 
-TREND_NIGHTS = 30
-#: Headline figures in display order; lower is better only for latency.
-FIGURES = ("gemm_tflops", "hbm_gbs", "h2d_gbs", "d2h_gbs", "allreduce_busbw_gbs",
-           "pair_busbw_gbs", "mpi_bw_gbs", "mpi_lat_us")
-LOWER_IS_BETTER = {"mpi_lat_us"}
-_STATUS_COLOR = {Status.OK: "#2e7d32", Status.WARNING: "#f9a825", Status.CRITICAL: "#c62828",
-                 Status.UNKNOWN: "#757575"}
-
-_CSS = """
-body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222;background:#fff}
-h1{font-size:22px}h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ddd}
-table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ddd;padding:3px 8px;
-text-align:left;vertical-align:top}th{background:#f5f5f5}.ok{color:#2e7d32}.bad{color:#c62828}
-.warn{color:#b26a00}.muted{color:#757575}.grid{display:flex;flex-wrap:wrap;gap:8px}
-.card{border:1px solid #eee;padding:4px}.badge{display:inline-block;padding:2px 8px;
-border-radius:4px;color:#fff;font-weight:bold}
-"""
-
-
-def _e(text: object) -> str:
-    return html.escape(str(text), quote=True)
-
-
-def _fmt(value: float) -> str:
-    if not math.isfinite(value):
-        return "–"
-    return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-
-
-# -- data -----------------------------------------------------------------------------------
-
-def node_series(records: Sequence[NightRecord]) -> dict[str, dict[str, list[tuple[str, float]]]]:
-    """node -> figure -> [(night, value)]: a node's own headline figures, and for pair figures
-    its best pair of the night (the highest bandwidth, the lowest latency): a healthy node has
-    at least one good partner, so only a node that is slow with everyone dips."""
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for rec in records:
-        for row in rec.figures:
-            if not row.headline or row.name not in FIGURES:
-                continue
-            for subject in (row.node, row.peer) if row.peer else (row.node,):
-                by_night = out.setdefault(subject, {}).setdefault(row.name, {})
-                old = by_night.get(rec.night)
-                if old is None:
-                    by_night[rec.night] = row.value
-                else:
-                    pick = min if row.name in LOWER_IS_BETTER else max
-                    by_night[rec.night] = pick(old, row.value)
-    return {n: {f: sorted(v.items()) for f, v in figs.items()} for n, figs in out.items()}
-
-
-def floors(rec: NightRecord) -> dict[tuple[str, str], float]:
-    """(node, figure) -> the limit it was judged by that night (0 = none)."""
-    out: dict[tuple[str, str], float] = {}
-    for row in rec.figures:
-        if row.headline:
-            for subject in (row.node, row.peer) if row.peer else (row.node,):
-                out[(subject, row.name)] = row.limit
-    return out
+_STATUS_COLOR = {Status.OK: page.OK, Status.WARNING: "#f9a825", Status.CRITICAL: page.BAD,
+                 Status.UNKNOWN: page.MUTED}
+_BINS = 40
 
 
 # -- plots ----------------------------------------------------------------------------------
 
+def _axes(fig: Any, width: float, height: float, pad: tuple[float, float, float, float]
+          ) -> Any:
+    """Axes inside `fig` with margins (left, right, top, bottom) in pixels."""
+    left, right, top, bottom = pad
+    return fig.add_axes((left / width, bottom / height, (width - left - right) / width,
+                         (height - top - bottom) / height))
+
+
 def trend_svg(title: str, points: Sequence[tuple[str, float]], floor: float, unit: str = "",
               ceiling: bool = False, width: int = 260, height: int = 120) -> str:
-    """A small line chart of `points` (night, value) with the floor (or ceiling) dashed."""
-    pad_l, pad_r, pad_t, pad_b = 42, 8, 18, 18
+    """A small line chart of `points` (night, value) with the floor (or ceiling) dashed, the
+    nights beyond it red."""
     vals = [v for _, v in points if math.isfinite(v)]
     top = max([*vals, floor, 1e-12]) * 1.15
-    w, h = width - pad_l - pad_r, height - pad_t - pad_b
     n = len(points)
-
-    def x(i: int) -> float:
-        return pad_l + (w * i / (n - 1) if n > 1 else w / 2)
-
-    def y(v: float) -> float:
-        return pad_t + h - h * max(0.0, v) / top
-
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="trend" width="{width}" '
-             f'height="{height}" viewBox="0 0 {width} {height}" role="img">',
-             f"<title>{_e(title)}</title>",
-             f'<rect x="0" y="0" width="{width}" height="{height}" fill="#fafafa"/>',
-             f'<text x="4" y="12" font-size="11" fill="#333">{_e(title)}</text>',
-             f'<line x1="{pad_l}" y1="{pad_t + h}" x2="{pad_l + w}" y2="{pad_t + h}" '
-             'stroke="#999"/>',
-             f'<text x="{pad_l - 4}" y="{pad_t + 8}" font-size="9" text-anchor="end" '
-             f'fill="#666">{_e(_fmt(top))}</text>',
-             f'<text x="{pad_l - 4}" y="{pad_t + h}" font-size="9" text-anchor="end" '
-             'fill="#666">0</text>']
+    fig = page.figure(width, height)
+    fig.text(4 / width, 1 - 13 / height, title, fontsize=10, color="#333")
+    ax = _axes(fig, width, height, (42, 8, 18, 18))
+    ax.set_facecolor("#fafafa")
+    xs = [i for i, (_, v) in enumerate(points) if math.isfinite(v)]
+    ys = [v for _, v in points if math.isfinite(v)]
+    ax.plot(xs, ys, "-o", color=page.LINE, lw=1.5, ms=5, gid="series")
     if floor > 0:
-        fy = y(floor)
-        parts.append(f'<line class="floor" x1="{pad_l}" y1="{fy:.1f}" x2="{pad_l + w}" '
-                     f'y2="{fy:.1f}" stroke="#c62828" stroke-dasharray="4 3"/>')
-        parts.append(f'<text x="{pad_l + w}" y="{fy - 2:.1f}" font-size="9" text-anchor="end" '
-                     f'fill="#c62828">{"ceiling" if ceiling else "floor"} {_e(_fmt(floor))}'
-                     "</text>")
-    coords = [(x(i), y(v)) for i, (_, v) in enumerate(points) if math.isfinite(v)]
-    if len(coords) > 1:
-        pts = " ".join(f"{a:.1f},{b:.1f}" for a, b in coords)
-        parts.append(f'<polyline points="{pts}" fill="none" stroke="#1565c0" stroke-width="1.5"/>')
-    for (i, (night, v)) in enumerate(points):
-        if not math.isfinite(v):
-            continue
-        bad = floor > 0 and (v > floor if ceiling else v < floor)
-        parts.append(f'<circle cx="{x(i):.1f}" cy="{y(v):.1f}" r="3" '
-                     f'fill="{"#c62828" if bad else "#1565c0"}"><title>{_e(night)}: '
-                     f"{_e(_fmt(v))} {_e(unit)}</title></circle>")
-    if points:
-        parts.append(f'<text x="{pad_l}" y="{height - 4}" font-size="9" fill="#666">'
-                     f"{_e(points[0][0])}</text>")
-        if n > 1:
-            parts.append(f'<text x="{pad_l + w}" y="{height - 4}" font-size="9" '
-                         f'text-anchor="end" fill="#666">{_e(points[-1][0])}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+        bad = [(i, v) for i, v in zip(xs, ys, strict=True) if (v > floor if ceiling
+                                                              else v < floor)]
+        if bad:
+            ax.plot(*zip(*bad, strict=True), "o", color=page.BAD, ms=5, gid="out-of-bounds")
+        ax.axhline(floor, color=page.BAD, ls=(0, (4, 3)), lw=1)
+        ax.text(1, floor, f"{'ceiling' if ceiling else 'floor'} {_fmt(floor)}", color=page.BAD,
+                fontsize=8, ha="right", va="bottom", transform=ax.get_yaxis_transform())
+    ax.set_ylim(0, top)
+    ax.set_yticks([0, top], ["0", _fmt(top)])
+    ax.set_xlim(-0.5, max(n - 0.5, 0.5))
+    ax.set_xticks([0, n - 1] if n > 1 else [0] if n else [],
+                  [points[0][0], points[-1][0]] if n > 1 else [p[0] for p in points])
+    ax.tick_params(labelsize=8, length=2)
+    return page.svg(fig, f"{title} ({unit})" if unit else title, "trend")
 
 
 def heatmap_svg(rec: NightRecord, floor_of: dict[tuple[str, str], float]) -> str:
@@ -154,22 +100,18 @@ def heatmap_svg(rec: NightRecord, floor_of: dict[tuple[str, str], float]) -> str
             for key in ((p.node, p.peer), (p.peer, p.node)):
                 # the last round is the freshest look at a pair measured twice
                 best[key] = p.pair_busbw_gbs
-    cell, left, top_pad = 56, 70, 60
-    size_w = left + cell * len(nodes) + 10
-    size_h = top_pad + cell * len(nodes) + 10
-    vals = list(best.values())
-    vmax = max(vals) if vals else 1.0
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="heatmap" width="{size_w}" '
-             f'height="{size_h}" viewBox="0 0 {size_w} {size_h}" role="img">',
-             "<title>pairwise all_reduce busbw (GB/s)</title>"]
-    for i, n in enumerate(nodes):
-        parts.append(f'<text x="{left - 6}" y="{top_pad + cell * i + cell / 2 + 4}" '
-                     f'font-size="11" text-anchor="end">{_e(n)}</text>')
-        parts.append(f'<text x="{left + cell * i + cell / 2}" y="{top_pad - 8}" font-size="11" '
-                     f'text-anchor="middle">{_e(n)}</text>')
+    from matplotlib.patches import Rectangle
+
+    cell, left, top_pad = 56, 70, 24
+    n = len(nodes)
+    size_w, size_h = left + cell * n + 10, top_pad + cell * n + 10
+    vmax = max(best.values(), default=1.0)
+    fig = page.figure(size_w, size_h)
+    ax = _axes(fig, size_w, size_h, (left, 10, top_pad, 10))
+    ax.set_xlim(0, n)
+    ax.set_ylim(n, 0)
     for i, a in enumerate(nodes):
         for j, b in enumerate(nodes):
-            x0, y0 = left + cell * j, top_pad + cell * i
             v = best.get((a, b))
             if a == b or v is None:
                 fill, label = ("#eeeeee", "" if a == b else "–")
@@ -180,87 +122,22 @@ def heatmap_svg(rec: NightRecord, floor_of: dict[tuple[str, str], float]) -> str
                     fill = "#e57373"
                 else:
                     shade = int(200 - 120 * (v / vmax if vmax > 0 else 0))
-                    fill = f"rgb({shade},{min(255, shade + 40)},{shade})"
+                    fill = f"#{shade:02x}{min(255, shade + 40):02x}{shade:02x}"
                 label = _fmt(v)
-            parts.append(f'<rect class="cell" x="{x0}" y="{y0}" width="{cell - 2}" '
-                         f'height="{cell - 2}" fill="{fill}"><title>{_e(a)} – {_e(b)}: '
-                         f"{_e(label)} GB/s</title></rect>")
+            ax.add_patch(Rectangle((j, i), 1 - 2 / cell, 1 - 2 / cell, color=fill,
+                                   gid=f"cell-{i}-{j}"))
             if label:
-                parts.append(f'<text x="{x0 + cell / 2 - 1}" y="{y0 + cell / 2 + 4}" '
-                             f'font-size="11" text-anchor="middle">{_e(label)}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+                ax.text(j + 0.5, i + 0.5, label, ha="center", va="center", fontsize=10)
+    ax.set_xticks([k + 0.5 for k in range(n)], nodes)
+    ax.set_yticks([k + 0.5 for k in range(n)], nodes)
+    ax.xaxis.tick_top()
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    return page.svg(fig, "pairwise all_reduce busbw (GB/s)", "heatmap")
 
 
 # -- large-cluster views --------------------------------------------------------------------
-
-#: Up to this many nodes the page keeps the node x node heatmap and every node's trends.
-SMALL_CLUSTER = 16
-#: On a larger cluster: the worst nodes labelled per histogram, nodes given trend panels, rows
-#: of the problem table, and pairs listed by name before the rest are folded away.
-WORST_N = 5
-MAX_TREND_NODES = 24
-MAX_PROBLEM_ROWS = 200
-#: A node's figure this far (%) worse than its own median of the past nights is "regressed".
-REGRESSION_PCT = 10.0
-_BINS = 40
-
-
-def _worse(name: str, value: float, ref: float) -> float:
-    """How much worse `value` is than `ref`, in % (positive = worse)."""
-    if not (math.isfinite(value) and math.isfinite(ref)) or ref == 0:
-        return 0.0
-    change = (value - ref) / abs(ref) * 100.0
-    return change if name in LOWER_IS_BETTER else -change
-
-
-def tonight_values(rec: NightRecord) -> dict[str, dict[str, float]]:
-    """figure -> node -> tonight's value (for pair figures the node's best pair)."""
-    series = node_series([rec])
-    out: dict[str, dict[str, float]] = {}
-    for node, figs in series.items():
-        for name, points in figs.items():
-            if points and math.isfinite(points[-1][1]):
-                out.setdefault(name, {})[node] = points[-1][1]
-    return out
-
-
-def flagged_nodes(rec: NightRecord, series: dict[str, dict[str, list[tuple[str, float]]]]
-                  ) -> list[tuple[str, str]]:
-    """(node, why) of the nodes worth a trend panel: failing ones first, then those with a
-    figure judged not OK, then those regressed against their own past, worst first."""
-    failing = [n.node for n in sorted(rec.nodes, key=lambda r: natural_key(r.node))
-               if n.culprit or n.status == Status.CRITICAL]
-    out = [(n, "failing") for n in failing]
-    seen = set(failing)
-    judged: dict[str, str] = {}
-    for row in rec.figures:
-        if row.headline and row.status not in (Status.OK, 0) and not row.peer:
-            judged.setdefault(row.node, f"{row.name} {Status(row.status).name}")
-    for node in sorted(judged, key=natural_key):
-        if node not in seen:
-            out.append((node, judged[node]))
-            seen.add(node)
-    regressed: list[tuple[float, str, str]] = []
-    for node, figs in series.items():
-        if node in seen:
-            continue
-        worst = (0.0, "")
-        for name, points in figs.items():
-            if len(points) < 2 or points[-1][0] != rec.night:
-                continue
-            past = sorted(v for _, v in points[:-1] if math.isfinite(v))
-            if not past:
-                continue
-            drop = _worse(name, points[-1][1], past[len(past) // 2])
-            if drop > worst[0]:
-                worst = (drop, name)
-        if worst[0] > REGRESSION_PCT:
-            regressed.append((worst[0], node, f"{worst[1]} {worst[0]:.0f}% worse than its median"))
-    for _, node, why in sorted(regressed, key=lambda t: (-t[0], natural_key(t[1]))):
-        out.append((node, why))
-    return out
-
 
 def histogram_svg(name: str, values: dict[str, float], floor: float, unit: str,
                   marked: Sequence[str], width: int = 540, height: int = 170,
@@ -270,8 +147,6 @@ def histogram_svg(name: str, values: dict[str, float], floor: float, unit: str,
     of bounds, orange for the others (the worst)."""
     vals = sorted(v for v in values.values() if math.isfinite(v))
     ceiling = name in LOWER_IS_BETTER
-    pad_l, pad_r, pad_t, pad_b = 40, 12, 20, 44
-    w, h = width - pad_l - pad_r, height - pad_t - pad_b
     lo, hi = (vals[0], vals[-1]) if vals else (0.0, 1.0)
     # the floor widens the axis only when it is near the data; far off, it is an edge arrow
     if floor > 0 and (lo - (hi - lo) * 0.5 <= floor <= hi + (hi - lo) * 0.5 or hi <= lo):
@@ -286,61 +161,47 @@ def histogram_svg(name: str, values: dict[str, float], floor: float, unit: str,
     for v in vals:
         counts[max(0, min(_BINS - 1, int((v - lo) / (hi - lo) * _BINS)))] += 1
     cmax = max(counts, default=1) or 1
-
-    def x(v: float) -> float:
-        return pad_l + w * (v - lo) / (hi - lo)
-
     title = f"{name} ({unit}), {len(vals)} nodes" if unit else f"{name}, {len(vals)} nodes"
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="hist" width="{width}" '
-             f'height="{height}" viewBox="0 0 {width} {height}" role="img">',
-             f"<title>{_e(title)}</title>",
-             f'<rect x="0" y="0" width="{width}" height="{height}" fill="#fafafa"/>',
-             f'<text x="4" y="13" font-size="12" fill="#222">{_e(title)}</text>',
-             f'<text x="{pad_l - 4}" y="{pad_t + 8}" font-size="9" text-anchor="end" '
-             f'fill="#666">{cmax}</text>',
-             f'<line x1="{pad_l}" y1="{pad_t + h}" x2="{pad_l + w}" y2="{pad_t + h}" '
-             'stroke="#999"/>',
-             f'<text x="{pad_l}" y="{pad_t + h + 11}" font-size="9" fill="#666">'
-             f"{_e(_fmt(lo))}</text>",
-             f'<text x="{pad_l + w}" y="{pad_t + h + 11}" font-size="9" text-anchor="end" '
-             f'fill="#666">{_e(_fmt(hi))}</text>']
-    bw = w / _BINS
-    for i, c in enumerate(counts):
-        if c:
-            bh = max(1.0, h * c / cmax)
-            parts.append(f'<rect x="{pad_l + i * bw:.1f}" y="{pad_t + h - bh:.1f}" '
-                         f'width="{bw - 1:.1f}" height="{bh:.1f}" fill="#90a4ae">'
-                         f"<title>{_e(_fmt(lo + i * (hi - lo) / _BINS))}–"
-                         f"{_e(_fmt(lo + (i + 1) * (hi - lo) / _BINS))}: {c} node(s)</title>"
-                         "</rect>")
+    fig = page.figure(width, height)
+    fig.text(4 / width, 1 - 14 / height, title, fontsize=11)
+    ax = _axes(fig, width, height, (40, 12, 20, 44))
+    ax.set_facecolor("#fafafa")
+    ax.stairs(counts, [lo + k * (hi - lo) / _BINS for k in range(_BINS + 1)], fill=True,
+              color=page.BAR)
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(0, cmax * 1.05)
+    ax.set_yticks([cmax], [str(cmax)])
+    ax.set_xticks([lo, hi], [_fmt(lo), _fmt(hi)])
+    ax.tick_params(labelsize=8, length=2)
+    ax.get_xticklabels()[0].set_horizontalalignment("left")
+    ax.get_xticklabels()[-1].set_horizontalalignment("right")
     if floor > 0:
         label = f'{"ceiling" if ceiling else "floor"} {_fmt(floor)}'
         if lo <= floor <= hi:
-            fx = x(floor)
-            parts.append(f'<line class="floor" x1="{fx:.1f}" y1="{pad_t}" x2="{fx:.1f}" '
-                         f'y2="{pad_t + h}" stroke="#c62828" stroke-dasharray="4 3"/>')
-            anchor = "end" if fx > pad_l + w / 2 else "start"
-            fx += -3 if anchor == "end" else 3
+            ax.axvline(floor, color=page.BAD, ls=(0, (4, 3)), lw=1)
+            right = floor > (lo + hi) / 2
+            ax.text(floor, 0.97, f"{label} " if right else f" {label}", color=page.BAD,
+                    fontsize=8, ha="right" if right else "left", va="top",
+                    transform=ax.get_xaxis_transform())
         else:
             left = floor < lo
-            fx, anchor = (pad_l + 2, "start") if left else (pad_l + w - 2, "end")
-            label = f"◂ {label}" if left else f"{label} ▸"
-        parts.append(f'<text x="{fx:.1f}" y="{pad_t + 8}" font-size="9" text-anchor="{anchor}" '
-                     f'fill="#c62828">{_e(label)}</text>')
+            ax.text(0.005 if left else 0.995, 0.97, f"◂ {label}" if left else f"{label} ▸",
+                    color=page.BAD, fontsize=8, ha="left" if left else "right", va="top",
+                    transform=ax.transAxes)
     bad_lab: list[str] = []
     worst_lab: list[str] = []
+    ticks: dict[str, list[float]] = {page.BAD: [], page.WARN: []}
     for node in (n for n in marked if n in values):
         v = values[node]
         bad = node in failing or (floor > 0 and (v > floor if ceiling else v < floor))
-        color = "#c62828" if bad else "#e65100"
-        mx = x(v)
-        parts.append(f'<line x1="{mx:.1f}" y1="{pad_t}" x2="{mx:.1f}" y2="{pad_t + h}" '
-                     f'stroke="{color}" stroke-width="1.5"><title>{_e(node)}: {_e(_fmt(v))}'
-                     "</title></line>")
+        ticks[page.BAD if bad else page.WARN].append(v)
         (bad_lab if bad else worst_lab).append(f"{node} {_fmt(v)}")
+    for color, xs in ticks.items():
+        if xs:
+            ax.vlines(xs, 0, cmax * 1.05, colors=color, lw=1.5)
     budget = width // 6  # characters of 10 px text that fit the width
-    for i, (labels, color, what) in enumerate(((bad_lab, "#c62828", "failing"),
-                                               (worst_lab, "#e65100", "worst"))):
+    for i, (labels, color, what) in enumerate(((bad_lab, page.BAD, "failing"),
+                                               (worst_lab, page.WARN, "worst"))):
         shown: list[str] = []
         for lab in labels:
             if len(what) + sum(len(t) + 2 for t in [*shown, lab]) + 6 > budget:
@@ -348,10 +209,9 @@ def histogram_svg(name: str, values: dict[str, float], floor: float, unit: str,
             shown.append(lab)
         if labels:
             more = f" (+{len(labels) - len(shown)})" if len(labels) > len(shown) else ""
-            parts.append(f'<text x="4" y="{pad_t + h + 24 + 12 * i}" font-size="10" '
-                         f'fill="{color}">{_e(what)}: {_e(", ".join(shown) + more)}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+            fig.text(4 / width, (20 - 12 * i) / height, f"{what}: {', '.join(shown)}{more}",
+                     fontsize=9, color=color)
+    return page.svg(fig, title, "hist")
 
 
 def pairs_section(rec: NightRecord, floor_of: dict[tuple[str, str], float]) -> list[str]:
@@ -411,19 +271,6 @@ def node_rows(rec: NightRecord, tonight: dict[str, dict[str, float]]) -> str:
     return f'<pre id="node-rows">{_e(chr(10).join(rows))}</pre>'
 
 
-def fleet_trends(series: dict[str, dict[str, list[tuple[str, float]]]]
-                 ) -> dict[str, list[tuple[str, float]]]:
-    """figure -> [(night, median over nodes)], from `node_series`."""
-    by: dict[str, dict[str, list[float]]] = {}
-    for figs in series.values():
-        for name, points in figs.items():
-            for night, v in points:
-                if math.isfinite(v):
-                    by.setdefault(name, {}).setdefault(night, []).append(v)
-    return {name: [(night, sorted(vs)[len(vs) // 2]) for night, vs in sorted(nights.items())]
-            for name, nights in by.items()}
-
-
 # -- page -----------------------------------------------------------------------------------
 
 def render_html(rec: NightRecord, past: Sequence[NightRecord]) -> str:
@@ -436,10 +283,7 @@ def render_html(rec: NightRecord, past: Sequence[NightRecord]) -> str:
         n.node for n in rec.nodes}
     small = len(subjects) <= SMALL_CLUSTER
     failing = [n for n in rec.nodes if n.culprit or n.status == Status.CRITICAL]
-    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-           f"<title>bluevela nightly {_e(rec.night)} – {_e(rec.cluster)}</title>",
-           f"<style>{_CSS}</style></head><body>",
-           f"<h1>Nightly acceptance {_e(rec.night)} – {_e(rec.cluster)} "
+    out = [f"<h1>Nightly acceptance {_e(rec.night)} – {_e(rec.cluster)} "
            f'<span class="badge" style="background:{badge}">{_e(worst_status.name)}</span></h1>',
            f'<p class="muted">{len(rec.nodes)} node(s), {len(rec.pairs)} pair measurement(s); '
            f'<span class="{"bad" if failing else "ok"}">{len(failing)} failing</span>; '
@@ -546,8 +390,7 @@ def render_html(rec: NightRecord, past: Sequence[NightRecord]) -> str:
         out.append("<h2>Every node tonight</h2>")
         out.append(f"<details><summary>{len(rec.nodes)} nodes, failing first</summary>"
                    + node_rows(rec, tonight_values(rec)) + "</details>")
-    out.append("</body></html>")
-    return "\n".join(out) + "\n"
+    return page.document(f"bluevela nightly {rec.night} – {rec.cluster}", out)
 
 
 def write_report(root: Path, night: str | None, html_path: Path,
@@ -568,5 +411,5 @@ def write_report(root: Path, night: str | None, html_path: Path,
     rec = read_night(night_path(root, night))
     past = read_nights(root, [n for n in known if n < night][-(nights - 1):])
     text = render_html(rec, past)
-    atomic_write(html_path, text.encode("utf-8"))
+    page.write_page(html_path, text)
     return html_path

@@ -114,12 +114,12 @@ def write_page(path: Path, text: str) -> Path:
 
 # -- drawing ---------------------------------------------------------------------------------
 
-_RC: dict[str, Any] = {"svg.fonttype": "none", "svg.hashsalt": "bluevela", "font.size": 9,
+_RC: dict[str, Any] = {"svg.fonttype": "none", "svg.hashsalt": "bluevela", "font.size": 11,
        # one named font (matplotlib's own, for text metrics): each SVG text names only it
        "font.family": "sans-serif", "font.sans-serif": ["DejaVu Sans"],
-       "axes.spines.top": False, "axes.spines.right": False, "axes.titlesize": 9,
-       "axes.titlelocation": "left", "xtick.labelsize": 8, "ytick.labelsize": 8,
-       "legend.fontsize": 8, "legend.frameon": False, "image.interpolation": "none"}
+       "axes.spines.top": False, "axes.spines.right": False, "axes.titlesize": 11,
+       "axes.titlelocation": "left", "xtick.labelsize": 9, "ytick.labelsize": 9,
+       "legend.fontsize": 9, "legend.frameon": False, "image.interpolation": "none"}
 
 
 def mpl() -> Any:
@@ -159,6 +159,12 @@ def svg(fig: Figure, label: str, cls: str = "", tight: bool = False) -> str:
     # path coordinates to 0.1 px (matplotlib writes 6 decimals: half the bytes of a long line)
     text = re.sub(r' d="([^"]*)"', lambda m: ' d="' + re.sub(r"(\.\d)\d+", r"\1", m.group(1))
                   + '"', text)
+    # the figure was sized in CSS pixels (72 dpi: one point is one pixel), not in points
+    text = re.sub(r'^(<svg [^>]*?width=")([\d.]+)pt(" height=")([\d.]+)pt"', r'\1\2\3\4"', text,
+                  count=1)
+    # inline in HTML, SVG 2's plain `href` needs no xlink namespace
+    text = text.replace(' xmlns:xlink="http://www.w3.org/1999/xlink"', "", 1)
+    text = text.replace("xlink:href=", "href=")
     attrs = f'role="img" aria-label="{esc(label)}" ' + (f'class="{esc(cls)}" ' if cls else "")
     return text.replace("<svg ", f"<svg {attrs}", 1)
 
