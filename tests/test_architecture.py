@@ -1,0 +1,177 @@
+"""The import rules of docs/architecture.md, read from the source with `ast` (every import,
+lazy ones inside functions included) and, for "imports without matplotlib", checked by
+importing in a fresh interpreter.
+
+- `health/` judges one node: it imports none of `slurm/`, `bench/`, `archive/`, `report/` or
+  the operations package `fleet/`.
+- `site.py` (the model) imports nothing of `health/`; the check registry it validates tier
+  names against is a leaf (`checks_registry`: only `errors` at run time).
+- `fleet/` operates the cluster through `slurm/` and may use the checks; it imports none of
+  `bench/`, `archive/`, `report/`.
+- `slurm/` is the one seam to Slurm: it imports no other bluevela package but `errors`.
+- `archive/` is storage: no page, no analysis, no matplotlib.
+- Pages: only `report/page.py` and the `report/*_html.py` pages import matplotlib, and a page
+  module imports no other page module (they share `page`). The analyses behind the pages
+  (`report/fleet.py`, `report/efficiency.py`, `report/nightly.py`) import without matplotlib.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PKG = REPO / "bluevela"
+
+
+def _module(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def imports(path: Path, runtime_only: bool = False, root: Path = REPO) -> set[str]:
+    """Every module `path` imports (absolute names; relative imports resolved), at any depth,
+    `if TYPE_CHECKING:` blocks included unless `runtime_only`."""
+    tree = ast.parse(path.read_text(), str(path))
+    mod = _module(path, root)
+    package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if runtime_only and isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - (node.level - 1)]
+                name = ".".join([*base, node.module] if node.module else base)
+            else:
+                name = node.module or ""
+            out.add(name)
+            # `from bluevela.report import page` imports bluevela.report.page
+            out.update(f"{name}.{a.name}" for a in node.names if a.name != "*")
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return out
+
+
+def _files(under: str) -> list[Path]:
+    root = PKG / under
+    return sorted(root.rglob("*.py")) if root.is_dir() else [root]
+
+
+def _in(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _violations(under: str, forbidden: tuple[str, ...], runtime_only: bool = False,
+                exempt: tuple[str, ...] = ()) -> list[str]:
+    bad = []
+    for path in _files(under):
+        if path.name in exempt:
+            continue
+        for name in sorted(imports(path, runtime_only)):
+            if _in(name, forbidden):
+                bad.append(f"{path.relative_to(REPO)} imports {name}")
+    return bad
+
+
+def test_the_parser_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
+    """The rules below are only as good as this reader: a lazy import inside a function, a
+    relative import and a `from PKG import MODULE` all count; a TYPE_CHECKING one too unless
+    only run-time imports are asked for."""
+    pkg = tmp_path / "bluevela" / "health"
+    pkg.mkdir(parents=True)
+    f = pkg / "x.py"
+    f.write_text("from typing import TYPE_CHECKING\n"
+                 "if TYPE_CHECKING:\n    from bluevela.site import Site\n"
+                 "def f():\n    import bluevela.slurm.client\n"
+                 "    from ..fleet import nodestate\n    from . import result\n")
+    got = imports(f, root=tmp_path)
+    assert {"bluevela.slurm.client", "bluevela.fleet.nodestate", "bluevela.health.result",
+            "bluevela.site"} <= got
+    assert "bluevela.site" not in imports(f, runtime_only=True, root=tmp_path)
+
+
+def test_health_judges_one_node_only() -> None:
+    assert _violations("health", ("bluevela.slurm", "bluevela.bench", "bluevela.archive",
+                                  "bluevela.report", "bluevela.fleet")) == []
+
+
+def test_site_imports_no_check() -> None:
+    assert _violations("site.py", ("bluevela.health",)) == []
+    # the registry both import is a leaf: at run time only `errors` (it loads the built-in
+    # checks by module name when asked for them)
+    leaf = {n for n in imports(PKG / "checks_registry.py", runtime_only=True)
+            if n.startswith("bluevela")}
+    assert leaf <= {"bluevela.errors", "bluevela.errors.HealthError"}, leaf
+
+
+def test_operations_stay_out_of_storage_benchmarks_and_pages() -> None:
+    assert _violations("fleet", ("bluevela.bench", "bluevela.archive", "bluevela.report")) == []
+
+
+def test_slurm_seam_is_a_leaf() -> None:
+    others = tuple(f"bluevela.{p.name.removesuffix('.py')}" for p in PKG.iterdir()
+                   if p.name not in ("slurm", "errors.py", "__init__.py", "__pycache__",
+                                     "py.typed"))
+    assert _violations("slurm", others) == []
+
+
+def test_archive_is_storage_only() -> None:
+    assert _violations("archive", ("bluevela.report", "matplotlib", "bluevela.hooks",
+                                   "bluevela.fleet")) == []
+
+
+def test_only_pages_draw_and_pages_share_one_page_module() -> None:
+    pages = tuple(p.name for p in (PKG / "report").glob("*_html.py"))
+    assert {"nightly_html.py", "efficiency_html.py", "fleet_html.py"} <= set(pages)
+    drawing = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path.parent == PKG / "report" and (path.name == "page.py" or path.name in pages):
+            continue
+        drawing += [f"{path.relative_to(REPO)} imports {n}" for n in imports(path)
+                    if _in(n, ("matplotlib",))]
+    assert drawing == []
+    for name in pages:
+        others = tuple(f"bluevela.report.{p.removesuffix('.py')}" for p in pages if p != name)
+        assert _violations(f"report/{name}", others) == [], name
+        assert "bluevela.report.page" in imports(PKG / "report" / name), name
+
+
+def test_analyses_import_without_matplotlib() -> None:
+    code = ("import sys\n"
+            "import bluevela.report.fleet, bluevela.report.efficiency, bluevela.report.nightly\n"
+            "import bluevela.report.page, bluevela.archive.query, bluevela.bench.evaluate\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("module", ["bluevela.site", "bluevela.health.runner"])
+def test_no_module_level_cycle_through_site(module: str) -> None:
+    """Importing the model, or the checks' runner, first: each works on its own (no import
+    cycle between the model and the checks)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
+                         text=True, env=env, cwd=REPO, timeout=60, check=False)
+    assert res.returncode == 0, res.stderr
