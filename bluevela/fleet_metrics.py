@@ -59,7 +59,7 @@ def _busy(state: str) -> bool:
 
 def source_of(site: Site, reason: str) -> str:
     """`bv`, `nightly` or `operator`: who drained a node with this reason."""
-    from bluevela.nodestate import is_nightly, is_ours
+    from bluevela.fleet.nodestate import is_nightly, is_ours
 
     if is_nightly(site, reason):
         return "nightly"
@@ -69,7 +69,7 @@ def source_of(site: Site, reason: str) -> str:
 def render_fleet(site: Site, nodes: Sequence[NodeInfo] | None,
                  reservations: Sequence[ReservationInfo] = ()) -> str:
     """The fleet file's text; `nodes` None means Slurm could not be read."""
-    from bluevela.nodestate import NO_PARTITION, budgets, parse_slots
+    from bluevela.fleet.nodestate import NO_PARTITION, budgets, parse_slots
 
     lines: list[str] = []
     ok = nodes is not None

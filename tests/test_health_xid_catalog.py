@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from bluevela.checks_registry import get_check
 from bluevela.health.context import ProbeContext
-from bluevela.health.registry import get_check
 from bluevela.health.result import CheckResult, Status
 from bluevela.site import NodeClass, load_site
 from tests.fixture_trees import materialized
