@@ -1,6 +1,9 @@
 """What the `bv health` commands call: run checks here, the cluster view, resume.
 
-The CLI (`bluevela/cli/cmd_health.py`) only parses options, calls one of these and prints.
+The operator's view of the whole cluster (node overview, version drift, resume with a
+recheck, DCGM before resume): it uses the checks of `bluevela.health` and acts through
+`bluevela.fleet.nodestate` and the Slurm client. The CLI (`bluevela/cli/cmd_health.py`) only
+parses options, calls one of these and prints.
 """
 
 from __future__ import annotations

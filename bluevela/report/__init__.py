@@ -1,4 +1,7 @@
-"""Reports over the whole fleet, computed from what the run archive and the nightly store hold.
+"""Every HTML page of bluevela, and the analysis behind each.
 
-`fleet` gathers and computes (`bv report fleet`); `fleet_html` renders the page.
+Analyses return plain data and import without matplotlib: `fleet` (`bv report fleet`),
+`efficiency` (a job's efficiency and stragglers), `nightly` (a night's series and flagged
+nodes). Pages lay them out: `fleet_html`, `efficiency_html`, `nightly_html`, all built on
+`page` (stylesheet, escaping, formatting, the atomic no-follow writer, matplotlib charts).
 """
