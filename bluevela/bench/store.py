@@ -228,25 +228,18 @@ def write_night(root: Path, record: NightRecord) -> Path:
 # -- reading --------------------------------------------------------------------------------
 
 def _rows(ds: Any, row_type: type) -> list[Any]:
-    names = ds.dtype.names
-    out = []
-    for rec in ds[()]:
-        kw = {}
-        for name, ftype in row_type.__annotations__.items():
-            if name not in names:
-                continue
-            v = rec[name]
-            if isinstance(v, bytes):
-                v = v.decode("utf-8", errors="replace")
-            elif ftype == "bool":
-                v = bool(v)
-            elif ftype == "float":
-                v = float(v)
-            elif ftype == "int":
-                v = int(v)
-            kw[name] = v
-        out.append(row_type(**kw))
-    return out
+    """The dataset's rows as `row_type`s, converted a column at a time (`tolist()` gives Python
+    values: the per-row numpy scalar access was 4 s of the 1,000-node report's 8)."""
+    arr = ds[()]
+    names = arr.dtype.names or ()
+    cols: dict[str, list[Any]] = {}
+    for name, ftype in row_type.__annotations__.items():
+        if name not in names:
+            continue
+        conv: Any = {"bool": bool, "float": float, "int": int}.get(ftype)
+        cols[name] = [v.decode("utf-8", errors="replace") if isinstance(v, bytes)
+                      else conv(v) if conv else v for v in arr[name].tolist()]
+    return [row_type(**{k: c[i] for k, c in cols.items()}) for i in range(len(arr))]
 
 
 def read_night(path: Path) -> NightRecord:
