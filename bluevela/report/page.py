@@ -156,9 +156,11 @@ def svg(fig: Figure, label: str, cls: str = "", tight: bool = False) -> str:
     text = text[text.index("<svg"):]
     text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)
     text = re.sub(r"data:image/png;base64,\s*([A-Za-z0-9+/=\s]+)", _palette_png, text)
-    # path coordinates to 0.1 px (matplotlib writes 6 decimals: half the bytes of a long line)
-    text = re.sub(r' d="([^"]*)"', lambda m: ' d="' + re.sub(r"(\.\d)\d+", r"\1", m.group(1))
-                  + '"', text)
+    # path coordinates to 0.1 px on one line (matplotlib writes 6 decimals and a newline per
+    # point: half the bytes of a long line), and no indentation between elements
+    text = re.sub(r' d="([^"]*)"', lambda m: ' d="' + " ".join(
+        re.sub(r"(\.\d)\d+", r"\1", m.group(1)).split()) + '"', text)
+    text = re.sub(r">\s+<", "><", text)
     # the figure was sized in CSS pixels (72 dpi: one point is one pixel), not in points
     text = re.sub(r'^(<svg [^>]*?width=")([\d.]+)pt(" height=")([\d.]+)pt"', r'\1\2\3\4"', text,
                   count=1)
