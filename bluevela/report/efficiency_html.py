@@ -123,6 +123,7 @@ def _histogram(values: np.ndarray, names: Sequence[str], title: str, unit: str,
     ax.set_yscale("log")
     ax.set_ylim(0.5, max(2.0, float(counts.max()) * 1.5))
     ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter("{x:g}")  # 1, 10, 100: plain text, no mathtext
     ax.set_xlim(lo, hi)
     ax.set_title(title)
     ax.set_title(f"{len(v)} values, log-scaled counts", loc="right", color="#666")

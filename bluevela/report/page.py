@@ -195,5 +195,5 @@ def _palette_png(m: re.Match[str]) -> str:
     if (table[:, 3] != 255).any():
         extra["transparency"] = table[:, 3].tobytes()
     buf = io.BytesIO()
-    out.save(buf, format="png", optimize=True, **extra)
+    out.save(buf, format="png", **extra)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
