@@ -113,24 +113,23 @@ def test_a_forged_stalled_rank_is_not_a_hang(tmp_path: Path, jobs: list[Job]) ->
         time.sleep(0.1)
     time.sleep(4.0)  # twice the hang timeout
     assert job.running() and job.scontrol() == [], job.stdout() + job.stderr()
+    assert "hang" not in job.stdout(), job.stdout()
     finishes_cleanly(job)
 
 
 def test_forged_fresh_beats_do_not_hide_a_real_hang(tmp_path: Path, jobs: list[Job]) -> None:
     """The rank really stops (mode `stall`); a stranger sends it beats with negative ages
-    (progress 'in the future'). The watchdog still sees the hang, names the real rank, and
-    requeues."""
+    (progress 'in the future'). The watchdog still sees the hang and names the real rank
+    (what follows, a requeue or a relaunch, is the recovery's business)."""
     job = run(jobs, tmp_path, mode="stall", options=["--hang-timeout=2"])
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    hang = re.compile(r"ended: hang: rank 0 on n1 stopped first")
     deadline = time.monotonic() + 20
-    while not job.scontrol() and time.monotonic() < deadline:
+    while not hang.search(job.stdout()) and time.monotonic() < deadline:
         udp.sendto(beat_v1(0, "n1", -100000000), job.addrs()[1])
         udp.sendto(beat_v2(0, "n1", -100000000), job.addrs()[1])
         time.sleep(0.1)
-    assert job.scontrol() == ["requeue 77"], job.stdout() + job.stderr()
-    assert re.search(r"ended: hang: rank 0 on n1 stopped first", job.stdout()), job.stdout()
-    os.kill(job.pid, signal.SIGTERM)  # Slurm ends the requeued allocation
-    assert job.wait(30) == 0
+    assert hang.search(job.stdout()), job.stdout() + job.stderr()
 
 
 def test_forged_ranks_do_not_grow_the_supervisor(tmp_path: Path, jobs: list[Job]) -> None:
