@@ -25,6 +25,7 @@ Before/after a change (issue 16: the signed control channel): with
 ``BV_BENCH_OLD=<checkout of the old commit>`` only the `bv` (spare) crash is run, alternately
 by the old checkout (``PYTHONPATH`` points the submit and the job at it) and by this one;
 ``recovery.bv_new_vs_old_ratio`` is the median of the per-pair ratios, with their range.
+``BV_BENCH_NEW=<checkout>`` pins the new side to a commit too.
 """
 
 from __future__ import annotations
@@ -137,12 +138,12 @@ def _settle(env: dict[str, str], job: str, crashed: str) -> None:
 
 
 def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
-           old: Path | None = None) -> Run:
+           checkout: Path | None = None) -> Run:
     run = Run("bv silent" if silent else "bv" if spare else "bv no spare")
-    if old is not None:  # the submit and the job (sbatch exports it) import the old checkout
-        env = {**env, "PYTHONPATH": str(old)}
-        if "BV_SITE" in env:  # its site model rejects keys added since
-            env["BV_SITE"] = str(old / "site.yaml")
+    if checkout is not None:  # the submit and the job (sbatch exports it) import that checkout
+        env = {**env, "PYTHONPATH": str(checkout)}
+        if "BV_SITE" in env:  # an older site model rejects keys added since
+            env["BV_SITE"] = str(checkout / "site.yaml")
     else:
         env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     ckpt = work / "ckpt"
@@ -246,7 +247,10 @@ def _phases(runs: list[Run]) -> str:
 
 
 def _before_after(env: dict[str, str], old: Path, pairs: int) -> Iterator[Figure]:
-    """`bv` (spare) crash -> resumed, old checkout and this one alternately."""
+    """`bv` (spare) crash -> resumed, old checkout and this one alternately (or the checkout
+    ``BV_BENCH_NEW`` names: a commit, unaffected by edits in progress in this tree)."""
+    new_dir = os.environ.get("BV_BENCH_NEW")
+    new = Path(new_dir) if new_dir else None
     got: dict[str, list[float]] = {"old": [], "new": []}
     ratios: list[float] = []
     for i in range(pairs):
@@ -255,7 +259,7 @@ def _before_after(env: dict[str, str], old: Path, pairs: int) -> Iterator[Figure
             with tempfile.TemporaryDirectory(prefix="bv-bench-recovery-") as tmp:
                 try:
                     run = run_bv(env, Path(tmp), silent=False,
-                                 old=old if which == "old" else None)
+                                 checkout=old if which == "old" else new)
                 except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
                     run = Run("bv", error=f"{type(exc).__name__}: {exc}")
             print(f"recovery: bv ({which}): " + ", ".join(
@@ -271,7 +275,7 @@ def _before_after(env: dict[str, str], old: Path, pairs: int) -> Iterator[Figure
                  f"{old}: median of {len(got['old'])}: "
                  + ", ".join(f"{x:.1f}" for x in got["old"]))
     yield Figure("recovery.bv_crash_to_resumed_new_s", med["new"], "s", "<= 24",
-                 f"this checkout: median of {len(got['new'])}: "
+                 f"{new or 'this checkout'}: median of {len(got['new'])}: "
                  + ", ".join(f"{x:.1f}" for x in got["new"]))
     yield Figure("recovery.bv_new_vs_old_ratio",
                  statistics.median(ratios) if ratios else float("nan"), "ratio", "<= 1.1",
