@@ -28,11 +28,17 @@ the job"):
   locally) and a new step starts in the SAME allocation without the lost node: on a spare node
   (``--spare-nodes``: any job kind), or on fewer nodes (``--min-nodes``: data parallel only).
   Neither waits for SlurmdTimeout nor for the requeue hold (cred_expire). With no node to
-  spare, the job lets go of the lost node (``scontrol update NodeList=``) and is requeued
-  through Slurm at once (it then waits for cred_expire, not for SlurmdTimeout).
+  spare, the job lets go of the lost node (``scontrol update NodeList=``) and, where the site
+  allows it (``--grow-deadline``, site.yaml ``launch.grow_deadline_s``; Slurm's
+  ``permit_job_expansion``), GROWS by one node (bluevela/launch/grow.py) and relaunches on
+  it: same job, no requeue. Else, or when no node comes by the deadline, it is requeued
+  through Slurm at once (it then waits for cred_expire, not for SlurmdTimeout); the end line
+  says why it did not grow.
 - Hang watchdog (``--hang-timeout``): ranks call `bluevela.runtime.progress(step)` (UDP beats);
   when a rank that reported falls silent, or no rank reports, for that long, the step is
-  aborted and the job requeued; the end line names the rank and node that stopped first.
+  aborted; the end line names the rank and node that stopped first. When every node answers
+  the abort, the step is relaunched in place (a spare instead of the hung rank's node when
+  the allocation has one), without a Slurm requeue.
 
 A rank failure on nodes that are all alive ends the job with that exit status (torchrun's
 ``--max-restarts`` is the in-place retry for those): a bug must not loop through requeues.
@@ -59,6 +65,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
+from bluevela.launch.events import EventLog, failure_time
+from bluevela.launch.grow import GrowResult
+from bluevela.launch.grow import grow as grow_job
 from bluevela.launch.wire import (
     SECRET_ENV,
     Channel,
@@ -317,6 +326,7 @@ class Options:
     settle_s: float = 2.0
     abort_grace_s: float = 5.0
     max_relaunches: int = 8
+    grow_deadline: float = 0.0  # seconds to wait for a grown node; 0: no growth (requeue)
     torchrun: list[str] = field(default_factory=list)
 
 
@@ -326,6 +336,7 @@ class StepResult:
     rc: int
     cause: str
     lost: dict[str, str] = field(default_factory=dict)
+    hang_node: str | None = None  # the node of the rank that stopped first
 
 
 @dataclass
@@ -396,6 +407,10 @@ class Supervisor:
         for fileobj in (self.listen, self.udp, self.wake_r):
             self.sel.register(fileobj, selectors.EVENT_READ)
         self.conns: list[Conn] = []
+        # Goodput events (bluevela/launch/events.py): off until run() opens the file.
+        self.events = EventLog(None, self.host)
+        self.step_failed: float | None = None
+        self.step_detected: float | None = None
 
     # -- signals ---------------------------------------------------------------------------
     def install_signals(self) -> None:
@@ -412,6 +427,7 @@ class Supervisor:
     # -- attempts --------------------------------------------------------------------------
     def run(self) -> int:
         self.install_signals()
+        self.events = EventLog.open(self.env, self.host)
         history = history_of_stdout()
         attempt = (history.attempts if history else int(self.env.get("SLURM_RESTART_COUNT") or 0))
         cause = previous_cause(history) if history else (
@@ -432,6 +448,8 @@ class Supervisor:
                                     f"in this allocation (need {min_nodes}), requeued by bv")
             _say(banner(attempt, self.job, nodes, cause))
             result = self.run_step(attempt, launch, nodes)
+            self.events.step_ended(result.kind, result.cause, sorted(result.lost),
+                                   self.step_failed, self.step_detected, time.monotonic())
             if result.kind == "ok":
                 _say(end_line(attempt, "exit 0"))
                 return 0
@@ -441,22 +459,83 @@ class Supervisor:
             if result.kind == "terminated":
                 _say(end_line(attempt, result.cause))
                 return result.rc
-            if result.kind in ("signal", "hang"):
+            if result.kind == "signal":
                 return self.requeue(attempt, result.cause)
+            if result.kind == "hang" and not result.lost:
+                # Every node answered the abort: they are alive. Relaunch in place (no Slurm
+                # requeue, no credential hold), on a spare instead of the hung rank's node
+                # when the allocation has one.
+                if launch > self.opts.max_relaunches:
+                    return self.requeue(attempt, f"{result.cause}; {self.opts.max_relaunches} "
+                                        "relaunches done, requeued by bv")
+                cause = f"{result.cause}; {self.relaunch_in_place(nodes, result, want)}"
+                _say(end_line(attempt, cause))
+                continue
             # A lost node: relaunch in this allocation without it, if the job allows.
             self.excluded.update(result.lost)
             nxt = choose_nodes(self.alloc, self.excluded, want, min_nodes)
-            if nxt is None or launch > self.opts.max_relaunches:
-                why = ("no spare node (--spare-nodes) and no shrink (--min-nodes)"
-                       if nxt is None else f"{self.opts.max_relaunches} relaunches done")
+            if launch > self.opts.max_relaunches:
+                return self.requeue(attempt, f"{result.cause}; {self.opts.max_relaunches} "
+                                    f"relaunches done: the job lets go of "
+                                    f"{compress(sorted(result.lost))} and is requeued by bv",
+                                    lost=sorted(result.lost))
+            grown: GrowResult | None = None
+            if nxt is None:
+                grown = self.grow(sorted(result.lost))
+                if grown.ok:
+                    nxt = choose_nodes(self.alloc, self.excluded, want, min_nodes)
+            if nxt is None:
+                why = "no spare node (--spare-nodes) and no shrink (--min-nodes)"
+                if grown is not None and grown.why:
+                    why += f"; no node grown ({grown.why})"
                 return self.requeue(attempt, f"{result.cause}; {why}: the job lets go of "
                                     f"{compress(sorted(result.lost))} and is requeued by bv",
                                     lost=sorted(result.lost))
             spare = [n for n in nxt if n not in nodes]
-            how = (f"relaunching on {compress(nxt)} (spare {compress(spare)})" if spare
-                   else f"relaunching on {len(nxt)} of {want} nodes ({compress(nxt)})")
+            if grown is not None and grown.ok:
+                how = (f"relaunching on {compress(nxt)} (grown {compress(grown.added)} in "
+                       f"{grown.seconds:.1f} s, same job, no Slurm requeue)")
+            elif spare:
+                how = f"relaunching on {compress(nxt)} (spare {compress(spare)})"
+            else:
+                how = f"relaunching on {len(nxt)} of {want} nodes ({compress(nxt)})"
             cause = f"{result.cause}; {how}"
             _say(end_line(attempt, cause))
+
+    def relaunch_in_place(self, nodes: list[str], result: StepResult, want: int) -> str:
+        """After a hang with every node alive: the next step's nodes are the same, or a spare
+        in place of the hung rank's node. Says which, for the end line."""
+        hung = result.hang_node
+        if hung and hung in nodes:
+            spare = [n for n in self.alloc if n not in nodes and n not in self.excluded]
+            if spare:
+                self.excluded[hung] = "its rank hung"
+                nxt = choose_nodes(self.alloc, self.excluded, want, want) or nodes
+                return f"relaunching on {compress(nxt)} (spare {spare[0]} for {hung}; no Slurm requeue)"
+        return f"relaunching on the same nodes ({compress(nodes)}; no Slurm requeue)"
+
+    def grow(self, lost: list[str]) -> GrowResult:
+        """Add a node to this job in place of `lost` (bluevela/launch/grow.py); on success
+        the allocation and the SLURM_* variables of the next srun follow."""
+        if self.opts.grow_deadline <= 0:
+            return GrowResult([], {}, 0.0, "job growth is off in site.yaml "
+                              "(launch.grow_deadline_s: 0)")
+        keep = [n for n in self.alloc if n not in self.excluded]
+        if not keep:
+            return GrowResult([], {}, 0.0, "no node of the job is left to grow from")
+        _log(f"growing job {self.job} by one node in place of {compress(lost)} "
+             f"(deadline {self.opts.grow_deadline:g} s)")
+        res = grow_job(self.job, keep, lost, self.opts.grow_deadline)
+        if not res.ok:
+            _log(f"no node grown: {res.why}")
+            return res
+        self.alloc = keep + [n for n in res.added if n not in keep]
+        env = {"SLURM_JOB_NODELIST": compress(self.alloc), "SLURM_NODELIST": compress(self.alloc),
+               "SLURM_JOB_NUM_NODES": str(len(self.alloc)), "SLURM_NNODES": str(len(self.alloc))}
+        env.update(res.env)  # Slurm's own resize script wins where it says more
+        self.env.update(env)
+        _log(f"grew job {self.job} by {compress(res.added)} in {res.seconds:.1f} s")
+        return res
 
     def requeue(self, attempt: int, cause: str, lost: Sequence[str] = ()) -> int:
         """`scontrol requeue` this job. With lost nodes, the allocation is first shrunk to the
@@ -468,6 +547,7 @@ class Supervisor:
             _say(end_line(attempt, cause))
         else:
             _log(cause)
+        self.events.requeue()
         keep = [n for n in self.alloc if n not in self.excluded]
         if lost and keep:
             self._scontrol("update", f"JobId={self.job}", f"NodeList={compress(keep)}")
@@ -522,6 +602,9 @@ class Supervisor:
                        line_key=derive(key, b"line"), beat_key=beat_key(key),
                        max_ranks=ranks_bound(self.opts.torchrun, len(nodes)))
         self.conns = st.conns
+        self.step_failed = self.step_detected = None
+        self.events.launch(attempt, launch, nodes, len([n for n in self.alloc if n not in
+                                                        self.excluded]) - len(nodes), st.started)
         srun = subprocess.Popen(self.srun_argv(nodes, launch), env=env, stdin=subprocess.DEVNULL)
         try:
             while True:
@@ -614,6 +697,10 @@ class Supervisor:
         """End the step now: agents kill their torchrun; then every node has either answered
         (it is alive) or is lost (connection closed, or silent for --node-timeout); the hung
         srun (it would wait for a dead node until SlurmdTimeout) is killed here."""
+        self.step_detected = time.monotonic()
+        self.step_failed = failure_time(st.lost, {c.node: c.last_seen for c in st.conns if c.node},
+                                        st.started, self.step_detected,
+                                        hang.beat.last_progress if hang is not None else None)
         for conn in st.conns:
             if not conn.closed and conn.node is not None and conn.exit_rc is None:
                 conn.send({"t": "abort"})
@@ -626,7 +713,7 @@ class Supervisor:
         lost_text = "; ".join(f"{n} lost ({why})" for n, why in st.lost.items())
         if hang is not None:
             return StepResult("hang", 1, hang.describe() + (f"; {lost_text}" if lost_text else ""),
-                              dict(st.lost))
+                              dict(st.lost), hang.beat.node)
         if st.lost:
             return StepResult("lost", 1, lost_text, dict(st.lost))
         node, rc = st.first_failure or ("?", 1)
@@ -650,6 +737,7 @@ class Supervisor:
         if first or sig != signal.SIGUSR1:
             self.signal_seen = signal.SIGTERM if sig == signal.SIGINT else sig
         if first:
+            self.events.signal(time.monotonic())
             _log(f"{signal.Signals(sig).name} received: asking every worker to checkpoint")
             for conn in self.conns:
                 if not conn.closed and conn.node is not None:
@@ -717,6 +805,8 @@ class Supervisor:
                 return
             except OSError:
                 return
+            if self.events.datagram(data, st.beat_key, st.max_ranks, now):
+                continue  # a checkpoint record (goodput events), not a beat
             beat = parse_beat(data, st.beat_key)
             # A signed beat from this step's own ranks always passes these: a rank the step
             # cannot have, or progress older than the step, is not one of ours.
@@ -729,6 +819,7 @@ class Supervisor:
             if last is None and len(st.seqs) >= 4 * st.max_ranks:
                 continue
             st.seqs[who] = beat.seq
+            self.events.progress(now - beat.age_s)
             st.beats[beat.rank] = RankBeat(safe_name(beat.node), beat.step, now - beat.age_s,
                                            beat.in_collective, safe_name(beat.where, 200))
 
@@ -1036,6 +1127,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--min-nodes", type=int, default=None)
     parser.add_argument("--hang-timeout", type=float, default=0.0)
     parser.add_argument("--node-timeout", type=float, default=10.0)
+    parser.add_argument("--grow-deadline", type=float, default=0.0)
     # Ignored: batch scripts written before issue 16 still pass it; the rendezvous port is now
     # a free one picked on the step's first node for every step.
     parser.add_argument("--rdzv-port", type=int, default=0, help=argparse.SUPPRESS)
@@ -1050,8 +1142,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.min_nodes is not None and not 1 <= args.min_nodes <= args.nodes:
         parser.error("--min-nodes must be between 1 and --nodes")
     inf = float("inf")
-    if not (0 <= args.hang_timeout < inf and 0 < args.node_timeout < inf):
-        parser.error("--hang-timeout must be >= 0 and --node-timeout > 0 (finite)")
+    if not (0 <= args.hang_timeout < inf and 0 < args.node_timeout < inf
+            and 0 <= args.grow_deadline <= 3600):
+        parser.error("--hang-timeout must be >= 0, --node-timeout > 0 (finite) and "
+                     "--grow-deadline between 0 and 3600")
     return args
 
 
@@ -1063,7 +1157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(args_list)
     opts = Options(nodes=args.nodes, spare_nodes=args.spare_nodes, min_nodes=args.min_nodes,
                    hang_timeout=args.hang_timeout, node_timeout=args.node_timeout,
-                   torchrun=list(args.torchrun))
+                   grow_deadline=args.grow_deadline, torchrun=list(args.torchrun))
     logging.basicConfig(level=logging.INFO, format="bv supervisor: %(message)s")
     return Supervisor(opts).run()
 
