@@ -310,7 +310,9 @@ class Conn:
 
 HELLO_DEADLINE_S = 5.0  # a connection without a signed hello by then is closed
 MAX_PENDING = 64  # connections without a hello yet; the oldest goes when one more comes
-MAX_ACCEPT_PER_TICK = 64
+# A connection accepted in one tick is read in the next three before it can be pushed out
+# (64 pending / 16 a tick): an agent's hello, sent on the challenge, is read in time.
+MAX_ACCEPT_PER_TICK = 16
 MAX_BEATS_PER_TICK = 512  # then signals and agents get their turn (a flood cannot starve them)
 MAX_DROP_LOGS = 3  # per step; the rest are counted
 
@@ -652,10 +654,10 @@ class Supervisor:
         now = time.monotonic()
         for sig in self._drain_signals():
             self._on_signal(sig)
-        if self.listen in ready:
-            self._accept(st, now)
         if self.udp in ready:
             self._read_beats(st, now)
+        # Reads before accepts: hellos already sent are taken before new connections can push
+        # their senders out of the pending set.
         for conn in [c for c in st.conns if not c.closed and c.sock in ready]:
             try:
                 msgs = conn.read(now)
@@ -678,6 +680,8 @@ class Supervisor:
                 if (msg.get("t") == "exit" and conn.exit_rc not in (None, 0)
                         and st.first_failure is None and conn.node is not None):
                     st.first_failure = (conn.node, conn.exit_rc or 1)
+        if self.listen in ready:
+            self._accept(st, now)
         for conn in [c for c in st.conns if c.node is None]:
             if now - conn.opened > HELLO_DEADLINE_S:
                 self._drop(st, conn, f"no signed hello in {HELLO_DEADLINE_S:.0f} s")
