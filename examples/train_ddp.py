@@ -108,7 +108,8 @@ def main() -> int:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         requested = bool(flag.item())
         if rank == 0 and (requested or done % opts.ckpt_every == 0 or done == opts.steps):
-            _save(opts.ckpt_dir, model, opt, done)
+            with runtime.checkpointing(done):  # its start and end go to bv's goodput ledger
+                _save(opts.ckpt_dir, model, opt, done)
             reason = (runtime.requested_by() or "SIGUSR1") if requested else "every"
             _say(f"checkpoint step={done} reason={reason}")
         if requested:

@@ -220,7 +220,8 @@ def _drain_if_critical(site: Site, node: str, report: HealthReport) -> DrainResu
 
 
 def _spool(site: Site, hctx: HookContext, report: HealthReport, drain: DrainResult,
-           telemetry: dict[str, float], restart: int | None = None) -> str | None:
+           telemetry: dict[str, float], restart: int | None = None,
+           extra: dict[str, Any] | None = None) -> str | None:
     if hctx.job_id is None:
         return None
     from bluevela.archive.spool import write_report
@@ -234,6 +235,7 @@ def _spool(site: Site, hctx: HookContext, report: HealthReport, drain: DrainResu
         "derived_exit_code": hctx.derived_exit_code,
         "health": report.to_dict(), "telemetry": telemetry,
         "drained": drain.drained, "drain_reason": drain.reason if drain.attempted else None,
+        **(extra or {}),
     }
     try:
         return str(write_report(site.path("spool"), body))
@@ -298,7 +300,14 @@ def epilog(site: Site, hctx: HookContext) -> HookOutcome:
 
         spool_series(site, hctx.job_id, hctx.node, reading, restart=_attempt(hctx, reading))
     drain = _drain_if_critical(site, hctx.node, report)
-    spooled = _spool(site, hctx, report, drain, telemetry, _attempt(hctx, reading))
+    extra: dict[str, Any] = {}
+    if hctx.job_id is not None:  # the supervisor's goodput events, when it ran on this node
+        from bluevela.launch.events import collect_for_epilog
+
+        events = collect_for_epilog(hctx.job_id, _attempt(hctx, reading), hctx.node)
+        if events is not None:
+            extra["goodput_events"] = events
+    spooled = _spool(site, hctx, report, drain, telemetry, _attempt(hctx, reading), extra)
     return _finish(state, HookOutcome("epilog", hctx.node, hctx.job_id, report, drain,
                                       spooled=spooled, exit_code=0))
 

@@ -5,7 +5,8 @@
     for step in range(start, steps):
         train_step()
         if step % k == 0 or runtime.checkpoint_requested():
-            save_checkpoint()                 # atomically: temp file, fsync, rename
+            with runtime.checkpointing(step): # its cost and time go to bv's goodput ledger
+                save_checkpoint()             # atomically: temp file, fsync, rename
             if runtime.checkpoint_requested():
                 break                         # bv requeues the job; the next attempt resumes
         runtime.progress(step)                # heartbeat for --hang-timeout (opt-in)
@@ -31,6 +32,8 @@ __all__ = [
     "CHECKPOINT_SIGNAL",
     "attempt",
     "checkpoint_requested",
+    "checkpoint_saved",
+    "checkpointing",
     "clear_checkpoint_request",
     "install_signal_handler",
     "progress",
@@ -41,8 +44,8 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # The heartbeat lives in its own module (the in-job supervisor's side); loaded on first use.
-    if name == "progress":
-        from bluevela.runtime.heartbeat import progress
+    if name in ("progress", "checkpoint_saved", "checkpointing"):
+        from bluevela.runtime import heartbeat
 
-        return progress
+        return getattr(heartbeat, name)
     raise AttributeError(f"module 'bluevela.runtime' has no attribute {name!r}")

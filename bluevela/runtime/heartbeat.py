@@ -24,6 +24,7 @@ The supervisor parses a beat with `parse_beat()`, which range-checks every numbe
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
@@ -31,6 +32,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from bluevela.launch.wire import derive, mac, secret_from_env
@@ -139,6 +141,7 @@ class _Sender:
         self.target: tuple[str, int] | None = None
         self.key = b""
         self.seq = 0
+        self.ck_seq = 0
         self.step = -1
         self.last_progress = time.monotonic()
         self.thread_pid: int | None = None  # the process whose thread runs (fork-safe)
@@ -148,16 +151,39 @@ class _Sender:
         self.step = -1 if step is None else int(step)
         self.last_progress = time.monotonic()
         if self.thread_pid != os.getpid():
-            with self.lock:
-                if self.thread_pid == os.getpid():
-                    return
-                value = os.environ.get(ENV_ADDR)
-                if not value or not self._connect(value):
-                    self.thread_pid = os.getpid()  # not in a bv job: never try again
-                    return
-                self.thread_pid = os.getpid()
-                self.send()
-                threading.Thread(target=self._loop, name="bv-heartbeat", daemon=True).start()
+            self._start()
+
+    def _start(self) -> None:
+        with self.lock:
+            if self.thread_pid == os.getpid():
+                return
+            self.target = None  # a forked child: its own socket, its own thread
+            value = os.environ.get(ENV_ADDR)
+            if not value or not self._connect(value):
+                self.thread_pid = os.getpid()  # not in a bv job: never try again
+                return
+            self.thread_pid = os.getpid()
+            self.send()
+            threading.Thread(target=self._loop, name="bv-heartbeat", daemon=True).start()
+
+    def checkpoint(self, step: int | None, started: float, ended: float) -> None:
+        """One signed datagram: a checkpoint of `step` ran from `started` to `ended`
+        (monotonic). Non-blocking; a lost datagram loses this one record only."""
+        if self.thread_pid != os.getpid():
+            self._start()
+        if self.target is None or self.sock is None:
+            return
+        from bluevela.launch.events import CkptMsg, format_ckpt
+
+        self.ck_seq += 1
+        now = time.monotonic()
+        msg = CkptMsg(rank=_int_env("RANK", 0), step=-1 if step is None else int(step),
+                      pid=os.getpid(), seq=self.ck_seq, start_age_s=max(0.0, now - started),
+                      end_age_s=max(0.0, now - ended))
+        try:
+            self.sock.sendto(format_ckpt(msg, self.key), self.target)
+        except OSError:  # a full buffer or an unreachable supervisor: skip this record
+            pass
 
     def _connect(self, value: str) -> bool:
         secret = secret_from_env()
@@ -219,3 +245,23 @@ def progress(step: int | None = None) -> None:
         _SENDER.progress(step)
     except Exception:  # noqa: BLE001 - a heartbeat must never break training
         logger.debug("heartbeat failed", exc_info=True)
+
+
+def checkpoint_saved(step: int | None = None, *, started: float | None = None) -> None:
+    """Tell bv a checkpoint of `step` was just saved (for the goodput ledger: the time since
+    it is what a failure now would lose). `started`: `time.monotonic()` when the save began,
+    when known (`checkpointing()` passes it). One non-blocking datagram; never raises."""
+    try:
+        now = time.monotonic()
+        _SENDER.checkpoint(step, now if started is None else min(started, now), now)
+    except Exception:  # noqa: BLE001 - a record must never break training
+        logger.debug("checkpoint event failed", exc_info=True)
+
+
+@contextlib.contextmanager
+def checkpointing(step: int | None = None) -> Iterator[None]:
+    """``with runtime.checkpointing(step): save()``: records the save's start and end, so the
+    ledger knows what checkpoints cost. Nothing is recorded when the save raises."""
+    started = time.monotonic()
+    yield
+    checkpoint_saved(step, started=started)

@@ -1,0 +1,571 @@
+"""Goodput events: what the in-job supervisor saw happen to each launch, for the ledger.
+
+Three places touch them (docs/resilience.md, "Where the time went: goodput events"):
+
+1. The ranks. `bluevela.runtime.checkpoint_saved(step)` / `checkpointing(step)` send ONE
+   signed UDP datagram per checkpoint to the supervisor's beat socket (the same address and
+   key as the heartbeat, `BV_HEARTBEAT` / `BV_JOB_SECRET`), non-blocking, never raising:
+
+       bvck1 <rank> <step> <pid> <seq> <start_age_ms> <end_age_ms> <mac>
+
+   (ages: how long before the send the save started and ended; `mac` as for beats, over the
+   rest of the line). A dead or absent supervisor costs the loop one failed `sendto`.
+2. The supervisor (`EventLog`, as the job's user). Per launch it appends one JSON line per
+   event to `<dir>/bv-goodput.<job>.r<restart>.<random>.jsonl` (dir: ``BV_EVENTS_DIR``, else
+   /tmp; created O_EXCL|O_NOFOLLOW, mode 0600): the launch (time, attempt, nodes), the first
+   progress, each checkpoint (step, start, end), the step's end (kind, when the failure
+   happened, when it was detected, cause, lost nodes), when the aborted step was gone, the
+   requeue, the exit; once per Slurm attempt the job's submit/start time and time limit from
+   ``scontrol show job``. A checkpoint datagram is range-checked (rank, step, ages within the
+   step's life) and the checkpoints kept per launch are bounded (`MAX_CKPTS`).
+3. The epilog (root) of the node the supervisor ran on: `collect()` reads that file as
+   hostile input (a directory fd, O_NOFOLLOW|O_NONBLOCK, a regular file owned by the job's
+   user, at most `MAX_FILE_BYTES`, every field checked, the host must be this node) and folds
+   it into one bounded dict that goes into the node's epilog report under `goodput_events`
+   (the path reports already take into the archive). A bad file is logged and left out; the
+   report is spooled all the same. The ledger (bluevela/report/goodput.py) checks the dict
+   again with `validate()` before using it.
+
+When the supervisor's own node dies, that node's epilog never runs and the Slurm attempt's
+file is lost with it: the ledger then knows the attempt only from the other nodes' reports
+(prolog/epilog times) and counts its time as unattributed, its cause "the batch node died".
+
+Standard library only: the supervisor and the hooks import it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import stat
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from bluevela.launch.wire import mac, safe_name
+
+logger = logging.getLogger(__name__)
+
+CKPT_MAGIC = "bvck1"
+EVENTS_DIR_ENV = "BV_EVENTS_DIR"
+DEFAULT_DIR = "/tmp"
+MAX_DATAGRAM = 256
+MAX_CKPTS = 4096  # per launch; later ones only add to `ckpt_more` (count, seconds)
+MAX_LAUNCHES = 64
+MAX_LINES = 4 * MAX_CKPTS * 4
+MAX_FILE_BYTES = 2 << 20
+MAX_CAUSE = 600
+MAX_NODES = 1024  # node names listed per launch (a bigger job keeps the count)
+MAX_STEP = 1 << 62
+MAX_RANK = 1 << 20
+MAX_AGE_MS = 7 * 86400 * 1000
+# Unix times must fall between these (2001 .. 2286): anything else is not a clock reading.
+T_MIN, T_MAX = 1e9, 1e10
+KINDS = ("ok", "failed", "lost", "hang", "signal", "terminated")
+_NUM_MAX_LEN = 20
+_NAME_RE = re.compile(r"^bv-goodput\.([0-9]{1,12})\.r([0-9]{1,5})\.[0-9a-f]{16}\.jsonl$")
+
+
+# --------------------------------------------------------------------------------------------
+# The checkpoint datagram (ranks -> supervisor)
+
+
+@dataclass(frozen=True)
+class CkptMsg:
+    rank: int
+    step: int
+    pid: int
+    seq: int
+    start_age_s: float
+    end_age_s: float
+
+
+def format_ckpt(msg: CkptMsg, key: bytes) -> bytes:
+    body = (f"{CKPT_MAGIC} {msg.rank} {msg.step} {msg.pid} {msg.seq} "
+            f"{max(0, int(msg.start_age_s * 1000))} {max(0, int(msg.end_age_s * 1000))}"
+            ).encode("ascii")
+    return body + b" " + mac(key, body)
+
+
+def _num(word: str, low: int, high: int) -> int:
+    if not 0 < len(word) <= _NUM_MAX_LEN:
+        raise ValueError(word)
+    value = int(word)
+    if not low <= value <= high:
+        raise ValueError(word)
+    return value
+
+
+def parse_ckpt(data: bytes, key: bytes) -> CkptMsg | None:
+    """The checkpoint in a datagram signed with `key`, or None (never raises)."""
+    try:
+        if len(data) > MAX_DATAGRAM or not data.startswith(CKPT_MAGIC.encode()):
+            return None
+        body, _, tag = data.rpartition(b" ")
+        if not hmac.compare_digest(tag, mac(key, body)):
+            return None
+        w = body.decode("ascii").split()
+        if len(w) != 7:
+            return None
+        start, end = _num(w[5], 0, MAX_AGE_MS), _num(w[6], 0, MAX_AGE_MS)
+        if end > start:  # ended before it started
+            return None
+        return CkptMsg(_num(w[1], 0, MAX_RANK), _num(w[2], -1, MAX_STEP), _num(w[3], 1, 1 << 22),
+                       _num(w[4], 0, MAX_STEP), start / 1000.0, end / 1000.0)
+    except (UnicodeDecodeError, ValueError, TypeError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# The supervisor's record
+
+
+def events_dir(env: Mapping[str, str]) -> str:
+    value = env.get(EVENTS_DIR_ENV, "")
+    return value if value.startswith("/") and "\0" not in value else DEFAULT_DIR
+
+
+def slurm_times(job: str, timeout: float = 10.0) -> dict[str, float | None]:
+    """Submit time, start time and time limit (s) of `job` from ``scontrol show job -o``
+    (local times), each None when unknown. Bounded by `timeout`; never raises."""
+    out: dict[str, float | None] = {"submit": None, "start": None, "time_limit_s": None}
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
+                              text=True, check=False, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return out
+    fields = dict(w.split("=", 1) for w in proc.stdout.split() if "=" in w)
+    for key, name in (("submit", "SubmitTime"), ("start", "StartTime")):
+        try:
+            out[key] = time.mktime(time.strptime(fields.get(name, ""), "%Y-%m-%dT%H:%M:%S"))
+        except (ValueError, OverflowError):
+            pass
+    out["time_limit_s"] = parse_limit(fields.get("TimeLimit", ""))
+    return out
+
+
+def parse_limit(text: str) -> float | None:
+    """Slurm's `[days-]hours:minutes:seconds` (or `minutes:seconds`, `minutes`) in seconds."""
+    days, _, rest = text.rpartition("-") if "-" in text else ("0", "", text)
+    parts = rest.split(":")
+    try:
+        nums = [int(p) for p in parts]
+        d = int(days)
+    except ValueError:
+        return None
+    if len(nums) == 3:
+        h, m, s = nums
+    elif len(nums) == 2:
+        h, m, s = 0, nums[0], nums[1]
+    elif len(nums) == 1:
+        h, m, s = 0, nums[0], 0
+    else:
+        return None
+    return float(((d * 24 + h) * 60 + m) * 60 + s)
+
+
+class EventLog:
+    """The supervisor's side. Every method is best-effort: an error disables the log (one
+    line on stderr), never the supervisor."""
+
+    def __init__(self, fd: int | None, host: str) -> None:
+        self.fd = fd
+        self.host = host
+        self.launch_no = 0
+        self.started_mono = 0.0
+        self.first_progress = False
+        self.ckpts: dict[int, list[float]] = {}  # step -> [start, end] (unix s), this launch
+        self.signal_mono: float | None = None
+        self.lines = 0
+
+    @classmethod
+    def open(cls, env: Mapping[str, str], host: str, *, query: bool = True) -> EventLog:
+        job, restart = env.get("SLURM_JOB_ID", ""), env.get("SLURM_RESTART_COUNT") or "0"
+        if not job.isdigit() or not restart.isdigit() or len(job) > 12 or len(restart) > 5:
+            return cls(None, host)
+        name = f"bv-goodput.{job}.r{int(restart)}.{secrets.token_hex(8)}.jsonl"
+        fd = None
+        try:
+            dfd = os.open(events_dir(env), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_APPEND | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            logger.warning("no goodput events: cannot create %s in %s: %s", name,
+                           events_dir(env), exc.strerror or exc)
+        log = cls(fd, host)
+        info: dict[str, Any] = {"e": "job", "t": time.time(), "host": host, "job": int(job),
+                                "restart": int(restart)}
+        if query and fd is not None:
+            info.update(slurm_times(job))
+        log._write(info)
+        return log
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        if self.fd is None or self.lines >= MAX_LINES:
+            return
+        try:
+            os.write(self.fd, json.dumps(rec, separators=(",", ":")).encode() + b"\n")
+            self.lines += 1
+        except OSError as exc:
+            logger.warning("goodput events stopped: %s", exc.strerror or exc)
+            self.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
+
+    @staticmethod
+    def wall(mono: float) -> float:
+        return time.time() - (time.monotonic() - mono)
+
+    def launch(self, attempt: int, launch: int, nodes: list[str], spares: int,
+               started_mono: float) -> None:
+        self.launch_no = launch
+        self.started_mono = started_mono
+        self.first_progress = False
+        self.ckpts = {}
+        self._write({"e": "launch", "t": self.wall(started_mono), "attempt": attempt,
+                     "launch": launch, "n_nodes": len(nodes), "nodes": nodes[:MAX_NODES],
+                     "spares": spares})
+
+    def progress(self, mono: float) -> None:
+        if not self.first_progress:
+            self.first_progress = True
+            self._write({"e": "progress", "t": self.wall(mono), "launch": self.launch_no})
+
+    def datagram(self, data: bytes, key: bytes, max_ranks: int, now_mono: float) -> bool:
+        """Record a checkpoint datagram of this step; True when it was one (valid or not)."""
+        if not data.startswith(CKPT_MAGIC.encode()):
+            return False
+        msg = parse_ckpt(data, key)
+        life = now_mono - self.started_mono + 5
+        if msg is None or msg.rank >= max_ranks or msg.start_age_s > life:
+            return True
+        now = time.time()
+        start, end = now - msg.start_age_s, now - msg.end_age_s
+        have = self.ckpts.get(msg.step)
+        if have is not None:  # another rank's save of the same step: one save, widest span
+            have[0], have[1] = min(have[0], start), max(have[1], end)
+            self._write({"e": "ckpt", "launch": self.launch_no, "step": msg.step,
+                         "t0": have[0], "t1": have[1]})
+            return True
+        if len(self.ckpts) >= MAX_CKPTS:
+            self._write({"e": "ckpt_more", "launch": self.launch_no, "t0": start, "t1": end})
+            return True
+        self.ckpts[msg.step] = [start, end]
+        self._write({"e": "ckpt", "launch": self.launch_no, "step": msg.step, "t0": start,
+                     "t1": end})
+        return True
+
+    def signal(self, mono: float) -> None:
+        if self.signal_mono is None:
+            self.signal_mono = mono
+
+    def step_ended(self, kind: str, cause: str, lost: list[str], failed_mono: float | None,
+                   detected_mono: float | None, gone_mono: float) -> None:
+        """The step's end. For a signal the failure and its detection are the signal."""
+        if kind in ("signal", "terminated") and self.signal_mono is not None:
+            failed_mono = detected_mono = max(self.signal_mono, self.started_mono)
+        failed = self.wall(failed_mono) if failed_mono is not None else None
+        detected = self.wall(detected_mono) if detected_mono is not None else None
+        self._write({"e": "end", "launch": self.launch_no, "kind": kind,
+                     "cause": cause[:MAX_CAUSE], "nodes": sorted(lost)[:MAX_NODES],
+                     "failed": failed, "detected": detected, "gone": self.wall(gone_mono)})
+
+    def requeue(self) -> None:
+        self._write({"e": "requeue", "t": time.time()})
+
+
+def failure_time(lost: Mapping[str, str], last_seen: Mapping[str, float], started: float,
+                 detected: float, hang_progress: float | None) -> float:
+    """When the step's failure happened (monotonic): a hang at the stuck rank's last progress;
+    a node silent for --node-timeout at its agent's last message; a node that never
+    connected at the step's start; anything else (a closed connection, a rank's exit) when
+    it was seen, which is within one supervisor tick of it."""
+    if hang_progress is not None:
+        return min(hang_progress, detected)
+    times = [detected]
+    for node, why in lost.items():
+        if why.startswith("silent for") and node in last_seen:
+            times.append(last_seen[node])
+        elif why.startswith("its agent never connected"):
+            times.append(started)
+    return min(times)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the record (the epilog, as root; the ledger again)
+
+
+class EventsError(ValueError):
+    """An events file or record that does not pass the checks (one-line reason)."""
+
+
+def _t(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise EventsError(f"{where} is not a number")
+    v = float(value)
+    if not (math.isfinite(v) and T_MIN <= v <= T_MAX):
+        raise EventsError(f"{where} is not a unix time")
+    return v
+
+
+def _opt_t(value: Any, where: str) -> float | None:
+    return None if value is None else _t(value, where)
+
+
+def _int(value: Any, where: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise EventsError(f"{where} is not an integer in [{lo}, {hi}]")
+    return value
+
+
+def _nodes(value: Any, where: str) -> list[str]:
+    if not isinstance(value, list) or len(value) > MAX_NODES:
+        raise EventsError(f"{where} is not a list of at most {MAX_NODES} names")
+    out = []
+    for n in value:
+        if not isinstance(n, str) or safe_name(n) != n:
+            raise EventsError(f"{where} holds a name that is not a node name")
+        out.append(n)
+    return out
+
+
+def fold(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The event lines of one Slurm attempt -> one record (the shape `validate` checks)."""
+    rec: dict[str, Any] = {"v": 1, "launches": []}
+    by: dict[int, dict[str, Any]] = {}
+    for i, ev in enumerate(lines):
+        if not isinstance(ev, dict):
+            raise EventsError(f"line {i + 1} is not an object")
+        kind = ev.get("e")
+        where = f"line {i + 1} ({safe_name(kind, 16)})"
+        if kind == "job":
+            if "host" in rec:
+                raise EventsError(f"{where}: a second job line")
+            rec["host"] = ev.get("host")
+            rec["job"] = ev.get("job")
+            rec["restart"] = ev.get("restart")
+            rec["opened"] = ev.get("t")
+            rec["slurm"] = {k: ev.get(k) for k in ("submit", "start", "time_limit_s")}
+            continue
+        if kind == "requeue":
+            rec["requeue"] = ev.get("t")
+            continue
+        n = ev.get("launch")
+        if kind == "launch":
+            if len(by) >= MAX_LAUNCHES or not isinstance(n, int) or n in by:
+                raise EventsError(f"{where}: a launch number repeated or too many launches")
+            by[n] = {"launch": n, "attempt": ev.get("attempt"), "start": ev.get("t"),
+                     "n_nodes": ev.get("n_nodes"), "nodes": ev.get("nodes"),
+                     "spares": ev.get("spares"), "first_progress": None, "ckpts": {},
+                     "ckpt_more": [0, 0.0], "end": None}
+            rec["launches"].append(by[n])
+            continue
+        if not isinstance(n, int) or n not in by:
+            raise EventsError(f"{where}: an event of no launch")
+        la = by[n]
+        if kind == "progress":
+            la["first_progress"] = la["first_progress"] or ev.get("t")
+        elif kind == "ckpt":
+            step = ev.get("step")
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise EventsError(f"{where}: step is not an integer")
+            if step not in la["ckpts"] and len(la["ckpts"]) >= MAX_CKPTS:
+                raise EventsError(f"{where}: more than {MAX_CKPTS} checkpoints in a launch")
+            la["ckpts"][step] = [step, ev.get("t0"), ev.get("t1")]
+        elif kind == "ckpt_more":
+            t0, t1 = _t(ev.get("t0"), where), _t(ev.get("t1"), where)
+            la["ckpt_more"] = [la["ckpt_more"][0] + 1, la["ckpt_more"][1] + max(0.0, t1 - t0)]
+        elif kind == "end":
+            la["end"] = {k: ev.get(k) for k in ("kind", "cause", "nodes", "failed", "detected",
+                                                 "gone")}
+        else:
+            raise EventsError(f"{where}: unknown event")
+    for la in rec["launches"]:
+        la["ckpts"] = sorted(la["ckpts"].values(), key=lambda c: (c[2], c[0]))
+    return validate(rec)
+
+
+def validate(rec: Any) -> dict[str, Any]:
+    """Check a folded record (from the epilog, or read back from the archive) field by field;
+    returns a clean copy. Raises EventsError with a one-line reason."""
+    if not isinstance(rec, dict) or rec.get("v") != 1:
+        raise EventsError("not a version-1 goodput record")
+    host = rec.get("host")
+    if not isinstance(host, str) or safe_name(host) != host:
+        raise EventsError("host is not a node name")
+    slurm = rec.get("slurm") or {}
+    if not isinstance(slurm, dict):
+        raise EventsError("slurm is not an object")
+    limit = slurm.get("time_limit_s")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int | float)
+                              or not 0 <= limit <= 366 * 86400):
+        raise EventsError("time_limit_s is out of range")
+    out: dict[str, Any] = {
+        "v": 1, "host": host, "job": _int(rec.get("job"), "job", 0, 10**12),
+        "restart": _int(rec.get("restart"), "restart", 0, 65535),
+        "opened": _t(rec.get("opened"), "opened"),
+        "slurm": {"submit": _opt_t(slurm.get("submit"), "slurm.submit"),
+                  "start": _opt_t(slurm.get("start"), "slurm.start"),
+                  "time_limit_s": None if limit is None else float(limit)},
+        "requeue": _opt_t(rec.get("requeue"), "requeue"), "launches": []}
+    launches = rec.get("launches")
+    if not isinstance(launches, list) or len(launches) > MAX_LAUNCHES:
+        raise EventsError(f"launches is not a list of at most {MAX_LAUNCHES}")
+    for i, la in enumerate(launches):
+        w = f"launch {i + 1}"
+        if not isinstance(la, dict):
+            raise EventsError(f"{w} is not an object")
+        ckpts = la.get("ckpts")
+        if not isinstance(ckpts, list) or len(ckpts) > MAX_CKPTS:
+            raise EventsError(f"{w}: ckpts is not a list of at most {MAX_CKPTS}")
+        clean_ck = []
+        for c in ckpts:
+            if not isinstance(c, list) or len(c) != 3:
+                raise EventsError(f"{w}: a checkpoint is not [step, start, end]")
+            step = _int(c[0], f"{w} checkpoint step", -1, MAX_STEP)
+            t0, t1 = _t(c[1], f"{w} checkpoint start"), _t(c[2], f"{w} checkpoint end")
+            if t1 < t0:
+                raise EventsError(f"{w}: a checkpoint ends before it starts")
+            clean_ck.append([step, t0, t1])
+        more = la.get("ckpt_more") or [0, 0.0]
+        if (not isinstance(more, list) or len(more) != 2
+                or not isinstance(more[1], int | float) or not 0 <= more[1] <= 1e9):
+            raise EventsError(f"{w}: ckpt_more is not [count, seconds]")
+        end = la.get("end")
+        clean_end = None
+        if end is not None:
+            if not isinstance(end, dict) or end.get("kind") not in KINDS:
+                raise EventsError(f"{w}: end is not an object with a known kind")
+            cause = end.get("cause")
+            if not isinstance(cause, str) or len(cause) > MAX_CAUSE:
+                raise EventsError(f"{w}: cause is not a short text")
+            clean_end = {"kind": end["kind"], "cause": "".join(
+                             c if c.isprintable() else "?" for c in cause),
+                         "nodes": _nodes(end.get("nodes") or [], f"{w} end nodes"),
+                         "failed": _opt_t(end.get("failed"), f"{w} failed"),
+                         "detected": _opt_t(end.get("detected"), f"{w} detected"),
+                         "gone": _t(end.get("gone"), f"{w} gone")}
+        out["launches"].append({
+            "launch": _int(la.get("launch"), f"{w} launch", 1, 10**6),
+            "attempt": _int(la.get("attempt"), f"{w} attempt", 1, 10**6),
+            "start": _t(la.get("start"), f"{w} start"),
+            "n_nodes": _int(la.get("n_nodes"), f"{w} n_nodes", 1, 10**6),
+            "nodes": _nodes(la.get("nodes"), f"{w} nodes"),
+            "spares": _int(la.get("spares"), f"{w} spares", 0, 10**6),
+            "first_progress": _opt_t(la.get("first_progress"), f"{w} first_progress"),
+            "ckpts": clean_ck,
+            "ckpt_more": [_int(more[0], f"{w} ckpt_more", 0, 10**9), float(more[1])],
+            "end": clean_end})
+    return out
+
+
+def read_events_file(data: bytes) -> dict[str, Any]:
+    """Parse one events file's bytes (JSON lines) into a validated record."""
+    if len(data) > MAX_FILE_BYTES:
+        raise EventsError(f"larger than {MAX_FILE_BYTES} bytes")
+    lines: list[dict[str, Any]] = []
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        if len(lines) >= MAX_LINES:
+            raise EventsError(f"more than {MAX_LINES} lines")
+        try:
+            obj = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            if n == data.count(b"\n") + 1:  # a last line cut by a killed writer: skipped
+                break
+            raise EventsError(f"line {n} is not JSON") from exc
+        lines.append(obj)
+    return fold(lines)
+
+
+def collect(job_id: int, restart: int, node: str, uid: int | None,
+            env: Mapping[str, str] | None = None, *, remove: bool = True
+            ) -> dict[str, Any] | None:
+    """The epilog's read (as root) of the supervisor's events of this job attempt on this
+    node, or None. Never follows a symlink, never reads a file not owned by the job's user
+    (`uid`) or larger than MAX_FILE_BYTES; a file that fails a check is logged and left
+    out (and kept, for a person to look at). Never raises."""
+    if uid is None:
+        return None
+    env = os.environ if env is None else env
+    try:
+        dfd = os.open(events_dir(env), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                      | os.O_CLOEXEC)
+    except OSError:
+        return None
+    found: dict[str, Any] | None = None
+    try:
+        names = sorted(n for n in os.listdir(dfd) if (m := _NAME_RE.match(n))
+                       and int(m.group(1)) == job_id and int(m.group(2)) == restart)
+        for name in names[:8]:
+            try:
+                rec = _read_one(dfd, name, uid)
+                if rec["host"] != node or rec["job"] != job_id or rec["restart"] != restart:
+                    raise EventsError(f"written for job {rec['job']}.r{rec['restart']} on "
+                                      f"{rec['host']}, not this node's attempt")
+            except (OSError, EventsError) as exc:
+                logger.warning("goodput events %s left out: %s", name, exc)
+                continue
+            if remove:
+                _unlink(dfd, name)
+            if found is None or len(rec["launches"]) > len(found["launches"]):
+                found = rec
+    except OSError as exc:
+        logger.warning("goodput events not read: %s", exc.strerror or exc)
+    finally:
+        os.close(dfd)
+    return found
+
+
+def _read_one(dfd: int, name: str, uid: int) -> dict[str, Any]:
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise EventsError("not a regular file")
+        if st.st_uid != uid:
+            raise EventsError(f"owned by uid {st.st_uid}, not the job's user {uid}")
+        chunks, left = [], MAX_FILE_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, min(1 << 20, left))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return read_events_file(b"".join(chunks))
+    finally:
+        os.close(fd)
+
+
+def _unlink(dfd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dfd)
+    except OSError:
+        pass
+
+
+def collect_for_epilog(job_id: int, restart: int, node: str,
+                       env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """`collect` with the job's user from ``SLURM_JOB_UID`` (the epilog's environment)."""
+    env = os.environ if env is None else env
+    raw = env.get("SLURM_JOB_UID", "")
+    if not raw.isdigit() or len(raw) > 10:
+        return None
+    return collect(job_id, restart, node, int(raw), env)
