@@ -214,9 +214,13 @@ def _health_cell(report: dict[str, Any] | None) -> str:
               "restart gaps and stragglers (docs/efficiency.md).")
 @click.option("--html", "html_out", type=click.Path(path_type=Path, dir_okay=False),
               default=None, help="With --efficiency: also write a self-contained HTML page.")
+@click.option("--goodput", is_flag=True,
+              help="The goodput ledger: the job's wall time and GPU hours by phase "
+              "(productive, re-done, checkpoint, detection, relaunch, start-up, queue), each "
+              "interruption's cause (docs/resilience.md).")
 @click.pass_context
 def show_cmd(ctx: click.Context, job_id: int, as_json: bool, efficiency: bool,
-             html_out: Path | None) -> None:
+             html_out: Path | None, goodput: bool) -> None:
     """Show one archived job: its nodes, each node's prolog and epilog health, exit status,
     telemetry; or with --efficiency, how well it used its nodes and which lagged."""
     from bluevela.archive.query import show_job
@@ -227,6 +231,9 @@ def show_cmd(ctx: click.Context, job_id: int, as_json: bool, efficiency: bool,
     except BluevelaError:  # the spool only adds a hint to "not archived"
         spool = None
     job = show_job(_path(ctx, "archive"), job_id, spool=spool)
+    if goodput:
+        _show_goodput(_path(ctx, "archive"), job, as_json)
+        return
     if efficiency or html_out is not None:
         _show_efficiency(_path(ctx, "archive"), job, as_json, html_out)
         return
@@ -272,6 +279,17 @@ def _show_efficiency(archive: Path, job: dict[str, Any], as_json: bool,
               [(s.node, "" if s.gpu is None else s.gpu, s.evidence) for s in eff.stragglers])
     if html_out is not None:
         click.echo(printable(f"wrote {html_out}"))
+
+
+def _show_goodput(archive: Path, job: dict[str, Any], as_json: bool) -> None:
+    from bluevela.report.goodput import job_goodput, summary_lines
+
+    ledger = job_goodput(archive, job["job_id"], job=job)
+    if as_json:
+        emit_json(ledger.to_dict())
+        return
+    for line in summary_lines(ledger):
+        click.echo(printable(line))
 
 
 def _telemetry_cell(report: dict[str, Any] | None, limit: int = 4) -> str:

@@ -1,0 +1,520 @@
+"""The goodput ledger of one job: where its wall time (and GPU hours) went, by phase and cause
+(`bv archive show JOB --goodput`; docs/resilience.md "The goodput ledger").
+
+Input: the supervisor's events of each Slurm attempt (bluevela/launch/events.py), which the
+epilog of the supervisor's node put in its report (`goodput_events`), and the archive's
+prolog/epilog times of each attempt for attempts without events. Pure logic over those
+(`build_ledger`), unit-tested with hand-computed numbers; `job_goodput` reads the archive.
+
+The time line, from submission to the end of the last step, is cut at the events into
+consecutive pieces, each given one phase, so the phases add up to the wall time exactly:
+
+- queue: submission -> the first start; requeue hold: the requeue -> the next start
+  (Slurm's `cred_expire` hold plus any queue wait);
+- start-up: an allocation's start -> its first launch (prolog, supervisor) and a launch ->
+  its first progress (srun, torchrun rendezvous, imports, loading the checkpoint);
+- productive: first progress -> the end of the last checkpoint before the interruption,
+  less the checkpoint saves in it (for a clean exit: up to the exit);
+- checkpoint: each save's start -> end;
+- re-done: the last checkpoint's end (else the first progress) -> the failure: progress
+  that is lost and has to be made again (none when a checkpoint was saved on the signal);
+- detection: the failure -> the supervisor acting on it;
+- teardown + relaunch: acting -> the next launch in the same allocation, or -> the requeue;
+- unattributed: whatever no event explains (an attempt whose supervisor's node died with
+  its events, clock disorder).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("productive", "redone", "checkpoint", "detection", "teardown_relaunch", "startup",
+          "queue_hold", "unattributed")
+PHASE_LABELS = {
+    "productive": "productive", "redone": "re-done work", "checkpoint": "checkpoint saving",
+    "detection": "detection", "teardown_relaunch": "teardown + relaunch",
+    "startup": "start-up to first step", "queue_hold": "queue wait + requeue hold",
+    "unattributed": "unattributed",
+}
+TIME_LIMIT_WINDOW_S = 300.0  # a SIGUSR1 this close to the limit is the time limit's signal
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One stretch of the job's time line."""
+
+    phase: str
+    start: float
+    end: float
+    attempt: int  # bv attempt (banner number); 0 before the first
+    restart: int  # Slurm restart count
+
+    @property
+    def seconds(self) -> float:
+        return max(0.0, self.end - self.start)
+
+
+@dataclass
+class Interruption:
+    attempt: int
+    restart: int
+    kind: str  # lost | hang | signal | terminated | failed | no-record
+    cause: str  # a short name: "node failure: node2", "time limit", "hang: rank 1 on node2"
+    detail: str  # the supervisor's words
+    at: float | None  # when it happened (unix s)
+    nodes: list[str] = field(default_factory=list)
+    redone_s: float = 0.0
+    lost_s: float = 0.0  # re-done + detection + teardown + hold + start-up it caused
+    evidence: list[dict[str, Any]] = field(default_factory=list)  # the nodes' reports
+
+
+@dataclass
+class Ledger:
+    job_id: int
+    start: float  # submission (or first start when unknown)
+    end: float
+    nodes: int  # training nodes per step
+    gpus_per_node: int
+    phases: dict[str, float]
+    pieces: list[Piece]
+    interruptions: list[Interruption]
+    checkpoints: int
+    checkpoint_mean_s: float | None
+    checkpoint_interval_s: float | None  # mean time from one save's end to the next's start
+    notes: list[str] = field(default_factory=list)
+    advice: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def wall_s(self) -> float:
+        return self.end - self.start
+
+    @property
+    def ettr(self) -> float | None:
+        return self.phases["productive"] / self.wall_s if self.wall_s > 0 else None
+
+    def gpu_hours(self) -> dict[str, float]:
+        g = self.nodes * self.gpus_per_node
+        return {k: v * g / 3600.0 for k, v in self.phases.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id, "start_unix_s": self.start, "end_unix_s": self.end,
+            "wall_s": self.wall_s, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
+            "ettr": self.ettr, "phases_s": dict(self.phases), "gpu_hours": self.gpu_hours(),
+            "node_hours": {k: v * self.nodes / 3600.0 for k, v in self.phases.items()},
+            "checkpoints": self.checkpoints, "checkpoint_mean_s": self.checkpoint_mean_s,
+            "checkpoint_interval_s": self.checkpoint_interval_s,
+            "interruptions": [asdict(i) for i in self.interruptions],
+            "pieces": [{**asdict(p), "seconds": p.seconds} for p in self.pieces],
+            "notes": list(self.notes), "advice": dict(self.advice),
+        }
+
+
+class _Line:
+    """The time line under construction: pieces in order, never overlapping."""
+
+    def __init__(self, start: float) -> None:
+        self.cursor = start
+        self.pieces: list[Piece] = []
+
+    def to(self, phase: str, until: float | None, attempt: int, restart: int) -> None:
+        if until is None or not math.isfinite(until) or until <= self.cursor:
+            return
+        self.pieces.append(Piece(phase, self.cursor, until, attempt, restart))
+        self.cursor = until
+
+
+def _cause_of(kind: str, detail: str, nodes: Sequence[str], at: float | None,
+              started: float | None, limit: float | None) -> str:
+    if kind == "lost":
+        return "node failure: " + ",".join(nodes) if nodes else "node failure"
+    if kind == "hang":
+        words = detail.split(" stopped first")[0]
+        return words if words.startswith("hang:") else "hang"
+    if kind == "signal":
+        if (limit is not None and at is not None and started is not None
+                and at - started >= limit - max(TIME_LIMIT_WINDOW_S, 0.1 * limit)):
+            return "time limit"
+        return "checkpoint signal (SIGUSR1: operator or preemption)"
+    if kind == "terminated":
+        return "SIGTERM (cancel, operator requeue or preemption)"
+    if kind == "failed":
+        return "rank failure"
+    return kind
+
+
+def build_ledger(job_id: int, records: Sequence[dict[str, Any]],
+                 attempts: Sequence[dict[str, Any]] = (), *, gpus_per_node: int = 0,
+                 end: float | None = None) -> Ledger:
+    """The ledger from validated event records (one per Slurm attempt, any order) and the
+    archive's attempts (`query.job_attempts`: restart, first_prolog_unix_s,
+    last_epilog_unix_s) for the attempts without a record.
+
+    Raises:
+        ValueError: neither events nor attempt times to build a time line from.
+    """
+    by_restart = {int(r["restart"]): r for r in records}
+    times = {int(a["restart"]): a for a in attempts}
+    restarts = sorted(set(by_restart) | set(times))
+    if not restarts:
+        raise ValueError(f"job {job_id}: no goodput events and no attempts archived")
+
+    def attempt_start(k: int) -> float | None:
+        rec = by_restart.get(k)
+        if rec is not None:
+            s = rec["slurm"].get("start")
+            first = rec["launches"][0]["start"] if rec["launches"] else rec["opened"]
+            return min(s, first) if s is not None else rec["opened"]
+        t = times.get(k, {}).get("first_prolog_unix_s")
+        return float(t) if t is not None else None
+
+    first = by_restart.get(restarts[0])
+    submit = first["slurm"].get("submit") if first is not None else None
+    start0 = attempt_start(restarts[0])
+    origin = submit if submit is not None else start0
+    if origin is None:
+        raise ValueError(f"job {job_id}: no start time known")
+    line = _Line(origin)
+    interruptions: list[Interruption] = []
+    notes: list[str] = []
+    n_train = 0
+    ckpt_durations: list[float] = []
+    ckpt_gaps: list[float] = []
+    bv_attempt = 0
+    cut: list[int] = []  # per interruption: where its pieces start in line.pieces
+    if submit is None and first is not None:
+        notes.append("no submit time (scontrol was not answered): the queue wait is unknown")
+    for i, k in enumerate(restarts):
+        s_k = attempt_start(k)
+        rec = by_restart.get(k)
+        line.to("queue_hold", s_k, bv_attempt, k)
+        if rec is None:
+            nxt = attempt_start(restarts[i + 1]) if i + 1 < len(restarts) else None
+            stop = nxt if nxt is not None else (times.get(k, {}).get("last_epilog_unix_s")
+                                                or end)
+            cut.append(len(line.pieces))
+            line.to("unattributed", stop, bv_attempt + 1, k)
+            bv_attempt += 1
+            interruptions.append(Interruption(
+                bv_attempt, k, "no-record", "no supervisor record",
+                "no goodput events for this Slurm attempt: its supervisor's node died with "
+                "them (a batch node failure), or the job did not run bv's supervisor", s_k))
+            continue
+        limit = rec["slurm"].get("time_limit_s")
+        for la in rec["launches"]:
+            bv_attempt = la["attempt"]
+            n_train = max(n_train, la["n_nodes"])
+            phase = "startup" if la is rec["launches"][0] else "teardown_relaunch"
+            line.to(phase, la["start"], bv_attempt, k)
+            p = la["first_progress"]
+            e = la["end"]
+            ckpts = la["ckpts"]
+            if e is None:  # the supervisor was killed mid-step (its node, or SIGKILL)
+                line.to("startup", p, bv_attempt, k)
+                for _, t0, t1 in ckpts:
+                    line.to("productive", t0, bv_attempt, k)
+                    line.to("checkpoint", t1, bv_attempt, k)
+                notes.append(f"attempt {bv_attempt}: no end recorded (the supervisor was "
+                             "killed); the rest of it is unattributed")
+                continue
+            kind = e["kind"]
+            failed, detected, gone = e["failed"], e["detected"], e["gone"]
+            if p is None:  # never made progress: all of it was start-up
+                line.to("startup", failed or gone, bv_attempt, k)
+                work_end = failed or gone
+            else:
+                line.to("startup", p, bv_attempt, k)
+                if kind == "ok":
+                    work_end = gone
+                else:
+                    work_end = failed if failed is not None else gone
+                    if kind in ("signal", "terminated"):
+                        after = [c for c in ckpts if c[2] >= work_end]
+                        if after:  # saved on the signal: nothing is lost
+                            work_end = max(c[2] for c in after)
+            kept = [c for c in ckpts if c[2] <= work_end + 1e-6]
+            prev_end: float | None = None
+            for _, t0, t1 in kept:
+                line.to("productive", t0, bv_attempt, k)
+                line.to("checkpoint", t1, bv_attempt, k)
+                ckpt_durations.append(t1 - t0)
+                if prev_end is not None:
+                    ckpt_gaps.append(t0 - prev_end)
+                prev_end = t1
+            if kind == "ok":
+                line.to("productive", work_end, bv_attempt, k)
+            else:
+                redone_from = line.cursor
+                line.to("redone", work_end, bv_attempt, k)
+                redone = max(0.0, work_end - redone_from) if p is not None else 0.0
+                nodes = e["nodes"]
+                interruptions.append(Interruption(
+                    bv_attempt, k, kind,
+                    _cause_of(kind, e["cause"], nodes, failed, s_k, limit),
+                    e["cause"], failed, list(nodes), redone))
+                cut.append(len(line.pieces) - (1 if redone > 0 else 0))
+                line.to("detection", detected, bv_attempt, k)
+            line.to("teardown_relaunch", gone, bv_attempt, k)
+            if la is rec["launches"][-1] and rec.get("requeue") is not None:
+                line.to("teardown_relaunch", rec["requeue"], bv_attempt, k)
+    if end is not None:
+        line.to("unattributed", end, bv_attempt, restarts[-1])
+    # What each interruption cost: its re-done work and every piece after it that is not
+    # work (detection, teardown, hold, start-up) until work goes on again.
+    for intr, at in zip(interruptions, cut, strict=True):
+        if at < 0:
+            continue
+        for piece in line.pieces[at:]:
+            if piece.phase in ("productive", "checkpoint"):
+                break
+            intr.lost_s += piece.seconds
+    phases = dict.fromkeys(PHASES, 0.0)
+    for piece in line.pieces:
+        phases[piece.phase] += piece.seconds
+    return Ledger(job_id, origin, line.cursor, n_train, gpus_per_node, phases, line.pieces,
+                  interruptions, len(ckpt_durations),
+                  sum(ckpt_durations) / len(ckpt_durations) if ckpt_durations else None,
+                  sum(ckpt_gaps) / len(ckpt_gaps) if ckpt_gaps else None, notes)
+
+
+# --------------------------------------------------------------------------------------------
+# Advice: the checkpoint interval and the spare count
+
+
+def young_interval(cost_s: float, mtbf_s: float) -> float:
+    """Young (1974): the interval between checkpoints that minimises the expected loss,
+    sqrt(2 C M), for a checkpoint cost C and a mean time between failures M."""
+    return math.sqrt(2.0 * cost_s * mtbf_s)
+
+
+def daly_interval(cost_s: float, mtbf_s: float) -> float:
+    """Daly (2006), the higher-order optimum: sqrt(2CM) [1 + sqrt(C/2M)/3 + C/(18M)] - C
+    for C < 2M, else M."""
+    if cost_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    r = math.sqrt(cost_s / (2.0 * mtbf_s))
+    return math.sqrt(2.0 * cost_s * mtbf_s) * (1.0 + r / 3.0 + cost_s / (18.0 * mtbf_s)) - cost_s
+
+
+def expected_waste_fraction(interval_s: float, cost_s: float, restart_s: float,
+                            mtbf_s: float) -> float:
+    """The first-order share of time lost: C/tau (saving) + (tau + C)/(2M) (re-done work,
+    half an interval per failure on average) + R/M (detection, teardown, restart)."""
+    if interval_s <= 0 or mtbf_s <= 0:
+        return 1.0
+    return min(1.0, cost_s / interval_s + (interval_s + cost_s) / (2.0 * mtbf_s)
+               + restart_s / mtbf_s)
+
+
+MIN_FAILURES = 5  # fewer failures observed: the fleet's MTBF is "too short a history to trust"
+
+
+def interval_advice(cost_s: float | None, used_interval_s: float | None, node_mtbf_s: float | None,
+                    failures_seen: int, nodes: int, restart_s: float, job_s: float,
+                    gpus: int) -> dict[str, Any]:
+    """The checkpoint interval to use for a job of `nodes` nodes: the job's MTBF is the
+    node MTBF over the node count (independent failures)."""
+    out: dict[str, Any] = {"model": "Young/Daly", "checkpoint_cost_s": cost_s,
+                           "interval_used_s": used_interval_s, "node_mtbf_s": node_mtbf_s,
+                           "failures_seen": failures_seen, "min_failures": MIN_FAILURES,
+                           "nodes": nodes, "restart_s": restart_s}
+    if cost_s is None or node_mtbf_s is None or nodes < 1:
+        out["verdict"] = "no advice: the job's checkpoint cost or the fleet's MTBF is unknown"
+        return out
+    job_mtbf = node_mtbf_s / nodes
+    tau_y, tau_d = young_interval(cost_s, job_mtbf), daly_interval(cost_s, job_mtbf)
+    out.update({"job_mtbf_s": job_mtbf, "young_interval_s": tau_y, "daly_interval_s": tau_d,
+                "trust": failures_seen >= MIN_FAILURES})
+    if used_interval_s:
+        w_used = expected_waste_fraction(used_interval_s, cost_s, restart_s, job_mtbf)
+        w_best = expected_waste_fraction(tau_d, cost_s, restart_s, job_mtbf)
+        out["expected_waste_used"] = w_used
+        out["expected_waste_daly"] = w_best
+        out["gpu_hours_saved"] = max(0.0, (w_used - w_best) * job_s * nodes * gpus / 3600.0)
+        out["node_hours_saved"] = max(0.0, (w_used - w_best) * job_s * nodes / 3600.0)
+    out["verdict"] = (f"checkpoint every {tau_d:.0f} s (Daly; Young {tau_y:.0f} s)"
+                      + ("" if out["trust"] else f": only {failures_seen} failure(s) in the "
+                         f"fleet's history, fewer than {MIN_FAILURES}: too short to trust"))
+    return out
+
+
+def spare_advice(nodes: int, node_mtbf_s: float, job_s: float, *, spare_swap_s: float = 5.0,
+                 requeue_s: float = 120.0, startup_s: float = 60.0, max_spares: int = 8
+                 ) -> dict[str, Any]:
+    """The number of hot spares that maximises expected goodput for a job of `nodes` nodes
+    and `job_s` seconds of work. The job sees K ~ Poisson(n T / M) node failures; the first
+    s of them cost `spare_swap_s` each (a spare in the allocation), the rest a requeue hold
+    plus start-up each; every spare is allocated (and idle) for the whole run:
+
+        E[loss(s)] = E[min(K, s)] * swap + E[max(K - s, 0)] * (requeue + start-up)
+        G(s) = (T n) / ((T + E[loss(s)]) (n + s))
+
+    (the useful node-seconds over the node-seconds allocated). Re-done work is the same
+    with or without spares and is left out.
+    """
+    from math import exp, factorial
+
+    lam = nodes * job_s / node_mtbf_s if node_mtbf_s > 0 else 0.0
+    rows = []
+    for s in range(max_spares + 1):
+        # E[min(K, s)] and E[max(K - s, 0)] for K ~ Poisson(lam)
+        p_k = [exp(-lam) * lam**k / factorial(k) for k in range(s + 1)]
+        e_min = sum(k * p for k, p in enumerate(p_k)) + s * max(0.0, 1.0 - sum(p_k))
+        e_over = max(0.0, lam - e_min)
+        loss = e_min * spare_swap_s + e_over * (requeue_s + startup_s)
+        goodput = (job_s * nodes) / ((job_s + loss) * (nodes + s))
+        rows.append({"spares": s, "expected_failures_covered": e_min,
+                     "expected_requeues": e_over, "expected_loss_s": loss,
+                     "expected_goodput": goodput})
+    best = max(rows, key=lambda r: r["expected_goodput"])
+    return {"model": "Poisson failures, spare swap vs requeue", "expected_failures": lam,
+            "spare_swap_s": spare_swap_s, "requeue_s": requeue_s, "startup_s": startup_s,
+            "best_spares": best["spares"], "table": rows}
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the archive
+
+
+def records_of(job: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The validated event records in a `query.show_job` result, and a note per record that
+    failed the checks (left out, never fatal)."""
+    from bluevela.launch.events import EventsError, validate
+
+    out: dict[int, dict[str, Any]] = {}
+    bad: list[str] = []
+    for n in job.get("nodes") or []:
+        reports = [n.get("epilog")] + [e.get("epilog") for e in n.get("earlier") or []]
+        for rep in reports:
+            if not rep or "goodput_events" not in rep:
+                continue
+            try:
+                rec = validate(rep["goodput_events"])
+            except EventsError as exc:
+                bad.append(f"{n.get('node')}: goodput events left out: {exc}")
+                continue
+            if rec["host"] != n.get("node"):
+                bad.append(f"{n.get('node')}: goodput events of another host left out")
+                continue
+            have = out.get(rec["restart"])
+            if have is None or len(rec["launches"]) > len(have["launches"]):
+                out[rec["restart"]] = rec
+    return list(out.values()), bad
+
+
+def node_evidence(archive_dir: Path, node: str, at: float | None) -> list[dict[str, Any]]:
+    """The failed node's reports in the archive from an hour before the failure: its health
+    history (`bv archive node NODE`), with drain reasons and XIDs."""
+    from bluevela.archive.query import node_history
+
+    try:
+        hist = node_history(archive_dir, node, since=(at - 3600.0) if at else None)
+    except Exception as exc:  # noqa: BLE001 - evidence is a nicety; the ledger stands
+        logger.debug("no history of %s: %s", node, exc)
+        return []
+    reports = hist.get("reports", hist) if isinstance(hist, dict) else hist
+    out = []
+    for r in list(reports or [])[-20:]:
+        xids = [m for c in (r.get("health") or {}).get("checks") or []
+                for m, v in (c.get("metrics") or {}).items() if "xid" in m and v]
+        out.append({"time": r.get("time"), "phase": r.get("phase"), "job_id": r.get("job_id"),
+                    "status": (r.get("health") or {}).get("status"),
+                    "drained": r.get("drained"), "drain_reason": r.get("drain_reason"),
+                    "xids": xids})
+    return out
+
+
+def job_goodput(archive_dir: Path, job_id: int, *, job: dict[str, Any] | None = None,
+                gpus_per_node: int | None = None, fleet: Any = None) -> Ledger:
+    """The ledger of an archived job, with each interruption's node evidence.
+
+    Raises:
+        ArchiveError: the job is not archived, or nothing of it gives a time line.
+    """
+    from bluevela.archive.query import show_job
+    from bluevela.errors import ArchiveError
+
+    if job is None:
+        job = show_job(archive_dir, job_id)
+    records, bad = records_of(job)
+    attempts = job.get("attempts") or [{"restart": 0,
+                                        "first_prolog_unix_s": job.get("start_unix_s"),
+                                        "last_epilog_unix_s": job.get("end_unix_s")}]
+    try:
+        ledger = build_ledger(job_id, records, attempts,
+                              gpus_per_node=gpus_per_node if gpus_per_node is not None
+                              else _gpus_per_node(job))
+    except ValueError as exc:
+        raise ArchiveError(str(exc)) from exc
+    ledger.notes.extend(bad)
+    if not records:
+        ledger.notes.append("no goodput events archived for this job (a job not run through "
+                            "bv's supervisor, or its epilog reports predate them)")
+    for intr in ledger.interruptions:
+        for node in intr.nodes:
+            intr.evidence.append({"node": node, "history": f"bv archive node {node}",
+                                  "reports": node_evidence(archive_dir, node, intr.at)})
+            for r in intr.evidence[-1]["reports"]:
+                if r.get("drain_reason") or r.get("xids"):
+                    intr.cause += f" ({r.get('drain_reason') or 'XID ' + ','.join(r['xids'])})"
+                    break
+    return ledger
+
+
+def _gpus_per_node(job: dict[str, Any]) -> int:
+    """GPUs per node from the site's node classes (0 for CPU nodes or no site)."""
+    try:
+        from bluevela.site import load_site
+
+        site = load_site()
+        first = (job.get("nodes") or [{}])[0].get("node")
+        return int(site.node_classes[site.class_name_for(first)].gpus)
+    except Exception:  # noqa: BLE001 - GPU hours are shown as 0 when the class is unknown
+        return 0
+
+
+def fmt_s(s: float | None) -> str:
+    if s is None or not math.isfinite(s):
+        return "?"
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.2f} h"
+
+
+def summary_lines(ledger: Ledger) -> list[str]:
+    out = [f"job {ledger.job_id}: wall {fmt_s(ledger.wall_s)}, {ledger.nodes} node(s) x "
+           f"{ledger.gpus_per_node} GPU(s), ETTR {100 * (ledger.ettr or 0):.1f}%"]
+    gh = ledger.gpu_hours()
+    for k in PHASES:
+        share = 100 * ledger.phases[k] / ledger.wall_s if ledger.wall_s > 0 else 0.0
+        out.append(f"  {PHASE_LABELS[k]:<26} {fmt_s(ledger.phases[k]):>10} {share:5.1f}%  "
+                   f"{gh[k]:.2f} GPU-h")
+    out.append(f"  checkpoints: {ledger.checkpoints}, mean cost "
+               f"{fmt_s(ledger.checkpoint_mean_s)}, mean interval "
+               f"{fmt_s(ledger.checkpoint_interval_s)}")
+    for i in ledger.interruptions:
+        out.append(f"  interruption in attempt {i.attempt} (restart {i.restart}): {i.cause}; "
+                   f"re-done {fmt_s(i.redone_s)}, lost in all {fmt_s(i.lost_s)}")
+        for ev in i.evidence:
+            out.append(f"    {ev['node']}: {len(ev['reports'])} report(s), see `{ev['history']}`")
+    if ledger.advice.get("verdict"):
+        out.append(f"  advice: {ledger.advice['verdict']}")
+    out.extend(f"  note: {n}" for n in ledger.notes)
+    return out
+
+
+def phase_totals(ledgers: Iterable[Ledger]) -> dict[str, float]:
+    out = dict.fromkeys(PHASES, 0.0)
+    for led in ledgers:
+        for k, v in led.phases.items():
+            out[k] += v
+    return out
