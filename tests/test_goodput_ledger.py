@@ -1,0 +1,165 @@
+"""The goodput ledger's pure logic (bluevela/report/goodput.py) on hand-built event records;
+every expected number below is worked out by hand in the comments."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from bluevela.launch.events import EventsError, validate
+from bluevela.report import goodput as G
+
+T = 1_800_000_000.0  # an origin for readable times: T + 10 is "10"
+
+
+def _rec(restart: int, *, submit: float | None, start: float, launches: list[dict[str, Any]],
+         requeue: float | None = None, limit: float | None = None) -> dict[str, Any]:
+    return validate({"v": 1, "host": "node1", "job": 9, "restart": restart, "opened": T + start,
+                     "slurm": {"submit": None if submit is None else T + submit,
+                               "start": T + start, "time_limit_s": limit},
+                     "requeue": None if requeue is None else T + requeue,
+                     "launches": launches})
+
+
+def _launch(n: int, attempt: int, start: float, progress: float | None,
+            ckpts: list[tuple[int, float, float]], kind: str, gone: float,
+            failed: float | None = None, detected: float | None = None,
+            nodes: list[str] | None = None, cause: str = "") -> dict[str, Any]:
+    return {"launch": n, "attempt": attempt, "start": T + start, "n_nodes": 2,
+            "nodes": ["node1", "node2"], "spares": 1,
+            "first_progress": None if progress is None else T + progress,
+            "ckpts": [[s, T + a, T + b] for s, a, b in ckpts], "ckpt_more": [0, 0.0],
+            "end": {"kind": kind, "cause": cause or kind, "nodes": nodes or [],
+                    "failed": None if failed is None else T + failed,
+                    "detected": None if detected is None else T + detected, "gone": T + gone}}
+
+
+def _phases(led: G.Ledger) -> dict[str, float]:
+    return {k: round(v, 6) for k, v in led.phases.items()}
+
+
+def test_a_node_lost_and_relaunched_on_the_spare() -> None:
+    rec = _rec(0, submit=0, start=10, launches=[
+        _launch(1, 1, 12, 20, [(4, 30, 31), (8, 41, 42)], "lost", gone=48, failed=47,
+                detected=47.2, nodes=["node2"], cause="node2 lost (its agent's connection closed)"),
+        _launch(2, 2, 49, 56, [(12, 66, 67)], "ok", gone=80),
+    ])
+    led = G.build_ledger(9, [rec], gpus_per_node=8)
+    # queue 0->10; start-up 10->12->20 and 49->56; work 20->30, 31->41, 56->66, 67->80;
+    # saves 30-31, 41-42, 66-67; re-done 42->47; detection 47->47.2; teardown 47.2->48->49.
+    assert _phases(led) == {"productive": 43.0, "redone": 5.0, "checkpoint": 3.0,
+                            "detection": 0.2, "teardown_relaunch": 1.8, "startup": 17.0,
+                            "queue_hold": 10.0, "unattributed": 0.0}
+    assert led.wall_s == 80.0 and sum(led.phases.values()) == pytest.approx(80.0)
+    assert led.ettr == pytest.approx(43 / 80)
+    assert led.gpu_hours()["productive"] == pytest.approx(43 * 16 / 3600)
+    (intr,) = led.interruptions
+    assert intr.cause == "node failure: node2" and intr.at == T + 47
+    assert intr.redone_s == pytest.approx(5.0)
+    assert intr.lost_s == pytest.approx(5 + 0.2 + 1.8 + 7)  # re-done, detection, teardown, start-up
+    assert led.checkpoints == 3 and led.checkpoint_mean_s == pytest.approx(1.0)
+    assert led.checkpoint_interval_s == pytest.approx(10.0)  # 31->41 (66->? is another launch)
+
+
+def test_a_node_lost_without_spare_is_requeued_and_waits() -> None:
+    first = _rec(0, submit=0, start=5, requeue=32, launches=[
+        _launch(1, 1, 6, 10, [(4, 20, 22)], "lost", gone=31, failed=30, detected=30.5,
+                nodes=["node2"])])
+    second = _rec(1, submit=31, start=55, launches=[
+        _launch(1, 2, 57, 65, [(8, 75, 76)], "ok", gone=90)])
+    led = G.build_ledger(9, [second, first])
+    # queue 0->5 and hold 32->55; start-up 5->6->10 and 55->57->65; work 10->20, 65->75,
+    # 76->90; saves 20-22, 75-76; re-done 22->30; detection 30->30.5; teardown 30.5->31->32.
+    assert _phases(led) == {"productive": 34.0, "redone": 8.0, "checkpoint": 3.0,
+                            "detection": 0.5, "teardown_relaunch": 1.5, "startup": 15.0,
+                            "queue_hold": 28.0, "unattributed": 0.0}
+    assert led.wall_s == 90.0
+    (intr,) = led.interruptions
+    assert intr.restart == 0 and intr.redone_s == pytest.approx(8.0)
+    assert intr.lost_s == pytest.approx(8 + 0.5 + 1.5 + 23 + 10)
+
+
+def test_time_limit_saved_on_the_signal_loses_nothing() -> None:
+    rec = _rec(0, submit=0, start=0, requeue=52.5, limit=120, launches=[
+        _launch(1, 1, 1, 5, [(8, 20, 21), (20, 50.4, 51)], "signal", gone=52, failed=50,
+                detected=50, cause="checkpoint signal SIGUSR1 from Slurm")])
+    led = G.build_ledger(9, [rec])
+    # start-up 0->1->5; work 5->20, 21->50.4; saves 20-21, 50.4-51 (the one on the signal);
+    # nothing re-done; teardown 51->52->52.5.
+    assert _phases(led) == {"productive": 44.4, "redone": 0.0, "checkpoint": 1.6,
+                            "detection": 0.0, "teardown_relaunch": 1.5, "startup": 5.0,
+                            "queue_hold": 0.0, "unattributed": 0.0}
+    (intr,) = led.interruptions
+    assert intr.cause == "time limit" and intr.redone_s == 0.0
+
+
+def test_an_attempt_without_events_is_unattributed() -> None:
+    """The batch node died with the supervisor's file: the archive's attempt times remain."""
+    first = _rec(0, submit=0, start=5, requeue=32, launches=[
+        _launch(1, 1, 6, 10, [(4, 20, 22)], "lost", gone=31, failed=30, detected=30.5,
+                nodes=["node2"])])
+    third = _rec(2, submit=None, start=170, launches=[
+        _launch(1, 3, 171, 180, [], "ok", gone=200)])
+    attempts = [{"restart": 1, "first_prolog_unix_s": T + 100, "last_epilog_unix_s": T + 150}]
+    led = G.build_ledger(9, [first, third], attempts)
+    # hold 32->100 (requeue to attempt 2's first prolog); attempt 2 unattributed 100->170.
+    assert led.phases["unattributed"] == pytest.approx(70.0)
+    assert led.phases["queue_hold"] == pytest.approx(5 + 68)
+    assert sum(led.phases.values()) == pytest.approx(led.wall_s) and led.wall_s == 200.0
+    kinds = [i.kind for i in led.interruptions]
+    assert kinds == ["lost", "no-record"]
+    assert led.interruptions[1].attempt == 2
+
+
+def test_a_hang_names_the_rank() -> None:
+    rec = _rec(0, submit=0, start=0, requeue=40, launches=[
+        _launch(1, 1, 1, 4, [(2, 10, 11)], "hang", gone=35, failed=15, detected=33,
+                cause="hang: rank 1 on node2 stopped first (no progress for 18 s)")])
+    led = G.build_ledger(9, [rec])
+    (intr,) = led.interruptions
+    assert intr.cause == "hang: rank 1 on node2" and intr.redone_s == pytest.approx(4.0)
+    assert led.phases["detection"] == pytest.approx(18.0)
+
+
+def test_a_forged_record_is_refused() -> None:
+    good = _rec(0, submit=0, start=0, launches=[_launch(1, 1, 1, 2, [], "ok", gone=3)])
+    bad = dict(good, launches=[dict(good["launches"][0], nodes=["node1\x1b[2J"])])
+    with pytest.raises(EventsError):
+        validate(bad)
+    with pytest.raises(EventsError):
+        validate(dict(good, launches=[dict(good["launches"][0],
+                                           ckpts=[[1, T + 5, T + 4]])]))
+    job = {"nodes": [{"node": "node1", "epilog": {"goodput_events": bad}},
+                     {"node": "node2", "epilog": {"goodput_events": good}}]}
+    recs, notes = G.records_of(job)
+    assert recs == [] and len(notes) == 2  # one fails the checks, one names another host
+
+
+def test_young_and_daly() -> None:
+    # C = 60 s, M = 3600 s: Young sqrt(2*60*3600) = 657.27 s; Daly
+    # 657.27 * (1 + sqrt(60/7200)/3 + 60/64800) - 60 = 657.27 * 1.031355 - 60 = 617.88 s.
+    assert G.young_interval(60, 3600) == pytest.approx(657.267, abs=1e-3)
+    assert G.daly_interval(60, 3600) == pytest.approx(617.876, abs=1e-2)
+    assert G.daly_interval(10_000, 3600) == 3600  # C >= 2M: checkpoint once per MTBF
+    adv = G.interval_advice(60, 1800, 3600 * 100, 3, 100, 300, 86400, 8)
+    assert adv["job_mtbf_s"] == pytest.approx(3600) and adv["trust"] is False
+    assert "too short to trust" in adv["verdict"]
+    # waste at 1800 s: 60/1800 + 1860/7200 + 300/3600 = 0.03333 + 0.25833 + 0.08333 = 0.375
+    assert adv["expected_waste_used"] == pytest.approx(0.375, abs=1e-4)
+    assert adv["gpu_hours_saved"] > 0
+
+
+def test_spare_advice() -> None:
+    # 1,000 nodes for a day, node MTBF 5 years: 0.548 failures expected. With a 10-minute
+    # start-up a spare saves 0.42 x 715 s = 302 s of 86,400 (0.35%) for 0.1% more nodes.
+    adv = G.spare_advice(1000, 5 * 365 * 86400, 86400, startup_s=600)
+    assert adv["expected_failures"] == pytest.approx(1000 * 86400 / (5 * 365 * 86400))
+    row0 = adv["table"][0]
+    assert row0["expected_loss_s"] == pytest.approx(adv["expected_failures"] * 720)
+    assert adv["best_spares"] >= 1
+    lam = adv["expected_failures"]
+    assert adv["table"][1]["expected_failures_covered"] == pytest.approx(1 - math.exp(-lam))
+    # A node that never fails: spares only cost.
+    assert G.spare_advice(8, 1e15, 3600)["best_spares"] == 0
