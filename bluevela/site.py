@@ -143,6 +143,9 @@ class Launch:
     signal_before_s: Annotated[int, Ge(0), Le(65535)] = 120
     spare_nodes: Annotated[int, Ge(0)] = 0  # hot spare nodes added to every allocation
     hang_timeout_s: NonNegFloat = 0.0  # end+requeue when no rank reports progress; 0: off
+    # A lost node without a spare: grow the job by one node (needs Slurm's
+    # permit_job_expansion; docs/install.md) waiting at most this long, else requeue; 0: off.
+    grow_deadline_s: Annotated[float, Ge(0), Le(3600)] = 0.0
 
 
 def _check_names(v: list[str]) -> list[str]:

@@ -106,6 +106,9 @@ class JobShape:
     account: str = ""
     qos: str = ""
     constraints: str = ""
+    gres: str = ""  # per node, e.g. gres:gpu:8
+    cpus_per_node: int = 0  # a shared (not exclusive) job's CPUs on each of its nodes
+    mem_per_node: str = ""  # MinMemoryNode, when set
     exclusive: bool = True
     minutes_left: int | None = None  # None: no time limit
     nodes: list[str] = field(default_factory=list)
@@ -121,8 +124,13 @@ def shape_of(fields: dict[str, str]) -> JobShape:
     left = None if limit is None else max(1, limit - run)
     # OverSubscribe=NO is what --exclusive gives; anything else: the job shares nodes.
     exclusive = val("OverSubscribe") in ("NO", "") or val("Exclusive") not in ("", "0")
+    cpus, nodes = val("NumCPUs"), val("NumNodes")
+    per_node = int(cpus) // int(nodes) if cpus.isdigit() and nodes.isdigit() and int(nodes) else 0
+    mem = val("MinMemoryNode")
     return JobShape(partition=val("Partition"), account=val("Account"), qos=val("QOS"),
-                    constraints=val("Features"), exclusive=exclusive, minutes_left=left)
+                    constraints=val("Features"), gres=val("TresPerNode"), exclusive=exclusive,
+                    minutes_left=left, cpus_per_node=per_node,
+                    mem_per_node="" if mem in ("", "0") else mem)
 
 
 def salloc_argv(job: str, shape: JobShape, exclude: Sequence[str], deadline_s: float) -> list[str]:
@@ -134,6 +142,10 @@ def salloc_argv(job: str, shape: JobShape, exclude: Sequence[str], deadline_s: f
             f"--immediate={max(1, int(deadline_s))}", f"--job-name=bv-grow-{job}"]
     if shape.exclusive:
         argv.append("--exclusive")
+    elif shape.cpus_per_node > 1:
+        argv.append(f"--mincpus={shape.cpus_per_node}")
+    if shape.mem_per_node:
+        argv.append(f"--mem={shape.mem_per_node}")
     if shape.partition:
         argv.append(f"--partition={shape.partition}")
     if shape.account:
@@ -142,6 +154,8 @@ def salloc_argv(job: str, shape: JobShape, exclude: Sequence[str], deadline_s: f
         argv.append(f"--qos={shape.qos}")
     if shape.constraints:
         argv.append(f"--constraint={shape.constraints}")
+    if shape.gres:
+        argv.append(f"--gres={shape.gres.removeprefix('gres:').replace('gres:', '')}")
     if shape.minutes_left is not None:
         argv.append(f"--time={shape.minutes_left}")
     if exclude:
@@ -230,7 +244,7 @@ def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
         info = parse_fields(run(["scontrol", "show", "job", "-o", new], 30, None).stdout)
         added = _expand_nodes(info.get("NodeList", ""))
         bye = _retry(run, ["scontrol", "update", f"JobId={new}", "NumNodes=0"],
-                     time.monotonic() + 30)
+                     time.monotonic() + 30, cwd=tmp)
         if bye.returncode != 0:
             return fail(f"scontrol update JobId={new} NumNodes=0: {_one_line(bye.stderr)}")
     finally:

@@ -104,6 +104,7 @@ class SubmitRequest:
     spare_nodes: int = 0  # hot spares inside the allocation (the supervisor's)
     min_nodes: int | None = None  # elastic shrink floor (data parallel); None: fixed size
     hang_timeout: float = 0.0  # seconds without progress from any rank; 0: no watchdog
+    grow_deadline: float = 0.0  # seconds to wait for a node grown in place of a lost one; 0: off
     cpus_per_task: int | None = None
     mem: str | None = None
     exclusive: bool = False
@@ -275,6 +276,8 @@ class SubmitRequest:
             argv.append(f"--min-nodes={self.min_nodes}")
         if self.hang_timeout:
             argv.append(f"--hang-timeout={self.hang_timeout:g}")
+        if self.grow_deadline:
+            argv.append(f"--grow-deadline={self.grow_deadline:g}")
         return [*argv, "--", *self.torchrun_argv()]
 
     def materialize(self) -> str:

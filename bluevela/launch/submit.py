@@ -115,6 +115,7 @@ def build_request(
         min_nodes=min_nodes,
         hang_timeout=(hang_timeout if hang_timeout is not None
                       else (launch.hang_timeout_s if launch else 0.0)),
+        grow_deadline=launch.grow_deadline_s if launch else 0.0,
         cpus_per_task=cpus_per_task,
         mem=mem,
         exclusive=exclusive,

@@ -95,6 +95,7 @@ PING_S = 1.0
 ABORT_KILL_S = 0.5
 USR1_UNCAUGHT_S = 30.0  # then a worker without a SIGUSR1 handler gets it anyway (and dies)
 TICK_S = 0.2
+UNSET_ON_RESIZE = ("SLURM_NPROCS", "SLURM_NTASKS", "SLURM_TASKS_PER_NODE")
 
 
 # --------------------------------------------------------------------------------------------
@@ -536,6 +537,8 @@ class Supervisor:
                "SLURM_JOB_NUM_NODES": str(len(self.alloc)), "SLURM_NNODES": str(len(self.alloc))}
         env.update(res.env)  # Slurm's own resize script wins where it says more
         self.env.update(env)
+        for name in UNSET_ON_RESIZE:  # as Slurm's resize script does: srun recomputes them
+            self.env.pop(name, None)
         _log(f"grew job {self.job} by {compress(res.added)} in {res.seconds:.1f} s")
         return res
 

@@ -1,0 +1,146 @@
+"""Growing a job in place of a lost node (bluevela/launch/grow.py): the pure parts on output
+recorded on the dev cluster (tests/data/README.md), and the supervisor's hang path in place on
+its stand-ins (tests/supervisor_standins.py: the REAL supervisor, agents and ranks; stand-in
+srun/torchrun/scontrol). The grow itself against Slurm: tests/test_grow_cluster.py."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import hostlist
+import pytest
+
+from bluevela.launch.grow import (
+    granted_job,
+    parse_fields,
+    parse_resize,
+    salloc_argv,
+    shape_of,
+    support_problem,
+)
+from bluevela.launch.request import SubmitRequest
+from bluevela.launch.supervisor import parse_args
+from tests.conftest import DATA
+from tests.supervisor_standins import Job
+
+SLURM = DATA / "slurm"
+
+
+def _jobs() -> dict[str, dict[str, str]]:
+    lines = (SLURM / "show-job-o-22.05.txt").read_text().splitlines()
+    return {f["JobId"]: f for f in map(parse_fields, lines)}
+
+
+def test_shape_of_a_shared_and_an_exclusive_job() -> None:
+    jobs = _jobs()
+    shared, exclusive = shape_of(jobs["8"]), shape_of(jobs["7"])
+    # Job 8: `bv submit -N 2 --procs-per-node 1` (OverSubscribe=OK, TimeLimit=UNLIMITED).
+    assert shared.partition == "debug" and not shared.exclusive
+    assert shared.minutes_left is None and shared.cpus_per_node == 1
+    assert shared.account == "" and shared.constraints == "" and shared.qos == ""
+    # Job 7: `sbatch --exclusive -w node3` (OverSubscribe=NO), 365 days, 6 s in.
+    assert exclusive.exclusive and exclusive.minutes_left == 365 * 24 * 60
+
+
+def test_salloc_asks_for_one_node_of_the_same_kind_never_a_lost_one() -> None:
+    shape = shape_of(_jobs()["8"])
+    argv = salloc_argv("8", shape, ["node2", "node1", "node2"], 15.7)
+    assert argv[:2] == ["salloc", "--no-shell"]
+    assert "--nodes=1" in argv and "--dependency=expand:8" in argv
+    assert "--immediate=15" in argv and "--partition=debug" in argv
+    assert "--exclude=node1,node2" in argv and "--exclusive" not in argv
+    assert not any(a.startswith(("--account=", "--time=", "--constraint=")) for a in argv)
+    ex = salloc_argv("7", shape_of(_jobs()["7"]), [], 1)
+    assert "--exclusive" in ex and f"--time={365 * 24 * 60}" in ex
+    assert not any(a.startswith("--exclude") for a in ex)
+
+
+def test_support_needs_permit_job_expansion() -> None:
+    text = (SLURM / "show-config-22.05.txt").read_text()  # the dev cluster sets it
+    assert support_problem(parse_fields(text)) is None
+    off = text.replace(",permit_job_expansion", "")
+    assert off != text
+    why = support_problem(parse_fields(off))
+    assert why is not None and "cannot grow jobs" in why and "permit_job_expansion" in why
+    assert support_problem({}) is not None
+
+
+def test_resize_script_and_salloc_output() -> None:
+    # Written by `scontrol update JobId=6 NumNodes=0` (the helper job giving its node up).
+    env = parse_resize((SLURM / "resize-numnodes0-22.05.sh").read_text())
+    assert env == {"SLURM_NODELIST": "", "SLURM_JOB_NODELIST": "", "SLURM_NNODES": "0",
+                   "SLURM_JOB_NUM_NODES": "0", "SLURM_JOB_CPUS_PER_NODE": ""}
+    grown = 'export SLURM_JOB_NODELIST="node[1,3]"\nexport SLURM_NNODES=2\n'
+    assert parse_resize(grown) == {"SLURM_JOB_NODELIST": "node[1,3]", "SLURM_NNODES": "2"}
+    # A value with shell characters is not a node list: dropped, never passed on.
+    assert parse_resize('export SLURM_NODELIST="$(id)"\nexport SLURM_NNODES=`id`\n') == {}
+    assert granted_job("salloc: Granted job allocation 6\n") == "6"
+    assert granted_job("salloc: Pending job allocation 9\nsalloc: job 9 queued and waiting "
+                       "for resources\nsalloc: error: Unable to allocate resources: Connection "
+                       "timed out\n") == "9"
+    assert granted_job("salloc: error: Invalid dependency\n") is None
+
+
+def test_the_site_deadline_reaches_the_supervisor() -> None:
+    req = SubmitRequest(nodes=2, script="train.py", grow_deadline=30)
+    argv = req.supervisor_argv()
+    assert "--grow-deadline=30" in argv
+    assert parse_args(argv[4:]).grow_deadline == 30
+    assert not any(a.startswith("--grow") for a in SubmitRequest(nodes=2, script="t.py")
+                   .supervisor_argv())
+
+
+@pytest.mark.parametrize("bad", ["-1", "nan", "inf", "3601"])
+def test_a_bad_grow_deadline_is_refused(bad: str) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--nodes=2", f"--grow-deadline={bad}", "--", "torchrun", "t.py"])
+
+
+# -- the hang path in place (real supervisor, stand-ins) ----------------------------------------
+
+def _wait(job: Job, pattern: str, timeout: float) -> re.Match[str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = re.search(pattern, job.stdout(), re.M)
+        if m is not None:
+            return m
+        assert job.running(), job.stdout() + job.stderr()
+        assert time.monotonic() < deadline, f"no {pattern!r}:\n{job.stdout()}{job.stderr()}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("spare", [0, 1], ids=["same-nodes", "spare"])
+def test_a_hang_relaunches_in_place_without_a_requeue(tmp_path: Path, spare: int) -> None:
+    """Every rank stops (mode `stall`): the watchdog ends the step, every node answers the
+    abort, and the step is relaunched in the same allocation (on the spare instead of the hung
+    rank's node when there is one): no `scontrol requeue`, the job then finishes 0."""
+    nodes = ("n1", "n2", "n3")[: 2 + spare]
+    job = Job(tmp_path, nodes=nodes, mode="stall",
+              options=["--nodes=2", f"--spare-nodes={spare}", "--hang-timeout=2"])
+    try:
+        job.start()
+        for node in nodes[:2]:
+            job.wait_for(f"ready.{node}", 60)
+        end = _wait(job, r"^==== bv attempt 1 ended: (.*) ====$", 30).group(1)
+        hung = re.search(r"hang: rank \d+ on (\S+) stopped first", end)
+        assert hung is not None, end
+        banner2 = _wait(job, r"^==== bv attempt 2 job 77 nodes (\S+) previous: (.*) ====$", 30)
+        assert banner2.group(2) == end
+        if spare:
+            assert f"(spare n3 for {hung.group(1)}; no Slurm requeue)" in end, end
+            second = hostlist.expand_hostlist(banner2.group(1))
+            assert hung.group(1) not in second and "n3" in second and len(second) == 2
+        else:
+            assert "relaunching on the same nodes (n[1-2]; no Slurm requeue)" in end, end
+            assert banner2.group(1) == "n[1-2]"
+        job.finish()  # the relaunched ranks end by themselves
+        rc = job.wait(60)
+        assert rc == 0, job.stdout() + job.stderr()
+        assert "==== bv attempt 2 ended: exit 0 ====" in job.stdout()
+        # No requeue, no node let go (a read such as `show job` is not an action).
+        assert not [c for c in job.scontrol() if c.split()[0] in ("requeue", "update")], \
+            job.scontrol()
+    finally:
+        job.kill()
