@@ -144,3 +144,43 @@ def test_a_hang_relaunches_in_place_without_a_requeue(tmp_path: Path, spare: int
             job.scontrol()
     finally:
         job.kill()
+
+
+@pytest.mark.parametrize("permit", [True, False], ids=["permitted", "not-permitted"])
+def test_site_validate_says_when_this_slurm_cannot_grow_jobs(tmp_path: Path,
+                                                             permit: bool) -> None:
+    """`bv site validate` with launch.grow_deadline_s set asks Slurm (`scontrol show config`,
+    here the dev cluster's recorded answer, with or without permit_job_expansion)."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.conftest import REPO
+
+    config = (SLURM / "show-config-22.05.txt").read_text()
+    if not permit:
+        config = config.replace(",permit_job_expansion", "")
+    (tmp_path / "config.txt").write_text(config)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\nexec cat {tmp_path / 'config.txt'}\n")
+    scontrol.chmod(0o755)
+    data = yaml.safe_load((REPO / "site.yaml").read_text())
+    data.setdefault("launch", {})["grow_deadline_s"] = 30
+    site = tmp_path / "site.yaml"
+    site.write_text(yaml.safe_dump(data))
+    proc = subprocess.run([sys.executable, "-m", "bluevela", "site", "validate", str(site)],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                               "BV_CACHE_DIR": "off"})
+    assert proc.returncode == 0 and ": OK (" in proc.stdout, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    if permit:
+        assert proc.stderr == "", proc.stderr
+    else:
+        assert proc.stderr.count("\n") == 1, proc.stderr
+        assert "this Slurm cannot grow jobs: SchedulerParameters lacks permit_job_expansion" \
+            in proc.stderr and "(Slurm 22.05.8)" in proc.stderr, proc.stderr

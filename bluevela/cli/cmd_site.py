@@ -18,10 +18,14 @@ def command() -> None:
 @click.pass_obj
 def validate(obj: State, path: str | None) -> None:
     """Validate PATH (default: the site file bv would use). Problems print as PATH:LINE: message."""
+    from bluevela.launch.grow import readiness
     from bluevela.site import load_site
 
     site = load_site(path or obj.site_path)
     click.echo(f"{site.source}: OK ({site.cluster}: {len(site.node_classes)} node classes)")
+    note = readiness(site.launch.grow_deadline_s)
+    if note is not None:
+        click.echo(f"WARNING: {note}", err=True)
 
 
 @command.command("show")

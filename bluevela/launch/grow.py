@@ -289,3 +289,21 @@ def _retry(run: Runner, argv: Sequence[str], until: float,
         if proc.returncode == 0 or not transient or time.monotonic() > until:
             return proc
         time.sleep(0.5)
+
+
+def readiness(deadline_s: float, run: Runner = run_cli) -> str | None:
+    """For `bv site validate`: a one-line note when the site asks for growth
+    (launch.grow_deadline_s > 0) that this Slurm cannot give, or None when all is well."""
+    if deadline_s <= 0:
+        return None
+    cfg = run(["scontrol", "show", "config"], 30, None)
+    if cfg.returncode != 0:
+        return (f"launch.grow_deadline_s is {deadline_s:g} s, but whether Slurm can grow jobs "
+                f"is unknown (scontrol show config: {_one_line(cfg.stderr) or 'failed'})")
+    fields = parse_fields(cfg.stdout)
+    problem = support_problem(fields)
+    if problem is None:
+        return None
+    version = fields.get("SLURM_VERSION", "?")
+    return (f"launch.grow_deadline_s is {deadline_s:g} s, but {problem} (Slurm {version}): "
+            "a node lost without a spare is requeued instead")
