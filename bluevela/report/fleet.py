@@ -82,6 +82,8 @@ class JobFacts:
     restarts: int = 0  # the highest restart count (SLURM_JOB_RESTART_COUNT) its reports carry
     #: restart -> its attempt's facts (only for jobs with restarts > 0)
     attempts: dict[int, Attempt] = field(default_factory=dict)
+    #: the supervisor's goodput events, one validated record per attempt that has them
+    goodput: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -162,6 +164,7 @@ def _gather_segments(segs: list[tuple[Any, Path]], since: float, now: float,
     jcols = ["job_id", "revision", "num_nodes", "start_unix_s", "end_unix_s",
              "last_report_unix_s", "exit_code", "exit_signal", "node_first", "node_count"]
     attempts: dict[int, dict[int, Attempt]] = defaultdict(dict)
+    goodput: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
     for seg_no, (info, path) in enumerate(segs):
         if info.time_max < since or info.time_min > now:
             continue
@@ -205,6 +208,7 @@ def _gather_segments(segs: list[tuple[Any, Path]], since: float, now: float,
                                               int(r["job_id"]), why))
             if restart is not None and bool((restart > 0).any()):
                 _gather_attempts(attempts, rep, restart, node_of, names)
+            _gather_goodput(goodput, f, rep, in_win, names, node_of)
             jobs = _with_restarts(f, jcols)
             job_parts.append(jobs)
             seg_parts.append(np.full(len(jobs), seg_no))
@@ -218,6 +222,7 @@ def _gather_segments(segs: list[tuple[Any, Path]], since: float, now: float,
     for j in facts.jobs:
         if j.restarts:
             j.attempts = attempts.get(j.job_id, {})
+        j.goodput = list(goodput.get(j.job_id, {}).values())
     facts.events.sort(key=lambda e: (e.time, e.node, e.source))
     return facts
 
@@ -257,6 +262,40 @@ def _gather_attempts(out: dict[int, dict[int, Attempt]], rep: np.ndarray, restar
         else:
             a.epilog_nodes.add(node)
             a.last_epilog = t if math.isnan(a.last_epilog) else max(a.last_epilog, t)
+
+
+def _gather_goodput(out: dict[int, dict[int, dict[str, Any]]], f: Any, rep: np.ndarray,
+                    in_win: np.ndarray, names: list[str], node_of: np.ndarray) -> None:
+    """The goodput events (bluevela/launch/events.py) in the window's epilog reports: only
+    the rows whose extra JSON names them are decoded, and each record is checked again."""
+    import json
+
+    import numpy as np
+
+    from bluevela.archive import schema as S
+    from bluevela.launch.events import EventsError, validate
+
+    if "extra_json" not in (f["reports"].dtype.names or ()):
+        return
+    rows = np.flatnonzero(in_win & (rep["phase"] == S.PHASE_CODES["epilog"])).tolist()
+    if not rows:
+        return
+    extra = f["reports"].fields("extra_json")[rows]
+    for row, raw in zip(rows, extra, strict=True):
+        text = raw if isinstance(raw, bytes) else str(raw).encode()
+        if b"goodput_events" not in text:
+            continue
+        try:
+            rec = validate(json.loads(text)["goodput_events"])
+        except (ValueError, KeyError, TypeError, EventsError) as exc:
+            logger.warning("job %s on %s: goodput events left out: %s",
+                           int(rep[row]["job_id"]), names[node_of[row]], exc)
+            continue
+        if rec["host"] != names[node_of[row]] or rec["job"] != int(rep[row]["job_id"]):
+            continue
+        have = out[rec["job"]].get(rec["restart"])
+        if have is None or len(rec["launches"]) > len(have["launches"]):
+            out[rec["job"]][rec["restart"]] = rec
 
 
 def _first_critical_check(f: Any, first: int, count: int) -> str:
@@ -520,13 +559,26 @@ def _incidents(events: list[Event], passing: Mapping[str, list[float]]) -> list[
 
 
 def _goodput(jobs: list[JobFacts], gpus_of: Mapping[str, int], since: float,
-             now: float) -> dict[str, Any]:
-    kinds = ("completed", "signalled", "failed", "lost_node", "unknown")
+             now: float, ledger: Mapping[int, tuple[float, float]] | None = None
+             ) -> dict[str, Any]:
+    """GPU hours by how each job ended. A job with a goodput ledger (`ledger`: job ->
+    productive and allocated seconds) is split by it instead: its productive time counts
+    as `completed`, the rest of its allocation as `lost_ledger` (docs/report.md)."""
+    ledger = ledger or {}
+    kinds = ("completed", "signalled", "failed", "lost_node", "unknown") \
+        + (("lost_ledger",) if ledger else ())
     gpu_h = dict.fromkeys(kinds, 0.0)
     node_h = dict.fromkeys(kinds, 0.0)
     count = dict.fromkeys(kinds, 0)
     no_times = 0
     for j in jobs:
+        if j.job_id in ledger:
+            productive, allocated = ledger[j.job_id]
+            gpus = sum(gpus_of.get(n, 0) for n in j.nodes)
+            for part, secs in (("completed", productive),
+                               ("lost_ledger", max(0.0, allocated - productive))):
+                node_h[part] += secs * len(j.nodes) / 3600.0
+                gpu_h[part] += secs * gpus / 3600.0
         if j.lost or (j.epilog_critical and (j.exit_code > 0 or j.exit_signal > 0)):
             kind = "lost_node"
         elif j.exit_code < 0 and j.exit_signal < 0:
@@ -538,6 +590,8 @@ def _goodput(jobs: list[JobFacts], gpus_of: Mapping[str, int], since: float,
         else:
             kind = "completed"
         count[kind] += 1
+        if j.job_id in ledger:
+            continue
         if math.isnan(j.start) or math.isnan(j.end):
             no_times += 1
             continue
@@ -547,6 +601,7 @@ def _goodput(jobs: list[JobFacts], gpus_of: Mapping[str, int], since: float,
     total_g, total_n = sum(gpu_h.values()), sum(node_h.values())
     return {
         "jobs": len(jobs), "jobs_by_outcome": count, "jobs_without_times": no_times,
+        "jobs_with_ledger": len([j for j in jobs if j.job_id in ledger]),
         "gpu_hours": {k: round(v, 2) for k, v in gpu_h.items()},
         "node_hours": {k: round(v, 2) for k, v in node_h.items()},
         "gpu_hours_total": round(total_g, 2), "node_hours_total": round(total_n, 2),
@@ -645,6 +700,7 @@ def compute(facts: FleetFacts, *, since: float, now: float,
     total_inc = sum(r["incidents"] for r in classes_out)
 
     causes = Counter((e.cause, e.source) for e in events)
+    ledger = _ledgers(facts.jobs, gpus_of, class_of, classes_out)
     by_day = Counter((datetime.fromtimestamp(e.time, tz=UTC).strftime("%Y-%m-%d"), e.cause)
                      for e in events)
     return {
@@ -675,8 +731,103 @@ def compute(facts: FleetFacts, *, since: float, now: float,
             "p90_h": _quantile(ttrs, 0.9), "max_h": round(max(ttrs), 3) if ttrs else None,
             "hours": sorted(round(t, 3) for t in ttrs),
         },
-        "goodput": _goodput(facts.jobs, gpus_of, since, now),
+        "goodput": _goodput(facts.jobs, gpus_of, since, now, ledger.pop("_hours")),
+        "ledger": ledger,
     }
+
+
+SIZE_BUCKETS = (1, 2, 8, 32, 128, 512, 2048, 8192)
+
+
+def _size_bucket(n: int) -> str:
+    lo = 1
+    for b in SIZE_BUCKETS:
+        if n <= b:
+            return f"{lo}-{b}" if lo != b else str(b)
+        lo = b + 1
+    return f">{SIZE_BUCKETS[-1]}"
+
+
+def _ledgers(jobs: list[JobFacts], gpus_of: Mapping[str, int], class_of: Mapping[str, str],
+             classes_out: list[dict[str, Any]]) -> dict[str, Any]:
+    """The goodput ledger (bluevela/report/goodput.py) of every job with supervisor events:
+    ETTR per job and by job size, hours lost by phase and by cause, and the checkpoint
+    interval / spare advice from the fleet's MTBF of the job's node class."""
+    from bluevela.report import goodput as G
+
+    mtbf = {r["class"]: (r["mtbf_h"], r["incidents"]) for r in classes_out}
+    rows: list[dict[str, Any]] = []
+    by_size: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    phase_h: dict[str, float] = dict.fromkeys(G.PHASES, 0.0)
+    cause_h: defaultdict[str, float] = defaultdict(float)
+    hours: dict[int, tuple[float, float]] = {}  # job -> (productive s, allocated s)
+    basis_gpu = False
+    for j in jobs:
+        if not j.goodput:
+            continue
+        attempts = [{"restart": k, "first_prolog_unix_s": None if math.isnan(a.first_prolog)
+                     else a.first_prolog, "last_epilog_unix_s": None if math.isnan(a.last_epilog)
+                     else a.last_epilog} for k, a in sorted(j.attempts.items())]
+        gpus = max((gpus_of.get(n, 0) for n in j.nodes), default=0)
+        try:
+            led = G.build_ledger(j.job_id, j.goodput, attempts, gpus_per_node=gpus)
+        except ValueError as exc:
+            logger.warning("no ledger for job %d: %s", j.job_id, exc)
+            continue
+        basis_gpu |= gpus > 0
+        hours[j.job_id] = (led.phases["productive"], led.wall_s - led.phases["queue_hold"])
+        unit = led.nodes * (gpus if gpus > 0 else 1) / 3600.0  # GPU (or node) hours per s
+        for k, v in led.phases.items():
+            phase_h[k] += v * unit
+        for intr in led.interruptions:
+            cause_h[intr.cause.split(" (")[0]] += intr.lost_s * unit
+        cls = class_of.get(j.nodes[0], UNKNOWN_CLASS) if j.nodes else UNKNOWN_CLASS
+        node_mtbf_h, incidents = mtbf.get(cls, (None, 0))
+        restart_s = (sum(i.lost_s - i.redone_s for i in led.interruptions)
+                     / len(led.interruptions)) if led.interruptions else 0.0
+        advice = G.interval_advice(led.checkpoint_mean_s, led.checkpoint_interval_s,
+                                   node_mtbf_h * 3600.0 if node_mtbf_h else None, incidents,
+                                   max(led.nodes, 1), restart_s, led.phases["productive"],
+                                   gpus)
+        spares = (G.spare_advice(max(led.nodes, 1), node_mtbf_h * 3600.0,
+                                 max(led.phases["productive"], 1.0),
+                                 startup_s=led.phases["startup"] / max(1, len(
+                                     led.interruptions) + 1))
+                  if node_mtbf_h else None)
+        size = _size_bucket(led.nodes)
+        b = by_size[size]
+        b[0] += led.phases["productive"] * unit
+        b[1] += led.wall_s * unit
+        b[2] += 1
+        rows.append({"job_id": j.job_id, "nodes": led.nodes, "class": cls,
+                     "wall_h": round(led.wall_s / 3600.0, 4),
+                     "ettr_pct": _pct(led.phases["productive"], led.wall_s),
+                     "phases_h": {k: round(v / 3600.0, 4) for k, v in led.phases.items()},
+                     "interruptions": [{"attempt": i.attempt, "cause": i.cause,
+                                        "nodes": i.nodes, "redone_s": round(i.redone_s, 2),
+                                        "lost_s": round(i.lost_s, 2)}
+                                       for i in led.interruptions],
+                     "checkpoint_cost_s": led.checkpoint_mean_s,
+                     "checkpoint_interval_s": led.checkpoint_interval_s,
+                     "advice": advice,
+                     "spares_advice": None if spares is None else
+                     {k: spares[k] for k in ("best_spares", "expected_failures", "model")}})
+    total = sum(phase_h.values())
+    return {
+        "jobs": len(rows), "basis": "gpu_hours" if basis_gpu else "node_hours",
+        "ettr_pct": _pct(phase_h["productive"], total) if total else None,
+        "hours_by_phase": {k: round(v, 4) for k, v in phase_h.items()},
+        "hours_lost_by_cause": dict(sorted(((k, round(v, 4)) for k, v in cause_h.items()),
+                                           key=lambda kv: -kv[1])),
+        "by_size": [{"nodes": k, "jobs": int(v[2]), "ettr_pct": _pct(v[0], v[1])}
+                    for k, v in sorted(by_size.items(), key=lambda kv: _size_key(kv[0]))],
+        "per_job": rows,
+        "_hours": hours,
+    }
+
+
+def _size_key(label: str) -> int:
+    return int(label.lstrip(">").split("-")[0])
 
 
 def fleet_report(archive_dir: Path, *, since: float, now: float | None = None,

@@ -325,8 +325,12 @@ def interval_advice(cost_s: float | None, used_interval_s: float | None, node_mt
                            "interval_used_s": used_interval_s, "node_mtbf_s": node_mtbf_s,
                            "failures_seen": failures_seen, "min_failures": MIN_FAILURES,
                            "nodes": nodes, "restart_s": restart_s}
-    if cost_s is None or node_mtbf_s is None or nodes < 1:
-        out["verdict"] = "no advice: the job's checkpoint cost or the fleet's MTBF is unknown"
+    if cost_s is None:
+        out["verdict"] = "no advice: the job recorded no checkpoint (its cost is unknown)"
+        return out
+    if node_mtbf_s is None or nodes < 1:
+        out["verdict"] = ("no advice: no failure of this node class in the fleet's history "
+                          "(too short to measure an MTBF)")
         return out
     job_mtbf = node_mtbf_s / nodes
     tau_y, tau_d = young_interval(cost_s, job_mtbf), daly_interval(cost_s, job_mtbf)
