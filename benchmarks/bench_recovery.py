@@ -13,6 +13,11 @@ as it appears (polled at 20 Hz); phases are measured from the crash:
   the peers, as in a power cut): detection then rests on the supervisor's --node-timeout.
 - bv without spares (the default): the supervisor lets go of the lost node and requeues at
   once; Slurm holds the job for cred_expire, then starts it on healthy nodes.
+- bv grow (issue 19: no spare, site.yaml ``launch.grow_deadline_s: 30``, the dev cluster's
+  ``permit_job_expansion``): the supervisor lets go of the lost node, grows the SAME job by
+  the free third node and relaunches there: no requeue, so neither cred_expire nor
+  SlurmdTimeout is in its path.
+- bv shrink (``--min-nodes 1``, data parallel): relaunches on the one node left.
 - bare Slurm (today's launcher: `srun torchrun` in an sbatch script, `--requeue`,
   `--open-mode=append`, 2-node allocation): crash -> the job leaves RUNNING (Slurm declared the
   node dead: SlurmdTimeout) -> RUNNING again (after the requeue hold: cred_expire) -> the first
@@ -137,9 +142,22 @@ def _settle(env: dict[str, str], job: str, crashed: str) -> None:
         time.sleep(0.5)
 
 
+def _grow_site(work: Path) -> Path:
+    import yaml
+
+    data = yaml.safe_load((REPO / "site.yaml").read_text())
+    data.setdefault("launch", {})["grow_deadline_s"] = 30
+    path = work / "site-grow.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
-           checkout: Path | None = None) -> Run:
-    run = Run("bv silent" if silent else "bv" if spare else "bv no spare")
+           checkout: Path | None = None, grow: bool = False, shrink: bool = False) -> Run:
+    run = Run("bv silent" if silent else "bv grow" if grow else "bv shrink" if shrink
+              else "bv" if spare else "bv no spare")
+    if grow:
+        env = {**env, "BV_SITE": str(_grow_site(work))}
     if checkout is not None:  # the submit and the job (sbatch exports it) import that checkout
         env = {**env, "PYTHONPATH": str(checkout)}
         if "BV_SITE" in env:  # an older site model rejects keys added since
@@ -149,7 +167,7 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
     ckpt = work / "ckpt"
     out = subprocess.run(
         [PY, "-m", "bluevela", "submit", "-N", "2", "--spare-nodes", "1" if spare else "0",
-         "--procs-per-node", "1", EXAMPLE, "--ckpt-dir", str(ckpt), *TRAIN_ARGS],
+         *(["--min-nodes", "1"] if shrink else []), "--procs-per-node", "1", EXAMPLE, "--ckpt-dir", str(ckpt), *TRAIN_ARGS],
         capture_output=True, text=True, env=env, cwd=work, check=True).stdout
     job = re.search(r"job (\d+)", out)
     assert job, out
@@ -294,15 +312,20 @@ def figures(args: argparse.Namespace) -> Iterator[Figure]:
         yield from _before_after(env, Path(old_dir), 2 if args.quick else 3)
         return
     rounds = 1 if args.quick else 2
-    runs: dict[str, list[Run]] = {"bv": [], "bare": [], "bv silent": [], "bv no spare": []}
+    runs: dict[str, list[Run]] = {"bv": [], "bare": [], "bv silent": [], "bv no spare": [],
+                                  "bv grow": [], "bv shrink": []}
+    # BV_BENCH_KINDS="bv grow,bv no spare": only those (the machine is shared; each run ~1 min).
+    only = [k.strip() for k in os.environ.get("BV_BENCH_KINDS", "").split(",") if k.strip()]
+    kinds = [k for k in runs if not only or k in only]
     for _ in range(rounds):
-        for kind in runs:
+        for kind in kinds:
             with tempfile.TemporaryDirectory(prefix="bv-bench-recovery-") as tmp:
                 work = Path(tmp)
                 try:
                     run = (run_bare(env, work) if kind == "bare"
                            else run_bv(env, work, silent=kind == "bv silent",
-                                       spare=kind != "bv no spare"))
+                                       spare=kind in ("bv", "bv silent"),
+                                       grow=kind == "bv grow", shrink=kind == "bv shrink"))
                 except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
                     run = Run(kind, error=f"{type(exc).__name__}: {exc}")
             print(f"recovery: {kind}: " + ", ".join(f"{k} {v:.1f} s" for k, v in run.phases.items())
