@@ -153,7 +153,8 @@ def _grow_site(work: Path) -> Path:
 
 
 def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
-           checkout: Path | None = None, grow: bool = False, shrink: bool = False) -> Run:
+           checkout: Path | None = None, grow: bool = False, shrink: bool = False,
+           example: str = EXAMPLE) -> Run:
     run = Run("bv silent" if silent else "bv grow" if grow else "bv shrink" if shrink
               else "bv" if spare else "bv no spare")
     if grow:
@@ -167,7 +168,7 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
     ckpt = work / "ckpt"
     out = subprocess.run(
         [PY, "-m", "bluevela", "submit", "-N", "2", "--spare-nodes", "1" if spare else "0",
-         *(["--min-nodes", "1"] if shrink else []), "--procs-per-node", "1", EXAMPLE, "--ckpt-dir", str(ckpt), *TRAIN_ARGS],
+         *(["--min-nodes", "1"] if shrink else []), "--procs-per-node", "1", example, "--ckpt-dir", str(ckpt), *TRAIN_ARGS],
         capture_output=True, text=True, env=env, cwd=work, check=True).stdout
     job = re.search(r"job (\d+)", out)
     assert job, out
@@ -269,6 +270,8 @@ def _before_after(env: dict[str, str], old: Path, pairs: int) -> Iterator[Figure
     ``BV_BENCH_NEW`` names: a commit, unaffected by edits in progress in this tree)."""
     new_dir = os.environ.get("BV_BENCH_NEW")
     new = Path(new_dir) if new_dir else None
+    # One training script for both sides: the new side's (the old runtime API suffices).
+    example = str((new or REPO) / "examples" / "train_ddp.py")
     got: dict[str, list[float]] = {"old": [], "new": []}
     ratios: list[float] = []
     for i in range(pairs):
@@ -277,7 +280,8 @@ def _before_after(env: dict[str, str], old: Path, pairs: int) -> Iterator[Figure
             with tempfile.TemporaryDirectory(prefix="bv-bench-recovery-") as tmp:
                 try:
                     run = run_bv(env, Path(tmp), silent=False,
-                                 checkout=old if which == "old" else new)
+                                 checkout=old if which == "old" else new,
+                                 example=example)
                 except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
                     run = Run("bv", error=f"{type(exc).__name__}: {exc}")
             print(f"recovery: bv ({which}): " + ", ".join(
