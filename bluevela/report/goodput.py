@@ -171,7 +171,7 @@ def build_ledger(job_id: int, records: Sequence[dict[str, Any]],
         if rec is not None:
             s = rec["slurm"].get("start")
             first = rec["launches"][0]["start"] if rec["launches"] else rec["opened"]
-            return min(s, first) if s is not None else rec["opened"]
+            return min(s if s is not None else rec["opened"], first)
         t = times.get(k, {}).get("first_prolog_unix_s")
         return float(t) if t is not None else None
 
