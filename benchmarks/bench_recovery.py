@@ -270,8 +270,9 @@ def _before_after(env: dict[str, str], old: Path, pairs: int) -> Iterator[Figure
     ``BV_BENCH_NEW`` names: a commit, unaffected by edits in progress in this tree)."""
     new_dir = os.environ.get("BV_BENCH_NEW")
     new = Path(new_dir) if new_dir else None
-    # One training script for both sides: the new side's (the old runtime API suffices).
-    example = str((new or REPO) / "examples" / "train_ddp.py")
+    # One training script for both sides: the old checkout's (the new runtime keeps its API;
+    # the new script may use calls the old runtime lacks).
+    example = str(old / "examples" / "train_ddp.py")
     got: dict[str, list[float]] = {"old": [], "new": []}
     ratios: list[float] = []
     for i in range(pairs):
