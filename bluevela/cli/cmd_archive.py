@@ -266,9 +266,10 @@ def _show_efficiency(archive: Path, job: dict[str, Any], as_json: bool,
     eff = job_efficiency(archive, job["job_id"], job=job)
     if html_out is not None:
         from bluevela.report.efficiency_html import render_html
+        from bluevela.report.goodput import ledger_or_none
         from bluevela.report.page import write_page
 
-        write_page(html_out, render_html(eff))
+        write_page(html_out, render_html(eff, ledger_or_none(archive, job)))
     if as_json:
         emit_json(eff.to_dict())
         return

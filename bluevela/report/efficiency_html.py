@@ -174,8 +174,71 @@ def _gpu_cell(s: Any) -> str:
     return "all" if any(k in s.metrics for k in gpu_keys) else "CPU"
 
 
-def render_html(eff: Efficiency) -> str:
-    """The page for one job's efficiency analysis."""
+# The goodput ledger's phases (bluevela/report/goodput.py PHASES) on the time line.
+_PHASE_STYLE = {"productive": ("#2ca02c", "productive"), "redone": ("#d62728", "re-done work"),
+                "checkpoint": ("#1f77b4", "checkpoint saving"),
+                "detection": ("#ff7f0e", "detection"),
+                "teardown_relaunch": ("#9467bd", "teardown + relaunch"),
+                "startup": ("#bcbd22", "start-up"),
+                "queue_hold": ("#7f7f7f", "queue wait + requeue hold"),
+                "unattributed": ("#c7c7c7", "unattributed")}
+
+
+def _ledger_timeline(led: dict[str, Any]) -> str:
+    """The job's attempts as rows of phases on one time axis, each interruption marked with
+    its cause: where the wall time went, at a glance."""
+    pieces = led["pieces"]
+    t0 = led["start_unix_s"]
+    span = max(led["wall_s"], 1e-3)
+    rows = sorted({p["attempt"] for p in pieces})
+    fig = page.figure(900, 120 + 34 * len(rows))
+    ax = fig.subplots()
+    seen: set[str] = set()
+    for p in pieces:
+        color, label = _PHASE_STYLE.get(p["phase"], ("#000000", p["phase"]))
+        ax.barh([rows.index(p["attempt"])], [p["seconds"]], left=p["start"] - t0, height=0.6,
+                color=color, label=None if label in seen else label, linewidth=0)
+        seen.add(label)
+    for intr in led["interruptions"]:
+        if intr["at"] is None:
+            continue
+        x = intr["at"] - t0
+        y = rows.index(intr["attempt"]) if intr["attempt"] in rows else 0
+        ax.axvline(x, color="#d62728", linewidth=1, linestyle=":")
+        ax.annotate(intr["cause"][:60], (x, y - 0.34), fontsize=8, color="#d62728",
+                    ha="left", va="bottom", xytext=(3, 0), textcoords="offset points")
+    ax.set_yticks(range(len(rows)), [f"attempt {r}" for r in rows])
+    ax.set_ylim(len(rows) - 0.5, -0.8)  # top to bottom, room above the first row
+    _time_axis(ax, span)
+    ax.set_xlim(0, span)
+    ax.set_xlabel("time since submission")
+    ax.legend(ncol=4, frameon=False, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    ettr = led.get("ettr")
+    ax.set_title(f"Where the wall time went (ETTR {_fmt(None if ettr is None else 100 * ettr, ' %', 1)})")
+    return page.svg(fig, "goodput time line of attempts and phases", "timeline", tight=True)
+
+
+def _ledger_section(led: dict[str, Any]) -> list[str]:
+    wall = led["wall_s"] or 1.0
+    rows = "".join(
+        f"<tr><td>{esc(_PHASE_STYLE[k][1])}</td><td>{esc(_dur(v))}</td>"
+        f"<td>{100 * v / wall:.1f} %</td><td>{_fmt(led['gpu_hours'][k], '', 2)}</td></tr>"
+        for k, v in led["phases_s"].items())
+    causes = "".join(
+        f"<li>attempt {i['attempt']}: {esc(i['cause'])}, re-done {esc(_dur(i['redone_s']))}, "
+        f"lost in all {esc(_dur(i['lost_s']))}"
+        + "".join(f" · <code>{esc(e['history'])}</code>" for e in i["evidence"]) + "</li>"
+        for i in led["interruptions"])
+    return ["<h2>Goodput ledger</h2>", _ledger_timeline(led),
+            "<table><thead><tr><th>phase</th><th>time</th><th>share</th><th>GPU hours</th>"
+            f"</tr></thead><tbody>{rows}</tbody></table>",
+            f"<ul>{causes}</ul>" if causes else "<p>No interruption.</p>",
+            "<p class='note'>Phases: docs/resilience.md, \"Where the time went\".</p>"]
+
+
+def render_html(eff: Efficiency, goodput: dict[str, Any] | None = None) -> str:
+    """The page for one job's efficiency analysis; with `goodput` (a `Ledger.to_dict()`),
+    the goodput ledger's time line of attempts and phases first."""
     import numpy as np
 
     d = eff.to_dict()
@@ -192,6 +255,8 @@ def render_html(eff: Efficiency) -> str:
            f"{_dur(eff.duration_s)} at {eff.interval_s:g} s ({eff.n_samples} samples) · steady "
            f"state {_dur(d['steady']['samples'] * eff.interval_s)} (by "
            f"{esc(d['steady']['basis'])})</div>"]
+    if goodput is not None and goodput.get("pieces"):
+        out += _ledger_section(goodput)
     cards = []
     if g:
         cards += [(_fmt(g.get("util_steady_pct"), " %"), "GPU util, steady state"),

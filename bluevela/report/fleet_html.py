@@ -30,10 +30,20 @@ logger = logging.getLogger(__name__)
 SOURCE_COLORS = {"prolog": "#d62728", "epilog": "#ff7f0e", "job": "#9467bd",
                  "nightly": "#1f77b4"}
 OUTCOME_COLORS = {"completed": "#2ca02c", "signalled": "#98df8a", "failed": "#ff9896",
-                  "lost_node": "#d62728", "unknown": "#c7c7c7"}
+                  "lost_node": "#d62728", "unknown": "#c7c7c7", "lost_ledger": "#8c564b"}
 OUTCOME_LABELS = {"completed": "completed", "signalled": "ended by a signal",
                   "failed": "failed (exit code)", "lost_node": "lost to a node failure",
-                  "unknown": "no exit status"}
+                  "unknown": "no exit status",
+                  "lost_ledger": "lost (goodput ledger: not productive)"}
+# The ledger's phases, in report/goodput.py's order, and their colours on the page.
+PHASE_COLORS = {"productive": "#2ca02c", "redone": "#d62728", "checkpoint": "#1f77b4",
+                "detection": "#ff7f0e", "teardown_relaunch": "#9467bd", "startup": "#bcbd22",
+                "queue_hold": "#7f7f7f", "unattributed": "#c7c7c7"}
+PHASE_LABELS = {"productive": "productive", "redone": "re-done work",
+                "checkpoint": "checkpoint saving", "detection": "detection",
+                "teardown_relaunch": "teardown + relaunch", "startup": "start-up",
+                "queue_hold": "queue wait + requeue hold", "unattributed": "unattributed"}
+MAX_LEDGER_JOBS = 30  # rows of the per-job ledger table (the worst ETTR first)
 MAX_OUT_LISTED = 50
 TIME_CAUSES = 6  # causes drawn separately over time; the rest are "other"
 
@@ -192,6 +202,54 @@ def _goodput_chart(rep: dict[str, Any]) -> str:
     return _svg(fig, "goodput by job outcome")
 
 
+def _ledger_chart(led: dict[str, Any]) -> str:
+    """One bar per job size: where its hours went, by phase (shares of the size's hours)."""
+    unit = "GPU hours" if led["basis"] == "gpu_hours" else "node hours"
+    fig = page.figure(720, 220)
+    ax = fig.subplots()
+    total = sum(led["hours_by_phase"].values()) or 1.0
+    left = 0.0
+    for k, color in PHASE_COLORS.items():
+        v = led["hours_by_phase"].get(k, 0.0)
+        if v <= 0:
+            continue
+        ax.barh([0], [100 * v / total], left=left, color=color,
+                label=f"{PHASE_LABELS[k]}: {_num(v, 2)} ({100 * v / total:.1f} %)")
+        left += 100 * v / total
+    ax.set_yticks([])
+    ax.set_xlim(0, 100)
+    ax.set_xlabel(f"% of the {unit} of the {led['jobs']} job(s) with a ledger")
+    ax.legend(ncol=2, frameon=False, fontsize=9, loc="upper center",
+              bbox_to_anchor=(0.5, -0.35))
+    ax.set_title(f"Where the time went: ETTR {_num(led['ettr_pct'])} %")
+    return _svg(fig, "hours by goodput phase")
+
+
+def _ledger_section(rep: dict[str, Any]) -> list[str]:
+    led = rep.get("ledger") or {}
+    if not led.get("jobs"):
+        return []
+    worst = sorted(led["per_job"], key=lambda r: (r["ettr_pct"] or 0.0, r["job_id"]))
+    causes = list(led["hours_lost_by_cause"].items())
+    return [
+        "<h2 id=\"ledger\">Where the time went (goodput ledger)</h2>",
+        f"<p>{led['jobs']} job(s) with supervisor events: ETTR {_num(led['ettr_pct'])} % "
+        "(productive / wall time). Phases: docs/resilience.md.</p>",
+        _ledger_chart(led),
+        _table(["job size (nodes)", "jobs", "ETTR %"],
+               [[b["nodes"], b["jobs"], _num(b["ettr_pct"])] for b in led["by_size"]]),
+        _table(["cause", "hours lost"], [[c, _num(h, 3)] for c, h in causes]),
+        _table(["job", "nodes", "ETTR %", "interruptions", "checkpoint cost s",
+                "interval used s", "advice", "spares"],
+               [[r["job_id"], r["nodes"], _num(r["ettr_pct"]),
+                 "; ".join(i["cause"] for i in r["interruptions"]) or "none",
+                 _num(r["checkpoint_cost_s"], 2), _num(r["checkpoint_interval_s"], 0),
+                 r["advice"].get("verdict", ""),
+                 "" if r["spares_advice"] is None else r["spares_advice"]["best_spares"]]
+                for r in worst[:MAX_LEDGER_JOBS]], "ledger"),
+    ]
+
+
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]], cls: str = "") -> str:
     head = "".join(f"<th>{esc(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows)
@@ -268,6 +326,7 @@ def render_html(rep: dict[str, Any], top: int = 20) -> str:
         f"{_num(g['lost_to_nodes_pct'])} % was lost to node failures (the whole job: the "
         "archive does not record checkpoint times).</p>",
         _goodput_chart(rep),
+        *_ledger_section(rep),
         '<p class="note">Definitions and sources: docs/report.md. Produced by '
         "<code>bv report fleet</code>.</p>",
     ]

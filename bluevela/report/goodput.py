@@ -472,6 +472,19 @@ def job_goodput(archive_dir: Path, job_id: int, *, job: dict[str, Any] | None = 
     return ledger
 
 
+def ledger_or_none(archive_dir: Path, job: dict[str, Any]) -> dict[str, Any] | None:
+    """The ledger as a dict for a page, or None when the job has no goodput events."""
+    from bluevela.errors import ArchiveError
+
+    if not records_of(job)[0]:
+        return None
+    try:
+        return job_goodput(archive_dir, int(job["job_id"]), job=job).to_dict()
+    except ArchiveError as exc:
+        logger.info("no goodput ledger for job %s: %s", job.get("job_id"), exc)
+        return None
+
+
 def _gpus_per_node(job: dict[str, Any]) -> int:
     """GPUs per node from the site's node classes (0 for CPU nodes or no site)."""
     try:
