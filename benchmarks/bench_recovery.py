@@ -355,6 +355,22 @@ def figures(args: argparse.Namespace) -> Iterator[Figure]:
                  f"{_phases(ok.get('bv no spare', []))}; with cred_expire "
                  f"{PROD_CRED_EXPIRE_S} s: ~"
                  f"{med.get('bv no spare', float('nan')) - CRED_EXPIRE_S + PROD_CRED_EXPIRE_S:.0f} s")
+    grows = ok.get("bv grow", [])
+    yield Figure("recovery.bv_grow_crash_to_resumed_s", med.get("bv grow", float("nan")), "s",
+                 "<= 15", f"no spare, the job grows by the free node (issue 19); median of "
+                 f"{len(grows)}: " + ", ".join(f"{r.total:.1f}" for r in grows)
+                 + f"; phases: {_phases(grows)}; no requeue, so the same with production "
+                 "cred_expire/SlurmdTimeout (neither is on its path)")
+    shrinks = ok.get("bv shrink", [])
+    yield Figure("recovery.bv_shrink_crash_to_resumed_s", med.get("bv shrink", float("nan")),
+                 "s", "", f"--min-nodes 1; median of {len(shrinks)}: "
+                 + ", ".join(f"{r.total:.1f}" for r in shrinks))
+    pairs = list(zip(grows, ok.get("bv no spare", []), strict=False))
+    ratios = [g.total / r.total for g, r in pairs if r.total]
+    yield Figure("recovery.bv_grow_vs_requeue_ratio",
+                 statistics.median(ratios) if ratios else float("nan"), "ratio", "",
+                 f"{len(ratios)} interleaved rounds; per-round range "
+                 + (f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "n/a"))
     yield Figure("recovery.bare_slurm_crash_to_resumed_s", bare, "s", "",
                  f"median of {len(ok.get('bare', []))}; phases: {_phases(ok.get('bare', []))}")
     yield Figure("recovery.bv_to_bare_ratio", bv / bare if bare else float("nan"), "ratio",
