@@ -163,3 +163,35 @@ def test_spare_advice() -> None:
     assert adv["table"][1]["expected_failures_covered"] == pytest.approx(1 - math.exp(-lam))
     # A node that never fails: spares only cost.
     assert G.spare_advice(8, 1e15, 3600)["best_spares"] == 0
+
+
+def test_the_fleet_report_uses_the_ledger_where_events_exist() -> None:
+    """Two 2-node jobs of an 8-GPU class: one with the spare-relaunch record above (a ledger
+    replaces its whole-job outcome), one without events (whole-job, as before)."""
+    from bluevela.report.fleet import FleetFacts, JobFacts, NodeClassInfo, compute
+
+    rec = _rec(0, submit=0, start=10, launches=[
+        _launch(1, 1, 12, 20, [(4, 30, 31), (8, 41, 42)], "lost", gone=48, failed=47,
+                detected=47.2, nodes=["node2"]),
+        _launch(2, 2, 49, 56, [(12, 66, 67)], "ok", gone=80)])
+    with_events = JobFacts(9, T + 10, T + 80, 3, 0, 0, ["node1", "node2", "node3"], [], [], [],
+                           3, goodput=[rec])
+    plain = JobFacts(10, T + 100, T + 460, 2, 0, 0, ["node1", "node3"], [], [], [], 2)
+    classes = {"h": NodeClassInfo(frozenset({"node1", "node2", "node3"}), 8)}
+    rep = compute(FleetFacts(jobs=[with_events, plain]), since=T, now=T + 3600,
+                  classes=classes)
+    led = rep["ledger"]
+    assert led["jobs"] == 1 and led["basis"] == "gpu_hours"
+    # 2 training nodes x 8 GPUs: productive 43 s -> 43 * 16 / 3600 GPU hours.
+    assert led["hours_by_phase"]["productive"] == pytest.approx(round(43 * 16 / 3600, 4))
+    assert led["ettr_pct"] == pytest.approx(100 * 43 / 80, abs=0.01)
+    assert led["by_size"] == [{"nodes": "2", "jobs": 1, "ettr_pct": pytest.approx(53.75)}]
+    assert list(led["hours_lost_by_cause"]) == ["node failure: node2"]
+    (row,) = led["per_job"]
+    assert row["advice"]["verdict"].startswith("no advice")  # no failure in the fleet yet
+    g = rep["goodput"]
+    # Job 9 by its ledger: productive 43 s, allocated 80 - 10 (queue) = 70 s, on 3 nodes x 8
+    # GPUs; job 10 whole: 360 s x 2 nodes x 8 GPUs, completed.
+    assert g["jobs_with_ledger"] == 1
+    assert g["gpu_hours"]["completed"] == pytest.approx(round((43 * 24 + 360 * 16) / 3600, 2))
+    assert g["gpu_hours"]["lost_ledger"] == pytest.approx(round(27 * 24 / 3600, 2))
