@@ -184,3 +184,26 @@ def test_site_validate_says_when_this_slurm_cannot_grow_jobs(tmp_path: Path,
         assert proc.stderr.count("\n") == 1, proc.stderr
         assert "this Slurm cannot grow jobs: SchedulerParameters lacks permit_job_expansion" \
             in proc.stderr and "(Slurm 22.05.8)" in proc.stderr, proc.stderr
+
+
+def test_bv_attempts_show_a_grown_node_and_no_requeue() -> None:
+    """What `bv status JOB` adds: bv's own attempts, here a grow, then a requeue, then done."""
+    from bluevela.launch.attempts import bv_attempts
+    from bluevela.launch.supervisor import banner, end_line
+
+    grew = ("node2 lost (its agent's connection closed: the node or its processes died); "
+            "relaunching on node[1,3] (grown node3 in 3.1 s, same job, no Slurm requeue)")
+    gave_up = ("node3 lost (silent for 10 s (no agent ping)); no spare node (--spare-nodes) and "
+               "no shrink (--min-nodes); no node grown (no node granted in 15 s (salloc: "
+               "error: Unable to allocate resources: Connection timed out)): the job lets go "
+               "of node3 and is requeued by bv")
+    text = "\n".join([banner(1, "5", ["node1", "node2"], "none"), "step=9 attempt=1",
+                      end_line(1, grew), banner(2, "5", ["node1", "node3"], grew),
+                      end_line(2, gave_up), banner(3, "5", ["node1", "node2"], gave_up),
+                      "step=24 attempt=3", end_line(3, "exit 0"), ""])
+    got = bv_attempts(text)
+    assert [(a["attempt"], a["nodes"], a["grown"], a["grow_s"], a["slurm_requeue"])
+            for a in got] == [(1, "node[1-2]", "node3", 3.1, False),
+                              (2, "node[1,3]", None, None, True),
+                              (3, "node[1-2]", None, None, False)]
+    assert got[2]["ended"] == "exit 0"

@@ -114,6 +114,14 @@ def test_lost_node_without_spare_grows_the_job_else_requeues(devcluster: DevClus
     assert "Restarts=0" in show, show
     status = json.loads(devcluster.bv("status", job, "--json").stdout)
     assert status["state"] == "COMPLETED" and status["restarts"] == 0, status
+    # bv's attempts: the same job, no Slurm restart, attempt 2 on the grown node, the time.
+    ours = status["bv_attempts"]
+    assert [(a["attempt"], a["grown"], a["slurm_requeue"]) for a in ours] == [
+        (1, grown, False), (2, None, False)], ours
+    assert ours[0]["grow_s"] == float(m.group(2)) and ours[1]["ended"] == "exit 0"
+    rows = [ln.split("\t") for ln in devcluster.bv("status", job).stdout.splitlines()]
+    assert [job, "1", ours[0]["nodes"], f"{grown} in {m.group(2)} s", "no"] in \
+        [r[:5] for r in rows], rows
 
     devcluster.resume_all()
     devcluster.wait_idle(timeout=120)
@@ -138,6 +146,10 @@ def test_lost_node_without_spare_grows_the_job_else_requeues(devcluster: DevClus
     assert "Restarts=1" in show, show
     status = json.loads(devcluster.bv("status", job2, "--json").stdout)
     assert status["state"] == "COMPLETED" and status["restarts"] == 1, status
+    assert "no node grown" in status["attempts"][0]["cause"], status["attempts"]
+    ours = status["bv_attempts"]
+    assert [(a["attempt"], a["grown"], a["slurm_requeue"]) for a in ours] == [
+        (1, None, True), (2, None, False)], ours
 
 
 def _run_crash_with_release(cluster: DevCluster, workdir: Path, site: Path,

@@ -62,3 +62,26 @@ def attempt_causes(text: str) -> dict[int, str]:
         if cause:
             causes[part.attempt] = cause
     return causes
+
+
+GROWN = re.compile(r"\(grown (?P<node>\S+) in (?P<s>\d+(?:\.\d+)?) s, same job, no Slurm requeue\)")
+# A new Slurm allocation follows the attempt (bv's requeue, or Slurm's own); otherwise the next
+# attempt is a relaunch inside the same allocation (spare, shrink, grow, hang in place).
+REQUEUED = re.compile(r"requeued by bv|requeued by Slurm")
+
+
+def bv_attempts(text: str) -> list[dict[str, object]]:
+    """Each bv attempt of the output (banners: Slurm restarts AND relaunches inside the
+    allocation) as plain data for `bv status`: its nodes, why it ended, whether the next one
+    came through a Slurm requeue, and the node grown for the next one with the time the grow
+    took (issue 19)."""
+    out: list[dict[str, object]] = []
+    causes = attempt_causes(text)
+    for part in split_attempts(text):
+        cause = causes.get(part.attempt, "")
+        grown = GROWN.search(cause)
+        out.append({"attempt": part.attempt, "nodes": part.nodes, "ended": cause,
+                    "slurm_requeue": bool(REQUEUED.search(cause)),
+                    "grown": grown.group("node") if grown else None,
+                    "grow_s": float(grown.group("s")) if grown else None})
+    return out

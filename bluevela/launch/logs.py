@@ -196,3 +196,15 @@ def with_causes(info: JobInfo) -> JobInfo:
     attempts = tuple(replace(rec, cause=causes.get(rec.attempt, rec.cause))
                      for rec in info.attempts)
     return replace(info, attempts=attempts)
+
+
+def bv_attempts_of(info: JobInfo) -> list[dict[str, object]]:
+    """bv's attempts of a job from its output file (`attempts.bv_attempts`); [] when the file
+    cannot be read."""
+    from bluevela.launch.attempts import bv_attempts
+
+    try:
+        return bv_attempts(read_log(info))
+    except (SlurmError, OSError) as exc:
+        logger.debug("no bv attempts from the output of job %s: %s", info.job_id, exc)
+        return []
