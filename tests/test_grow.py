@@ -55,6 +55,7 @@ def test_salloc_asks_for_one_node_of_the_same_kind_never_a_lost_one() -> None:
     ex = salloc_argv("7", shape_of(_jobs()["7"]), [], 1)
     assert "--exclusive" in ex and f"--time={365 * 24 * 60}" in ex
     assert not any(a.startswith("--exclude") for a in ex)
+    assert "--nodes=2" in salloc_argv("8", shape, ["node2", "node3"], 15, count=2)
 
 
 def test_support_needs_permit_job_expansion() -> None:

@@ -133,12 +133,13 @@ def shape_of(fields: dict[str, str]) -> JobShape:
                     mem_per_node="" if mem in ("", "0") else mem)
 
 
-def salloc_argv(job: str, shape: JobShape, exclude: Sequence[str], deadline_s: float) -> list[str]:
-    """One node for job `job`: same partition, account, QOS, constraints, exclusive; never a
+def salloc_argv(job: str, shape: JobShape, exclude: Sequence[str], deadline_s: float,
+                count: int = 1) -> list[str]:
+    """`count` node(s) for job `job`: same partition, account, QOS, constraints, exclusive; never a
     node in `exclude` (the lost ones, and the job's own). Drained/down nodes are never
     allocated by Slurm. --immediate bounds the wait: salloc gives up (and withdraws the
     request) when no node is free by then."""
-    argv = ["salloc", "--no-shell", "--nodes=1", f"--dependency=expand:{job}",
+    argv = ["salloc", "--no-shell", f"--nodes={max(1, count)}", f"--dependency=expand:{job}",
             f"--immediate={max(1, int(deadline_s))}", f"--job-name=bv-grow-{job}"]
     if shape.exclusive:
         argv.append("--exclusive")
@@ -197,18 +198,18 @@ def _expand_nodes(nodelist: str) -> list[str]:
 
 
 def grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
-         run: Runner = run_cli) -> GrowResult:
-    """Let go of `lost`, then add one node to `job`; `keep` are the nodes it keeps.
+         run: Runner = run_cli, count: int = 1) -> GrowResult:
+    """Let go of `lost`, then add `count` node(s) to `job`; `keep` are the nodes it keeps.
 
     Never raises for Slurm's answers: a failed step returns a GrowResult with `why`."""
     # Slurm writes slurm_job_<id>_resize.{sh,csh} into the working directory of the
     # `scontrol update` that resizes: a private directory, not the job's.
     with tempfile.TemporaryDirectory(prefix="bv-grow-") as tmp:
-        return _grow(job, keep, lost, deadline_s, run, tmp)
+        return _grow(job, keep, lost, deadline_s, run, tmp, count)
 
 
 def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
-          run: Runner, tmp: str) -> GrowResult:
+          run: Runner, tmp: str, count: int) -> GrowResult:
     start = time.monotonic()
 
     def fail(why: str) -> GrowResult:
@@ -233,7 +234,7 @@ def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
     left = deadline_s - (time.monotonic() - start)
     if left < 1:
         return fail(f"no time left of the {deadline_s:g} s deadline")
-    alloc = run(salloc_argv(job, shape, [*lost, *keep], left), left + 15, None)
+    alloc = run(salloc_argv(job, shape, [*lost, *keep], left, count), left + 15, None)
     new = granted_job(alloc.stderr + alloc.stdout)
     if alloc.returncode != 0 or new is None or "Granted" not in alloc.stderr + alloc.stdout:
         if new is not None:

@@ -484,7 +484,7 @@ class Supervisor:
                                     lost=sorted(result.lost))
             grown: GrowResult | None = None
             if nxt is None:
-                grown = self.grow(sorted(result.lost))
+                grown = self.grow(sorted(result.lost), want)
                 if grown.ok:
                     nxt = choose_nodes(self.alloc, self.excluded, want, min_nodes)
             if nxt is None:
@@ -517,18 +517,20 @@ class Supervisor:
                 return f"relaunching on {compress(nxt)} (spare {spare[0]} for {hung}; no Slurm requeue)"
         return f"relaunching on the same nodes ({compress(nodes)}; no Slurm requeue)"
 
-    def grow(self, lost: list[str]) -> GrowResult:
-        """Add a node to this job in place of `lost` (bluevela/launch/grow.py); on success
-        the allocation and the SLURM_* variables of the next srun follow."""
+    def grow(self, lost: list[str], want: int) -> GrowResult:
+        """Add nodes to this job in place of `lost`, as many as the step lacks of `want`
+        (bluevela/launch/grow.py); on success the allocation and the SLURM_* variables of the
+        next srun follow."""
         if self.opts.grow_deadline <= 0:
             return GrowResult([], {}, 0.0, "job growth is off in site.yaml "
                               "(launch.grow_deadline_s: 0)")
         keep = [n for n in self.alloc if n not in self.excluded]
         if not keep:
             return GrowResult([], {}, 0.0, "no node of the job is left to grow from")
-        _log(f"growing job {self.job} by one node in place of {compress(lost)} "
+        need = max(1, want - len(keep))
+        _log(f"growing job {self.job} by {need} node(s) in place of {compress(lost)} "
              f"(deadline {self.opts.grow_deadline:g} s)")
-        res = grow_job(self.job, keep, lost, self.opts.grow_deadline)
+        res = grow_job(self.job, keep, lost, self.opts.grow_deadline, count=need)
         if not res.ok:
             _log(f"no node grown: {res.why}")
             return res
