@@ -16,7 +16,7 @@ Three places touch them (docs/resilience.md, "Where the time went: goodput event
    progress, each checkpoint (step, start, end), the step's end (kind, when the failure
    happened, when it was detected, cause, lost nodes), when the aborted step was gone, the
    requeue, the exit; once per Slurm attempt the job's submit/start time and time limit from
-   ``scontrol show job``. A checkpoint datagram is range-checked (rank, step, ages within the
+   ``squeue``. A checkpoint datagram is range-checked (rank, step, ages within the
    step's life) and the checkpoints kept per launch are bounded (`MAX_CKPTS`).
 3. The epilog (root) of the node the supervisor ran on: `collect()` reads that file as
    hostile input (a directory fd, O_NOFOLLOW|O_NONBLOCK, a regular file owned by the job's
@@ -133,21 +133,24 @@ def events_dir(env: Mapping[str, str]) -> str:
 
 
 def slurm_times(job: str, timeout: float = 10.0) -> dict[str, float | None]:
-    """Submit time, start time and time limit (s) of `job` from ``scontrol show job -o``
-    (local times), each None when unknown. Bounded by `timeout`; never raises."""
+    """Submit time, start time and time limit (s) of `job`, read once at the supervisor's
+    start with ``squeue -h -j JOB -o %V|%S|%l`` (local times; a read, never an action on
+    the job), each None when unknown. Bounded by `timeout`; never raises."""
     out: dict[str, float | None] = {"submit": None, "start": None, "time_limit_s": None}
     try:
-        proc = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
-                              text=True, check=False, timeout=timeout)
+        proc = subprocess.run(["squeue", "-h", "-j", job, "-o", "%V|%S|%l"],
+                              capture_output=True, text=True, check=False, timeout=timeout)
     except (OSError, subprocess.SubprocessError):
         return out
-    fields = dict(w.split("=", 1) for w in proc.stdout.split() if "=" in w)
-    for key, name in (("submit", "SubmitTime"), ("start", "StartTime")):
+    words = (proc.stdout.strip().splitlines() or [""])[0].split("|")
+    if proc.returncode != 0 or len(words) != 3:
+        return out
+    for key, value in (("submit", words[0]), ("start", words[1])):
         try:
-            out[key] = time.mktime(time.strptime(fields.get(name, ""), "%Y-%m-%dT%H:%M:%S"))
+            out[key] = time.mktime(time.strptime(value.strip(), "%Y-%m-%dT%H:%M:%S"))
         except (ValueError, OverflowError):
             pass
-    out["time_limit_s"] = parse_limit(fields.get("TimeLimit", ""))
+    out["time_limit_s"] = parse_limit(words[2].strip())
     return out
 
 
