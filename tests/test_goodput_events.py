@@ -185,3 +185,17 @@ def test_failure_time_rules() -> None:
     assert E.parse_limit("1-02:03:04") == 93784.0
     assert E.parse_limit("00:02:00") == 120.0
     assert E.parse_limit("UNLIMITED") is None
+
+
+def test_a_checkpoint_record_starts_no_heartbeat(
+        supervisor_socket: tuple[socket.socket, bytes]) -> None:
+    """A script that records checkpoints but never calls progress() must not start beats
+    (with --hang-timeout, beats without progress would read as a hang)."""
+    sock, key = supervisor_socket
+    heartbeat.checkpoint_saved(3)
+    assert sock.recv(2048).startswith(b"bvck1")
+    sock.settimeout(heartbeat.INTERVAL_S * 2.5)
+    with pytest.raises(TimeoutError):
+        sock.recv(2048)
+    heartbeat.progress(4)  # now the heartbeat starts
+    assert sock.recv(2048).startswith(b"bvhb2")

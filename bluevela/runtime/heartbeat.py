@@ -145,6 +145,7 @@ class _Sender:
         self.step = -1
         self.last_progress = time.monotonic()
         self.thread_pid: int | None = None  # the process whose thread runs (fork-safe)
+        self.sock_pid: int | None = None  # the process whose socket `sock` is
         self.lock = threading.Lock()
 
     def progress(self, step: int | None) -> None:
@@ -157,20 +158,30 @@ class _Sender:
         with self.lock:
             if self.thread_pid == os.getpid():
                 return
-            self.target = None  # a forked child: its own socket, its own thread
-            value = os.environ.get(ENV_ADDR)
-            if not value or not self._connect(value):
-                self.thread_pid = os.getpid()  # not in a bv job: never try again
-                return
             self.thread_pid = os.getpid()
+            if not self._socket():
+                return
             self.send()
             threading.Thread(target=self._loop, name="bv-heartbeat", daemon=True).start()
 
+    def _socket(self) -> bool:
+        """This process's socket to the supervisor (made once per process: a forked child
+        gets its own). False outside a bv job."""
+        if self.sock_pid != os.getpid():
+            self.sock_pid = os.getpid()
+            self.target = None
+            value = os.environ.get(ENV_ADDR)
+            if value:
+                self._connect(value)
+        return self.target is not None
+
     def checkpoint(self, step: int | None, started: float, ended: float) -> None:
         """One signed datagram: a checkpoint of `step` ran from `started` to `ended`
-        (monotonic). Non-blocking; a lost datagram loses this one record only."""
-        if self.thread_pid != os.getpid():
-            self._start()
+        (monotonic). Non-blocking; a lost datagram loses this one record only. It starts no
+        heartbeat: a script that never calls progress() is not watched for hangs."""
+        if self.sock_pid != os.getpid():
+            with self.lock:
+                self._socket()
         if self.target is None or self.sock is None:
             return
         from bluevela.launch.events import CkptMsg, format_ckpt
