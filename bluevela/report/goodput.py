@@ -466,7 +466,9 @@ def job_goodput(archive_dir: Path, job_id: int, *, job: dict[str, Any] | None = 
             intr.evidence.append({"node": node, "history": f"bv archive node {node}",
                                   "reports": node_evidence(archive_dir, node, intr.at)})
             for r in intr.evidence[-1]["reports"]:
-                if r.get("drain_reason") or r.get("xids"):
+                # only what the node reported from the failure on names its cause
+                recent = intr.at is None or (r.get("time") or 0) >= intr.at - 60
+                if recent and (r.get("drain_reason") or r.get("xids")):
                     intr.cause += f" ({r.get('drain_reason') or 'XID ' + ','.join(r['xids'])})"
                     break
     return ledger
