@@ -4,6 +4,7 @@ every expected number below is worked out by hand in the comments."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -195,3 +196,40 @@ def test_the_fleet_report_uses_the_ledger_where_events_exist() -> None:
     assert g["jobs_with_ledger"] == 1
     assert g["gpu_hours"]["completed"] == pytest.approx(round((43 * 24 + 360 * 16) / 3600, 2))
     assert g["gpu_hours"]["lost_ledger"] == pytest.approx(round(27 * 24 / 3600, 2))
+
+
+def test_through_the_spool_and_archive_the_cause_names_the_drain(tmp_path: Path) -> None:
+    """The epilog's report carries the record through the real spool, ingest and archive;
+    the ledger names the lost node's drain reason from its next report and links its
+    history."""
+    from bluevela.archive.ingest import ingest
+    from bluevela.archive.sample import sample_report
+    from bluevela.archive.spool import write_report
+
+    spool, archive = tmp_path / "spool", tmp_path / "archive"
+    spool.mkdir()
+    archive.mkdir()
+    rec = _rec(0, submit=0, start=10, launches=[
+        _launch(1, 1, 12, 20, [(4, 30, 31), (8, 41, 42)], "lost", gone=48, failed=47,
+                detected=47.2, nodes=["node2"]),
+        _launch(2, 2, 49, 56, [(12, 66, 67)], "ok", gone=80)])
+    nodes = ["node1", "node2", "node3"]
+    for node in nodes:
+        write_report(spool, sample_report(9, node, "prolog", nodelist=nodes, time=T + 11))
+        if node != "node2":  # the lost node's epilog never comes
+            epi = sample_report(9, node, "epilog", nodelist=nodes, time=T + 81)
+            if node == "node1":
+                epi["goodput_events"] = rec
+            write_report(spool, epi)
+    later = sample_report(10, "node2", "prolog", nodelist=["node2"], time=T + 400,
+                          status_code=2)
+    later.update(drained=True, drain_reason="bv: gpu: XID 79 (fallen off the bus) on GPU 3")
+    write_report(spool, later)
+    ingest(spool, archive, timeout_s=0.0, prolog_only_timeout_s=0.0, now=T + 4000)
+    led = G.job_goodput(archive, 9, gpus_per_node=8)
+    assert _phases(led)["productive"] == 43.0 and led.wall_s == 80.0
+    (intr,) = led.interruptions
+    assert intr.cause == "node failure: node2 (bv: gpu: XID 79 (fallen off the bus) on GPU 3)"
+    (ev,) = intr.evidence
+    assert ev["node"] == "node2" and ev["history"] == "bv archive node node2"
+    assert any(r["drained"] and r["job_id"] == 10 for r in ev["reports"])
