@@ -233,3 +233,22 @@ def test_through_the_spool_and_archive_the_cause_names_the_drain(tmp_path: Path)
     (ev,) = intr.evidence
     assert ev["node"] == "node2" and ev["history"] == "bv archive node node2"
     assert any(r["drained"] and r["job_id"] == 10 for r in ev["reports"])
+
+
+def test_advice_for_a_job_from_its_ledger() -> None:
+    rec = _rec(0, submit=0, start=10, launches=[
+        _launch(1, 1, 12, 20, [(4, 30, 31), (8, 41, 42)], "lost", gone=48, failed=47,
+                detected=47.2, nodes=["node2"]),
+        _launch(2, 2, 49, 56, [(12, 66, 67)], "ok", gone=80)])
+    led = G.build_ledger(9, [rec], gpus_per_node=8)
+    adv = G.advise(led, node_mtbf_h=10.0, failures_seen=6)
+    # C = 1 s (mean save), used interval 10 s, node MTBF 36,000 s over 2 nodes: job MTBF
+    # 18,000 s; Young sqrt(2 * 1 * 18000) = 189.7 s. R = 14 - 5 = 9 s per interruption.
+    assert adv["job_mtbf_s"] == pytest.approx(18000) and adv["trust"] is True
+    assert adv["young_interval_s"] == pytest.approx(189.737, abs=1e-3)
+    assert adv["restart_s"] == pytest.approx(9.0)
+    # waste at 10 s: 1/10 + 11/36000 + 9/18000 = 0.100806
+    assert adv["expected_waste_used"] == pytest.approx(0.100806, abs=1e-6)
+    assert adv["gpu_hours_saved"] > 0 and "too short" not in adv["verdict"]
+    assert adv["spares"]["best_spares"] == 0  # two nodes, 10 h MTBF: a spare doubles nothing
+    assert "checkpoint cost 1.0 s" in G.inputs_text(adv)

@@ -283,9 +283,10 @@ def _show_efficiency(archive: Path, job: dict[str, Any], as_json: bool,
 
 
 def _show_goodput(archive: Path, job: dict[str, Any], as_json: bool) -> None:
-    from bluevela.report.goodput import job_goodput, summary_lines
+    from bluevela.report.goodput import fleet_advice, job_goodput, summary_lines
 
     ledger = job_goodput(archive, job["job_id"], job=job)
+    ledger.advice = fleet_advice(archive, ledger, job)
     if as_json:
         emit_json(ledger.to_dict())
         return

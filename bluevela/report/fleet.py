@@ -783,17 +783,7 @@ def _ledgers(jobs: list[JobFacts], gpus_of: Mapping[str, int], class_of: Mapping
             cause_h[intr.cause.split(" (")[0]] += intr.lost_s * unit
         cls = class_of.get(j.nodes[0], UNKNOWN_CLASS) if j.nodes else UNKNOWN_CLASS
         node_mtbf_h, incidents = mtbf.get(cls, (None, 0))
-        restart_s = (sum(i.lost_s - i.redone_s for i in led.interruptions)
-                     / len(led.interruptions)) if led.interruptions else 0.0
-        advice = G.interval_advice(led.checkpoint_mean_s, led.checkpoint_interval_s,
-                                   node_mtbf_h * 3600.0 if node_mtbf_h else None, incidents,
-                                   max(led.nodes, 1), restart_s, led.phases["productive"],
-                                   gpus)
-        spares = (G.spare_advice(max(led.nodes, 1), node_mtbf_h * 3600.0,
-                                 max(led.phases["productive"], 1.0),
-                                 startup_s=led.phases["startup"] / max(1, len(
-                                     led.interruptions) + 1))
-                  if node_mtbf_h else None)
+        advice = G.advise(led, node_mtbf_h, int(incidents))
         size = _size_bucket(led.nodes)
         b = by_size[size]
         b[0] += led.phases["productive"] * unit
@@ -810,8 +800,7 @@ def _ledgers(jobs: list[JobFacts], gpus_of: Mapping[str, int], class_of: Mapping
                      "checkpoint_cost_s": led.checkpoint_mean_s,
                      "checkpoint_interval_s": led.checkpoint_interval_s,
                      "advice": advice,
-                     "spares_advice": None if spares is None else
-                     {k: spares[k] for k in ("best_spares", "expected_failures", "model")}})
+                     "spares_advice": advice.get("spares")})
     total = sum(phase_h.values())
     return {
         "jobs": len(rows), "basis": "gpu_hours" if basis_gpu else "node_hours",

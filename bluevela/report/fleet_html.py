@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bluevela.report import page
+from bluevela.report.goodput import inputs_text
 from bluevela.report.page import ReportError, esc, fmt_num
 
 __all__ = ["ReportError", "render_html", "write_html"]
@@ -244,7 +245,7 @@ def _ledger_section(rep: dict[str, Any]) -> list[str]:
                [[r["job_id"], r["nodes"], _num(r["ettr_pct"]),
                  "; ".join(i["cause"] for i in r["interruptions"]) or "none",
                  _num(r["checkpoint_cost_s"], 2), _num(r["checkpoint_interval_s"], 0),
-                 r["advice"].get("verdict", ""),
+                 f"{r['advice'].get('verdict', '')} [{inputs_text(r['advice'])}]",
                  "" if r["spares_advice"] is None else r["spares_advice"]["best_spares"]]
                 for r in worst[:MAX_LEDGER_JOBS]], "ledger"),
     ]

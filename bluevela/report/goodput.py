@@ -487,6 +487,57 @@ def ledger_or_none(archive_dir: Path, job: dict[str, Any]) -> dict[str, Any] | N
         return None
 
 
+ADVICE_WINDOW_S = 30 * 86400.0  # the fleet history the advice's MTBF is measured over
+
+
+def advise(ledger: Ledger, node_mtbf_h: float | None, failures_seen: int) -> dict[str, Any]:
+    """The checkpoint-interval and spare advice for this job (pure): its measured
+    checkpoint cost, interval and interruption cost, the class's node MTBF."""
+    restart_s = (sum(i.lost_s - i.redone_s for i in ledger.interruptions)
+                 / len(ledger.interruptions)) if ledger.interruptions else 0.0
+    out = interval_advice(ledger.checkpoint_mean_s, ledger.checkpoint_interval_s,
+                          node_mtbf_h * 3600.0 if node_mtbf_h else None, failures_seen,
+                          max(ledger.nodes, 1), restart_s, ledger.phases["productive"],
+                          ledger.gpus_per_node)
+    if node_mtbf_h:
+        starts = ledger.phases["startup"] / max(1, len(ledger.interruptions) + 1)
+        sp = spare_advice(max(ledger.nodes, 1), node_mtbf_h * 3600.0,
+                          max(ledger.phases["productive"], 1.0), startup_s=starts)
+        out["spares"] = {k: sp[k] for k in ("best_spares", "expected_failures", "model",
+                                            "spare_swap_s", "requeue_s", "startup_s")}
+    return out
+
+
+def fleet_advice(archive_dir: Path, ledger: Ledger, job: dict[str, Any],
+                 now: float | None = None) -> dict[str, Any]:
+    """`advise` with the MTBF of the job's node class over the last 30 days of the fleet
+    report (bluevela/report/fleet.py); no advice (said so) when that cannot be read."""
+    import time as _time
+
+    from bluevela.errors import BluevelaError
+    from bluevela.report.fleet import UNKNOWN_CLASS, classes_of, fleet_report
+
+    now = _time.time() if now is None else now
+    try:
+        from bluevela.site import load_site
+
+        site = load_site()
+    except Exception:  # noqa: BLE001 - without a site every node is in no class
+        site = None
+    try:
+        rep = fleet_report(archive_dir, since=now - ADVICE_WINDOW_S, now=now, site=site)
+    except BluevelaError as exc:
+        return {"verdict": f"no advice: the fleet's history could not be read ({exc})"}
+    first = (job.get("nodes") or [{}])[0].get("node")
+    cls = next((name for name, info in classes_of(site).items() if first in info.nodes),
+               UNKNOWN_CLASS)
+    row = next((r for r in rep["mtbf"]["by_class"] if r["class"] == cls), None)
+    out = advise(ledger, row["mtbf_h"] if row else None, int(row["incidents"]) if row else 0)
+    out["node_class"] = cls
+    out["history_days"] = ADVICE_WINDOW_S / 86400.0
+    return out
+
+
 def _gpus_per_node(job: dict[str, Any]) -> int:
     """GPUs per node from the site's node classes (0 for CPU nodes or no site)."""
     try:
@@ -525,10 +576,33 @@ def summary_lines(ledger: Ledger) -> list[str]:
                    f"re-done {fmt_s(i.redone_s)}, lost in all {fmt_s(i.lost_s)}")
         for ev in i.evidence:
             out.append(f"    {ev['node']}: {len(ev['reports'])} report(s), see `{ev['history']}`")
-    if ledger.advice.get("verdict"):
-        out.append(f"  advice: {ledger.advice['verdict']}")
+    adv = ledger.advice
+    if adv.get("verdict"):
+        out.append(f"  advice: {adv['verdict']}")
+        out.append("    inputs: " + inputs_text(adv))
+        if adv.get("spares"):
+            sp = adv["spares"]
+            out.append(f"    spares: {sp['best_spares']} maximise expected goodput "
+                       f"({sp['expected_failures']:.2f} node failures expected; a spare swap "
+                       f"{sp['spare_swap_s']:g} s vs requeue {sp['requeue_s']:g} s + start-up "
+                       f"{fmt_s(sp['startup_s'])})")
     out.extend(f"  note: {n}" for n in ledger.notes)
     return out
+
+
+def inputs_text(adv: dict[str, Any]) -> str:
+    """The advice's inputs in one line (the page and the CLI show them with the verdict)."""
+    mtbf = adv.get("node_mtbf_s")
+    parts = [f"checkpoint cost {fmt_s(adv.get('checkpoint_cost_s'))}",
+             f"interval used {fmt_s(adv.get('interval_used_s'))}",
+             f"node MTBF {fmt_s(mtbf)} ({adv.get('failures_seen', 0)} failure(s) of class "
+             f"{adv.get('node_class', '?')})", f"{adv.get('nodes', '?')} node(s)"]
+    if adv.get("job_mtbf_s") is not None:
+        parts.append(f"job MTBF {fmt_s(adv['job_mtbf_s'])}")
+    if adv.get("gpu_hours_saved") is not None:
+        parts.append(f"would have saved {adv['gpu_hours_saved']:.2f} GPU-h "
+                     f"({adv.get('node_hours_saved', 0):.3f} node-h)")
+    return ", ".join(parts)
 
 
 def phase_totals(ledgers: Iterable[Ledger]) -> dict[str, float]:
