@@ -306,7 +306,24 @@ def _before_after(env: dict[str, str], old: Path, pairs: int) -> Iterator[Figure
                  + (f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "n/a"))
 
 
+FIGURE_KINDS = {  # figures that need a kind's runs: left out when BV_BENCH_KINDS skips it
+    "recovery.bv_crash_to_resumed_s": ("bv",), "recovery.bv_silent_crash_to_resumed_s":
+    ("bv silent",), "recovery.bv_no_spare_crash_to_resumed_s": ("bv no spare",),
+    "recovery.bv_grow_crash_to_resumed_s": ("bv grow",), "recovery.bv_shrink_crash_to_resumed_s":
+    ("bv shrink",), "recovery.bv_grow_vs_requeue_ratio": ("bv grow", "bv no spare"),
+    "recovery.bare_slurm_crash_to_resumed_s": ("bare",), "recovery.bv_to_bare_ratio":
+    ("bv", "bare"), "recovery.bare_slurm_production_defaults_est_s": ("bare",),
+}
+
+
 def figures(args: argparse.Namespace) -> Iterator[Figure]:
+    only = [k.strip() for k in os.environ.get("BV_BENCH_KINDS", "").split(",") if k.strip()]
+    for fig in _figures(args):
+        if not only or all(k in only for k in FIGURE_KINDS.get(fig.name, ())):
+            yield fig
+
+
+def _figures(args: argparse.Namespace) -> Iterator[Figure]:
     env = devcluster_env()
     if env is None:
         yield Figure("recovery.bv_crash_to_resumed_s", float("nan"), "s", "<= 24",
