@@ -43,8 +43,8 @@ from bluevela.cli.output import emit_json
 @click.option("--min-nodes", type=click.IntRange(min=1), default=None,
               help="Data parallel only: keep training on at least this many nodes after a loss.")
 @click.option("--hang-timeout", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
-              help="End and requeue when no rank reports progress (bluevela.runtime.progress) "
-                   "this long. 0: off. Default: site.yaml.")
+              help="End the step and relaunch it in place when no rank reports progress "
+                   "(bluevela.runtime.progress) this long. 0: off. Default: site.yaml.")
 @click.option("-c", "--cpus-per-task", type=click.IntRange(min=1), default=None,
               help="CPUs for each node's task (torchrun and all its ranks).")
 @click.option("--mem", default=None, help="Memory per node, e.g. 200G (0: all).")
