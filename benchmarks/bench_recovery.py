@@ -54,7 +54,10 @@ EXAMPLE = str(REPO / "examples" / "train_ddp.py")
 TRAIN_ARGS = ["--steps", "30", "--step-s", "0.5", "--ckpt-every", "5"]
 CRASH_AT = "step=10 attempt=1"
 RESUMED = re.compile(r"^rank=\d+ attempt=2 resumed_from_step=(\d+)$")
-SLURMD_TIMEOUT_S, CRED_EXPIRE_S = 30, 20  # the dev cluster's (slurm/devcluster)
+# The dev cluster's (slurm/devcluster); BV_DEVCLUSTER_* set before `up` (and kept for this
+# run) give Slurm's production defaults instead: the variant that shows which paths stay flat.
+SLURMD_TIMEOUT_S = int(os.environ.get("BV_DEVCLUSTER_SLURMD_TIMEOUT_S") or 30)
+CRED_EXPIRE_S = int(os.environ.get("BV_DEVCLUSTER_CRED_EXPIRE_S") or 20)
 PROD_SLURMD_TIMEOUT_S, PROD_CRED_EXPIRE_S = 300, 120  # Slurm's defaults
 
 
