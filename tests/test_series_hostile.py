@@ -3,7 +3,7 @@
 Each hostile side file is written byte for byte in the BVTS format (bluevela/telemetry/format.py)
 as a user who controls a node's spool file could write it, beside a good job; one real ingest
 must quarantine it with a clear reason and still build the good job's series. The memory
-figures come from the ingest run in a child process (ru_maxrss) under an address-space limit
+figures come from the ingest run in a child process (its own VmHWM) under an address-space limit
 (RLIMIT_AS) so an allocation the size of the issue's (3.7 GiB) fails there for real instead of
 taking the test machine's memory.
 """
@@ -83,7 +83,11 @@ def _in_child(tmp: Path, body: str, as_limit_gib: float = 2.0) -> dict[str, Any]
         spool, archive = Path({str(tmp / 'spool')!r}), Path({str(tmp / 'archive')!r})
         out = {{}}
     """) + textwrap.dedent(body) + textwrap.dedent("""
-        out["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        # VmHWM, not ru_maxrss: after fork+exec ru_maxrss starts at the PARENT's peak (a
+        # 750 MB pytest process in the whole suite), VmHWM is this process's own.
+        hwm = [ln for ln in Path("/proc/self/status").read_text().splitlines()
+               if ln.startswith("VmHWM:")]
+        out["maxrss_mib"] = int(hwm[0].split()[1]) / 1024
         print(json.dumps(out))
     """)
     env = {k: v for k, v in os.environ.items() if k != "BV_SITE"}
