@@ -131,6 +131,9 @@ class Launch:
 
     __pydantic_config__ = _STRICT
 
+    # Deprecated and ignored (issue 16): the supervisor picks a free rendezvous port on each
+    # step's first node, since a fixed one can be taken first by another user. Still accepted
+    # so that site files written before it load.
     rdzv_port: Annotated[int, Ge(1024), Le(65535)] = 29500
     torchrun: Annotated[list[str], MinLen(1)] = field(default_factory=lambda: ["torchrun"])
     max_restarts: Annotated[int, Ge(0), Le(100)] = 0

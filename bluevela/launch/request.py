@@ -92,9 +92,6 @@ class SubmitRequest:
     env: tuple[tuple[str, str], ...] = ()
     max_restarts: int = 0
     requeue: bool = True
-    # Validated for site.yaml compatibility but no longer used: the supervisor picks a free
-    # port on each step's first node (a fixed one could be taken first by another user).
-    rdzv_port: int = 29500
     torchrun: tuple[str, ...] = ("torchrun",)
     output: str = "bv-%j.out"
     chdir: str | None = None
@@ -135,8 +132,6 @@ class SubmitRequest:
             raise LaunchError("--procs-per-node must be at least 1")
         if self.max_restarts < 0:
             raise LaunchError("--max-restarts must be >= 0")
-        if not 1024 <= self.rdzv_port <= 65535:
-            raise LaunchError(f"rendezvous port {self.rdzv_port} out of range 1024-65535")
         if not self.script:
             raise LaunchError("no training script given")
         for name, value in (

@@ -106,7 +106,6 @@ def build_request(
         env=tuple(merged.items()),
         max_restarts=max_restarts if max_restarts is not None else (launch.max_restarts if launch else 0),
         requeue=requeue if requeue is not None else (launch.requeue if launch else True),
-        rdzv_port=launch.rdzv_port if launch else 29500,
         torchrun=tuple(launch.torchrun) if launch else ("torchrun",),
         output=launch.output if launch else "bv-%j.out",
         hold=hold,
