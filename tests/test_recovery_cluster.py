@@ -24,9 +24,11 @@ import hostlist
 import pytest
 
 from tests.conftest import DATA, DEVCLUSTER, REPO, DevCluster
+from tests.goodput_checks import Job, check_crash_ledger, check_fleet, goodput_events
 
 BANNER = re.compile(r"^==== bv attempt (\d+) job (\d+) nodes (\S+) previous: (.*) ====$", re.M)
 END = re.compile(r"^==== bv attempt (\d+) ended: (.*) ====$", re.M)
+STEP_S = 0.4
 
 
 def _submit_wait(cluster: DevCluster, cwd: Path, *args: str) -> subprocess.Popen[str]:
@@ -70,54 +72,67 @@ def _finish(proc: subprocess.Popen[str], timeout: float) -> str:
 def test_node_crash_resumes_from_checkpoint_on_healthy_nodes(devcluster: DevCluster,
                                                              tmp_path: Path, spare: int) -> None:
     """spare: a new step in the same allocation (no Slurm requeue). no-spare (the default):
-    the job lets go of the dead node and is requeued through Slurm at once."""
+    the job lets go of the dead node and is requeued through Slurm at once. Then the job's
+    goodput ledger (tests/goodput_checks.py): the phases, the crash and the re-done work."""
     devcluster.resume_all()
     devcluster.wait_idle(timeout=120)
     ckpt = tmp_path / "ckpt"
-    proc = _submit_wait(devcluster, tmp_path, "-N", "2", "--spare-nodes", str(spare),
-                        "--procs-per-node", "1", str(REPO / "examples" / "train_ddp.py"),
-                        "--ckpt-dir", str(ckpt), "--steps", "24", "--step-s", "0.4",
-                        "--ckpt-every", "4")
-    crashed: str | None = None
-    try:
-        _wait_for("step=9 of attempt 1", lambda: "step=9 attempt=1" in _output(tmp_path), 150,
-                  proc)
-        first = BANNER.search(_output(tmp_path))
-        assert first is not None
-        step_nodes = hostlist.expand_hostlist(first.group(3))
-        assert len(step_nodes) == 2
-        crashed = step_nodes[1]
-        devcluster.run([sys.executable, str(DEVCLUSTER), "crash", crashed])
-        out = _finish(proc, 240)
-        assert proc.returncode == 0, out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        if crashed is not None:
+    with goodput_events(devcluster) as events:
+        job = Job(devcluster, tmp_path, events, "-N", "2", "--spare-nodes", str(spare),
+                  "--procs-per-node", "1", str(REPO / "examples" / "train_ddp.py"),
+                  "--ckpt-dir", str(ckpt), "--steps", "24", "--step-s", str(STEP_S),
+                  "--ckpt-every", "4")
+        proc = job.proc
+        crashed: str | None = None
+        try:
+            job.first_attempt(150)
+            job.wait_for("step=9 of attempt 1", r"^step=9 attempt=1$", 150)
+            first = BANNER.search(job.output())
+            assert first is not None
+            step_nodes = hostlist.expand_hostlist(first.group(3))
+            assert len(step_nodes) == 2
+            crashed = step_nodes[1]
+            job.output()
+            last_ckpt = max(job.ckpt_seen)
+            devcluster.run([sys.executable, str(DEVCLUSTER), "crash", crashed])
+            crash_at = time.time()
+            job.wait_for("attempt 2", r"^==== bv attempt 2 job", 120)
             devcluster.run([sys.executable, str(DEVCLUSTER), "revive", crashed], check=False)
-    text = _output(tmp_path)
-    banners = BANNER.findall(text)
-    assert [b[0] for b in banners] == ["1", "2"], text
-    second_nodes = hostlist.expand_hostlist(banners[1][2])
-    assert len(second_nodes) == 2 and crashed not in second_nodes, banners
-    assert f"{crashed} lost" in banners[1][3], banners[1][3]
-    if spare:
-        assert f"(spare {second_nodes[1]})" in banners[1][3], banners[1][3]
-    else:
-        assert f"lets go of {crashed} and is requeued by bv" in banners[1][3], banners[1][3]
-    # Attempt 2 resumed from the checkpoint (every 4 steps) rather than from step 0 ...
-    part2 = text[text.index("==== bv attempt 2 job"):]
-    resumed = [int(s) for s in re.findall(r"^rank=\d+ attempt=2 resumed_from_step=(\d+)$",
-                                          part2, re.M)]
-    assert len(resumed) == 2 and len(set(resumed)) == 1 and 4 <= resumed[0] <= 12, part2
-    # ... and finished there, on the healthy nodes; attempt 1's output is still in the file.
-    assert "step=9 attempt=1" in text and "step=24 attempt=2" in part2
-    hosts = set(re.findall(r"^rank=\d+ world_size=2 host=(\S+) ", part2, re.M))
-    assert hosts == set(second_nodes), part2
-    assert END.findall(text)[-1] == ("2", "exit 0")
-    show = devcluster.run(["scontrol", "show", "job", banners[0][1]], check=False).stdout
-    if show:  # still known to slurmctld (MinJobAge): a relaunch is not a Slurm restart
-        assert f"Restarts={1 - spare}" in show, show
+            out, err = job.finish(240)
+            assert proc.returncode == 0, out + err
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            if crashed is not None:
+                devcluster.run([sys.executable, str(DEVCLUSTER), "revive", crashed],
+                               check=False)
+        text = _output(tmp_path)
+        banners = BANNER.findall(text)
+        assert [b[0] for b in banners] == ["1", "2"], text
+        second_nodes = hostlist.expand_hostlist(banners[1][2])
+        assert len(second_nodes) == 2 and crashed not in second_nodes, banners
+        assert f"{crashed} lost" in banners[1][3], banners[1][3]
+        if spare:
+            assert f"(spare {second_nodes[1]})" in banners[1][3], banners[1][3]
+        else:
+            assert f"lets go of {crashed} and is requeued by bv" in banners[1][3], banners[1][3]
+        # Attempt 2 resumed from the checkpoint (every 4 steps) rather than from step 0 ...
+        part2 = text[text.index("==== bv attempt 2 job"):]
+        resumed = [int(s) for s in re.findall(r"^rank=\d+ attempt=2 resumed_from_step=(\d+)$",
+                                              part2, re.M)]
+        assert len(resumed) == 2 and len(set(resumed)) == 1 and 4 <= resumed[0] <= 12, part2
+        # ... and finished there, on the healthy nodes; attempt 1's output is still in the file.
+        assert "step=9 attempt=1" in text and "step=24 attempt=2" in part2
+        hosts = set(re.findall(r"^rank=\d+ world_size=2 host=(\S+) ", part2, re.M))
+        assert hosts == set(second_nodes), part2
+        assert END.findall(text)[-1] == ("2", "exit 0")
+        show = devcluster.run(["scontrol", "show", "job", banners[0][1]], check=False).stdout
+        if show:  # still known to slurmctld (MinJobAge): a relaunch is not a Slurm restart
+            assert f"Restarts={1 - spare}" in show, show
+        # The goodput ledger of the same job: one interruption, the crashed node's.
+        check_crash_ledger(devcluster, job, crashed=crashed, crash_at=crash_at,
+                           last_ckpt=last_ckpt, step_s=STEP_S, spare=spare)
+        check_fleet(devcluster, tmp_path, {job.job_id(): "node failure"}, page=False)
 
 
 @pytest.mark.timeout(400)

@@ -4,7 +4,8 @@ One time-limit job (`-t 2`, Slurm's smallest useful limit, `--signal-before 60`)
 needs more than one attempt, and one operator `scontrol requeue`. Both run the example with
 `--ckpt-dir` and are followed with `bv submit --wait`; both rely on the in-job supervisor
 (bluevela/launch/supervisor.py) to forward the signal to every torchrun worker and requeue.
-The time-limit test costs ~2-4 minutes of wall time (one job).
+The time-limit test costs ~2-4 minutes of wall time (one job), and checks that job's goodput
+ledger and fleet report too (tests/goodput_checks.py).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import pytest
 from bluevela.launch.attempts import split_attempts
 from bluevela.slurm.cli_client import CliSlurmClient, fold_history
 from tests.conftest import REPO, DevCluster
+from tests.goodput_checks import Job, check_fleet, check_time_limit_ledger, goodput_events
 
 pytestmark = [pytest.mark.cluster]
 EXAMPLE = str(REPO / "examples" / "train_ddp.py")
 CKPT_EVERY = 5
+STEP_S = 0.5
 
 
 def _steps(text: str) -> list[int]:
@@ -62,22 +65,41 @@ def _check_resumes(out: str, *, total: int, reason: str) -> list[str]:
     return [p.text for p in parts]
 
 
+@pytest.mark.timeout(900)
 def test_time_limit_signal_checkpoint_requeue_finish(
     devcluster: DevCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """-t 2 --signal-before 60, 65 s of steps: SIGUSR1 reaches the workers on both nodes,
-    they checkpoint, bv requeues, the next attempt resumes; --wait exits 0 at the end."""
+    they checkpoint, bv requeues, the next attempt resumes; --wait exits 0 at the end. Then
+    the job's goodput ledger: each requeue's cause is the time limit, little work redone."""
     ckpt = tmp_path / "ckpt"
     # 0.5 s each: 65 s of work, more than one attempt can do whatever the timing: the signal
     # comes at the latest 60 s before the 2-minute limit (Slurm may send it up to ~60 s
     # earlier still), so an attempt has at most 60 s minus its start-up. 100 steps (50 s)
     # sometimes finished in one attempt on a quiet machine.
     total = 130
-    proc = devcluster.bv(
-        "submit", "--wait", "--json", "-t", "2", "--signal-before", "60", "-N", "2",
-        "--procs-per-node", "1", EXAMPLE, "--steps", str(total), "--ckpt-dir", str(ckpt),
-        "--ckpt-every", str(CKPT_EVERY), "--step-s", "0.5",
-        check=False, cwd=tmp_path, timeout=900)
+    with goodput_events(devcluster) as events:
+        run = Job(devcluster, tmp_path, events, "--json", "-t", "2", "--signal-before", "60",
+                  "-N", "2", "--procs-per-node", "1", EXAMPLE, "--steps", str(total),
+                  "--ckpt-dir", str(ckpt), "--ckpt-every", str(CKPT_EVERY),
+                  "--step-s", str(STEP_S))
+        try:
+            run.first_attempt()
+            stdout, stderr = run.finish(900)
+        finally:
+            if run.proc.poll() is None:
+                run.proc.kill()
+        proc = subprocess.CompletedProcess(run.proc.args, run.proc.returncode, stdout, stderr)
+        _check_time_limit_job(devcluster, tmp_path, monkeypatch, proc, total)
+        # The goodput ledger of the same job (tests/goodput_checks.py), and the fleet
+        # report over it, its page rendered by headless Chromium.
+        check_time_limit_ledger(devcluster, run, step_s=STEP_S)
+        check_fleet(devcluster, tmp_path, {run.job_id(): "time limit"})
+
+
+def _check_time_limit_job(devcluster: DevCluster, tmp_path: Path,
+                          monkeypatch: pytest.MonkeyPatch,
+                          proc: subprocess.CompletedProcess[str], total: int) -> None:
     assert "Traceback" not in proc.stderr, proc.stderr
     info = json.loads(proc.stdout)
     job = info["job_id"]
