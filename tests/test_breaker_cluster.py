@@ -60,6 +60,11 @@ def big() -> Iterator[DevCluster]:
     env = {**os.environ, "BV_DEVCLUSTER_ID": _breaker_id(), "BV_PYTHON": sys.executable,
            "BV_DEVCLUSTER_SAMPLERS": "0"}
     env.pop("BV_DEVCLUSTER_DIR", None)
+    # A throwaway instance: start from a clean slate. A state dir left by an earlier run made
+    # slurmctld recover that run's jobs and message all 16 slurmds at start; on 2 cores the
+    # RPCs timed out and one node never got the test job's prolog.
+    subprocess.run([sys.executable, str(DEVCLUSTER), "down", "--purge"], capture_output=True,
+                   text=True, timeout=180, check=False, env=env)
     up = subprocess.run([sys.executable, str(DEVCLUSTER), "up", "--nodes", str(NODES)],
                         capture_output=True, text=True, timeout=600, check=False, env=env)
     if up.returncode != 0:
@@ -75,8 +80,8 @@ def big() -> Iterator[DevCluster]:
     finally:
         for n, text in saved.items():
             cluster.hook_env(n).write_text(text)
-        subprocess.run([sys.executable, str(DEVCLUSTER), "down"], capture_output=True,
-                       text=True, timeout=180, check=False, env=env)
+        subprocess.run([sys.executable, str(DEVCLUSTER), "down", "--purge"],
+                       capture_output=True, text=True, timeout=180, check=False, env=env)
 
 
 def _warm_up(cluster: DevCluster, tries: int = 4) -> None:
