@@ -49,7 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from bluevela.launch.wire import mac, safe_name
+from bluevela.launch.wire import bounded_int, mac, safe_name
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,6 @@ MAX_AGE_MS = 7 * 86400 * 1000
 # Unix times must fall between these (2001 .. 2286): anything else is not a clock reading.
 T_MIN, T_MAX = 1e9, 1e10
 KINDS = ("ok", "failed", "lost", "hang", "signal", "terminated")
-_NUM_MAX_LEN = 20
 _NAME_RE = re.compile(r"^bv-goodput\.([0-9]{1,12})\.r([0-9]{1,5})\.[0-9a-f]{16}\.jsonl$")
 
 
@@ -94,15 +93,6 @@ def format_ckpt(msg: CkptMsg, key: bytes) -> bytes:
     return body + b" " + mac(key, body)
 
 
-def _num(word: str, low: int, high: int) -> int:
-    if not 0 < len(word) <= _NUM_MAX_LEN:
-        raise ValueError(word)
-    value = int(word)
-    if not low <= value <= high:
-        raise ValueError(word)
-    return value
-
-
 def parse_ckpt(data: bytes, key: bytes) -> CkptMsg | None:
     """The checkpoint in a datagram signed with `key`, or None (never raises)."""
     try:
@@ -114,11 +104,11 @@ def parse_ckpt(data: bytes, key: bytes) -> CkptMsg | None:
         w = body.decode("ascii").split()
         if len(w) != 7:
             return None
-        start, end = _num(w[5], 0, MAX_AGE_MS), _num(w[6], 0, MAX_AGE_MS)
+        start, end = bounded_int(w[5], 0, MAX_AGE_MS), bounded_int(w[6], 0, MAX_AGE_MS)
         if end > start:  # ended before it started
             return None
-        return CkptMsg(_num(w[1], 0, MAX_RANK), _num(w[2], -1, MAX_STEP), _num(w[3], 1, 1 << 22),
-                       _num(w[4], 0, MAX_STEP), start / 1000.0, end / 1000.0)
+        return CkptMsg(bounded_int(w[1], 0, MAX_RANK), bounded_int(w[2], -1, MAX_STEP), bounded_int(w[3], 1, 1 << 22),
+                       bounded_int(w[4], 0, MAX_STEP), start / 1000.0, end / 1000.0)
     except (UnicodeDecodeError, ValueError, TypeError):
         return None
 

@@ -65,6 +65,20 @@ def mac(key: bytes, data: bytes) -> bytes:
     return hmac.digest(key, data, "sha256").hex()[:MAC_HEX].encode()
 
 
+NUM_MAX_LEN = 20  # digits (and sign) of a number in a signed datagram: no 400-digit int()
+
+
+def bounded_int(word: str, low: int, high: int) -> int:
+    """`word` as an int within [low, high]; ValueError for anything else (a long word is
+    refused before int() parses it)."""
+    if not 0 < len(word) <= NUM_MAX_LEN:
+        raise ValueError(word)
+    value = int(word)
+    if not low <= value <= high:
+        raise ValueError(word)
+    return value
+
+
 def safe_name(text: object, limit: int = NAME_MAX) -> str:
     """A name from the wire, fit to print: letters, digits and ``-_.:`` kept, anything else
     (terminal escapes, newlines, spaces) shown as ``?``; at most `limit` characters."""

@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from bluevela.launch.wire import derive, mac, secret_from_env
+from bluevela.launch.wire import bounded_int, derive, mac, secret_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,6 @@ MAX_RANK = 1 << 20
 MAX_STEP = 1 << 62
 MAX_PID = 1 << 22  # Linux pid_max limit
 MAX_AGE_MS = 1 << 40  # ~35 years
-_NUM_MAX_LEN = 20
 
 
 @dataclass(frozen=True)
@@ -82,15 +81,6 @@ def format_beat(beat: Beat, key: bytes) -> bytes:
     return body + b" " + mac(key, body)
 
 
-def _num(word: str, low: int, high: int) -> int:
-    if not 0 < len(word) <= _NUM_MAX_LEN:
-        raise ValueError(word)
-    value = int(word)
-    if not low <= value <= high:
-        raise ValueError(word)
-    return value
-
-
 def parse_beat(data: bytes, key: bytes) -> Beat | None:
     """The beat in a datagram signed with `key`, or None for anything else: unsigned, badly
     signed, oversized, or with a number out of range (never raises)."""
@@ -103,10 +93,10 @@ def parse_beat(data: bytes, key: bytes) -> Beat | None:
         words = body.decode("ascii").split()
         if len(words) != 9 or words[0] != MAGIC:
             return None
-        return Beat(rank=_num(words[1], 0, MAX_RANK), node=words[2],
-                    step=_num(words[3], -1, MAX_STEP), pid=_num(words[4], 1, MAX_PID),
-                    seq=_num(words[5], 0, MAX_STEP),
-                    age_s=_num(words[6], 0, MAX_AGE_MS) / 1000.0,
+        return Beat(rank=bounded_int(words[1], 0, MAX_RANK), node=words[2],
+                    step=bounded_int(words[3], -1, MAX_STEP), pid=bounded_int(words[4], 1, MAX_PID),
+                    seq=bounded_int(words[5], 0, MAX_STEP),
+                    age_s=bounded_int(words[6], 0, MAX_AGE_MS) / 1000.0,
                     in_collective=words[7] == "1", where=words[8])
     except (UnicodeDecodeError, ValueError, TypeError):
         return None
