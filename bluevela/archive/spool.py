@@ -54,6 +54,7 @@ from bluevela.util.fs import (
     ensure_dir,
     open_dir,
     owner_problem,
+    read_bounded,
     safe_job_id,
     safe_node_name,
 )
@@ -371,14 +372,7 @@ def _read(path: str, limit: int, dir_fd: int | None = None) -> bytes:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ReportError("not a regular file")
-        chunks = []
-        while limit > 0:
-            chunk = os.read(fd, min(1 << 20, limit))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            limit -= len(chunk)
-        return b"".join(chunks)
+        return read_bounded(fd, limit)
     finally:
         os.close(fd)
 

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bluevela.launch.wire import bounded_int, mac, safe_name
+from bluevela.util.fs import read_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -535,14 +536,7 @@ def _read_one(dfd: int, name: str, uid: int) -> dict[str, Any]:
             raise EventsError("not a regular file")
         if st.st_uid != uid:
             raise EventsError(f"owned by uid {st.st_uid}, not the job's user {uid}")
-        chunks, left = [], MAX_FILE_BYTES + 1
-        while left > 0:
-            chunk = os.read(fd, min(1 << 20, left))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return read_events_file(b"".join(chunks))
+        return read_events_file(read_bounded(fd, MAX_FILE_BYTES + 1))
     finally:
         os.close(fd)
 

@@ -157,6 +157,19 @@ def atomic_write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> N
     os.fsync(dir_fd)
 
 
+def read_bounded(fd: int, limit: int) -> bytes:
+    """At most `limit` bytes of an open file, read in 1 MiB chunks (a larger file is cut:
+    the caller's parser sees it as too long or truncated)."""
+    chunks = []
+    while limit > 0:
+        chunk = os.read(fd, min(1 << 20, limit))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        limit -= len(chunk)
+    return b"".join(chunks)
+
+
 def read_no_follow(path: Path, limit: int = 64 << 20) -> bytes:
     """Read a regular file without following a symlink at its last component."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -164,15 +177,7 @@ def read_no_follow(path: Path, limit: int = 64 << 20) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafeValueError(f"{path} is not a regular file")
-        chunks = []
-        remaining = limit
-        while remaining > 0:
-            chunk = os.read(fd, min(1 << 20, remaining))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return b"".join(chunks)
+        return read_bounded(fd, limit)
     finally:
         os.close(fd)
 
