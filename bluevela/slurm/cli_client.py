@@ -220,9 +220,11 @@ class CliSlurmClient:
         timeout: float | None = None,
     ) -> subprocess.CompletedProcess[str]:
         try:
+            # errors="replace": Slurm hands back whatever bytes a user typed (a drain reason
+            # or a job name from a Latin-1 terminal); a strict decode would raise in here.
             return subprocess.run(
-                list(argv), input=stdin, capture_output=True, text=True, cwd=cwd,
-                timeout=timeout or self._timeout, check=False,
+                list(argv), input=stdin, capture_output=True, text=True, errors="replace",
+                cwd=cwd, timeout=timeout or self._timeout, check=False,
             )
         except FileNotFoundError as exc:
             raise SlurmError(f"{argv[0]}: command not found (is Slurm installed and on PATH?)") from exc
