@@ -93,8 +93,16 @@ def test_no_supervisor_no_error_and_no_block(monkeypatch: pytest.MonkeyPatch) ->
     assert heartbeat._SENDER.ck_seq == 200
 
 
+def sticky_dir(path: Path) -> Path:
+    """A directory like /tmp: mode 1777 (owned by the test's user: root, or us)."""
+    path.mkdir(exist_ok=True)
+    path.chmod(0o1777)
+    return path
+
+
 def _supervisor_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A real EventLog run: a launch, a checkpoint datagram, a lost node, a requeue."""
+    tmp_path = sticky_dir(tmp_path / "events")
     monkeypatch.setenv("BV_EVENTS_DIR", str(tmp_path))
     env = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1", "BV_EVENTS_DIR": str(tmp_path)}
     log = E.EventLog.open(env, "node1", query=False)
@@ -110,7 +118,7 @@ def _supervisor_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     log.step_ended("lost", "node2 lost (its agent's connection closed)", ["node2"], now, now, now)
     log.requeue()
     log.close()
-    (path,) = tmp_path.glob("bv-goodput.77.r1.*.jsonl")
+    (path,) = tmp_path.glob(f"bv-goodput.77.r1.u{os.getuid()}.*.jsonl")
     assert path.stat().st_mode & 0o777 == 0o600
     return path
 
@@ -129,7 +137,7 @@ def test_epilog_reads_the_supervisors_file(tmp_path: Path,
     # Another node's epilog, or another attempt's, takes nothing of it.
     assert E.collect(77, 1, "node2", os.getuid(), remove=False) is None
     assert E.collect(77, 0, "node1", os.getuid(), remove=False) is None
-    assert E.collect(77, 1, "node1", os.getuid()) is not None
+    assert E.collect(77, 1, "node1", os.getuid(), remove=True) is not None
     assert not path.exists()  # read once, then removed
 
 
@@ -139,18 +147,19 @@ def test_epilog_refuses_a_file_of_another_user(tmp_path: Path,
     path = _supervisor_file(tmp_path, monkeypatch)
     os.chown(path, 4242, 4242)
     assert E.collect(77, 1, "node1", 1000, remove=False) is None
+    # Its name says uid 0: a file of uid 4242 under it is not 4242's record either.
+    assert E.collect(77, 1, "node1", 4242, remove=False) is None
+    path.rename(path.with_name(path.name.replace(".u0.", ".u4242.")))
     assert E.collect(77, 1, "node1", 4242, remove=False) is not None
 
 
-def test_epilog_never_follows_a_symlink(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_epilog_never_follows_a_symlink(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = _supervisor_file(tmp_path, monkeypatch)
     secret = tmp_path / "secret"
     path.rename(secret)
     path.symlink_to(secret)
-    assert E.collect(77, 1, "node1", os.getuid()) is None
-    assert path.is_symlink()  # left for a person to look at
-    assert "left out" in caplog.text
+    assert E.collect(77, 1, "node1", os.getuid(), remove=True) is None
+    assert path.is_symlink() and secret.exists()  # neither read nor removed
 
 
 @pytest.mark.parametrize("bad", [
@@ -163,8 +172,9 @@ def test_epilog_never_follows_a_symlink(tmp_path: Path, monkeypatch: pytest.Monk
 ], ids=["garbage", "unknown-event", "time-out-of-range", "escape-in-host", "oversized"])
 def test_a_bad_file_is_left_out_not_fatal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                           bad: bytes) -> None:
-    monkeypatch.setenv("BV_EVENTS_DIR", str(tmp_path))
-    (tmp_path / "bv-goodput.77.r0.0123456789abcdef.jsonl").write_bytes(bad)
+    events = sticky_dir(tmp_path / "events")
+    monkeypatch.setenv("BV_EVENTS_DIR", str(events))
+    (events / f"bv-goodput.77.r0.u{os.getuid()}.0123456789abcdef.jsonl").write_bytes(bad)
     assert E.collect(77, 0, "node1", os.getuid()) is None
 
 

@@ -280,6 +280,10 @@ def prolog(site: Site, hctx: HookContext) -> HookOutcome:
         reading["restart"] = hctx.restart_count  # this attempt, for its epilog (_attempt)
         save_job_reading(state, hctx.job_id, reading)
     drain = _drain_if_critical(site, hctx.node, report)
+    if hctx.job_id is not None:  # the user's goodput events directory, in a per-user layout
+        from bluevela.launch.events import prepare_for_prolog
+
+        prepare_for_prolog()
     spooled = _spool(site, hctx, report, drain, {})
     code = drain.prolog_exit()
     return _finish(state, HookOutcome("prolog", hctx.node, hctx.job_id, report, drain,
@@ -301,13 +305,16 @@ def epilog(site: Site, hctx: HookContext) -> HookOutcome:
         spool_series(site, hctx.job_id, hctx.node, reading, restart=_attempt(hctx, reading))
     drain = _drain_if_critical(site, hctx.node, report)
     extra: dict[str, Any] = {}
+    events = None
     if hctx.job_id is not None:  # the supervisor's goodput events, when it ran on this node
         from bluevela.launch.events import collect_for_epilog
 
         events = collect_for_epilog(hctx.job_id, _attempt(hctx, reading), hctx.node)
         if events is not None:
-            extra["goodput_events"] = events
+            extra["goodput_events"] = events.record
     spooled = _spool(site, hctx, report, drain, telemetry, _attempt(hctx, reading), extra)
+    if events is not None and spooled is not None:  # removed only once they are spooled
+        events.remove()
     return _finish(state, HookOutcome("epilog", hctx.node, hctx.job_id, report, drain,
                                       spooled=spooled, exit_code=0))
 

@@ -49,7 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from bluevela.launch.wire import bounded_int, mac, safe_name
+from bluevela.launch.wire import NAME_MAX, bounded_int, mac, safe_name
 from bluevela.util.fs import read_bounded
 
 logger = logging.getLogger(__name__)
@@ -58,19 +58,30 @@ CKPT_MAGIC = "bvck1"
 EVENTS_DIR_ENV = "BV_EVENTS_DIR"
 DEFAULT_DIR = "/tmp"
 MAX_DATAGRAM = 256
-MAX_CKPTS = 4096  # per launch; later ones only add to `ckpt_more` (count, seconds)
+MAX_CKPTS = 4096  # per launch kept one by one in the record; later saves are summed
 MAX_LAUNCHES = 64
-MAX_LINES = 4 * MAX_CKPTS * 4
+# The writer's bounds are the reader's: the supervisor never writes a file the epilog refuses.
+MAX_LINES = 65536
 MAX_FILE_BYTES = 2 << 20
 MAX_CAUSE = 600
 MAX_NODES = 1024  # node names listed per launch (a bigger job keeps the count)
 MAX_STEP = 1 << 62
 MAX_RANK = 1 << 20
 MAX_AGE_MS = 7 * 86400 * 1000
+# The longest `end` line (cause of MAX_CAUSE characters JSON-escaped at worst 12 bytes each,
+# MAX_NODES names of NAME_MAX+3 characters quoted) and `requeue` line: the room the writer
+# keeps free while a launch is open, so the events that close it always fit.
+END_LINE_MAX = 400 + 12 * MAX_CAUSE + MAX_NODES * (NAME_MAX + 3 + 3)
+REQUEUE_LINE_MAX = 64
+CLOSE_RESERVE = END_LINE_MAX + REQUEUE_LINE_MAX
+MAX_SCAN = 100_000  # directory entries the epilog looks at (a flooded /tmp stops there)
+CKPT_WINDOW = 8  # recent saves the supervisor folds late ranks into
+MAX_FILES = 8  # files of one attempt (owned by the job's user) the epilog reads
 # Unix times must fall between these (2001 .. 2286): anything else is not a clock reading.
 T_MIN, T_MAX = 1e9, 1e10
 KINDS = ("ok", "failed", "lost", "hang", "signal", "terminated")
-_NAME_RE = re.compile(r"^bv-goodput\.([0-9]{1,12})\.r([0-9]{1,5})\.[0-9a-f]{16}\.jsonl$")
+_NAME_RE = re.compile(
+    r"^bv-goodput\.([0-9]{1,12})\.r([0-9]{1,5})\.u([0-9]{1,10})\.[0-9a-f]{16}\.jsonl$")
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,6 +134,98 @@ def events_dir(env: Mapping[str, str]) -> str:
     return value if value.startswith("/") and "\0" not in value else DEFAULT_DIR
 
 
+class EventsDirError(OSError):
+    """An events directory that another user could fill or replace (one-line reason)."""
+
+
+def dir_layout(st: os.stat_result, path: str) -> str:
+    """How files are laid out in an events directory with this lstat/fstat result:
+    ``shared`` (root-owned with the sticky bit, like /tmp: the files lie in it, and no
+    user can rename or remove another's) or ``per-user`` (root-owned, writable by root
+    only: the files lie in ``<dir>/<uid>/``, which root creates for each user). Raises
+    EventsDirError for anything else: a link, not a directory, owned by a user (they could
+    swap files under the epilog), or writable by group/others without the sticky bit."""
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise EventsDirError(f"{path} is not a directory (a symlink is refused)")
+    if st.st_uid not in (0, os.geteuid()):
+        raise EventsDirError(f"{path} is owned by uid {st.st_uid}, not root: its owner can "
+                             "replace any record in it")
+    if st.st_mode & stat.S_ISVTX:
+        return "shared"
+    if st.st_mode & 0o022:
+        raise EventsDirError(f"{path} is writable by group or others without the sticky "
+                             f"bit (mode {stat.S_IMODE(st.st_mode):04o}): another user could "
+                             "rename or remove the job's record; use mode 1777 or 0755 with "
+                             "per-user directories")
+    return "per-user"
+
+
+def check_events_dir(path: str) -> tuple[str, str | None]:
+    """(layout, problem) of the events directory at `path` for `bv site validate`: the
+    problem is None when the epilog can trust it. Never raises."""
+    try:
+        layout = dir_layout(os.lstat(path), path)
+    except EventsDirError as exc:
+        return "", str(exc)
+    except OSError as exc:
+        return "", f"{path}: {exc.strerror or exc}"
+    return layout, None
+
+
+def open_user_dir(env: Mapping[str, str], uid: int) -> int:
+    """A directory fd where the files of user `uid` lie (see `dir_layout`), checked; the
+    caller closes it. Raises OSError (EventsDirError when the directory is refused)."""
+    path = events_dir(env)
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        layout = dir_layout(os.fstat(dfd), path)
+    except OSError:
+        os.close(dfd)
+        raise
+    if layout == "shared":
+        return dfd
+    try:
+        ufd = os.open(str(uid), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    st = os.fstat(ufd)
+    if st.st_uid not in (uid, 0) or st.st_mode & 0o022:
+        os.close(ufd)
+        raise EventsDirError(f"{path}/{uid} is not the user's own directory (owner "
+                             f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})")
+    return ufd
+
+
+def ensure_user_dir(env: Mapping[str, str], uid: int, gid: int) -> None:
+    """The prolog's part (root) in a per-user layout: ``<dir>/<uid>`` exists, a directory
+    owned by the user, mode 0700. Nothing to do in a shared layout. Never raises (logged)."""
+    path = events_dir(env)
+    try:
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        if dir_layout(os.fstat(dfd), path) != "per-user" or uid == 0:
+            return
+        try:
+            os.mkdir(str(uid), 0o700, dir_fd=dfd)
+        except FileExistsError:
+            return  # root made it (only root writes here); open_user_dir checks it
+        fd = os.open(str(uid), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=dfd)
+        try:
+            os.fchown(fd, uid, gid)
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        logger.warning("goodput events directory for uid %d not made in %s: %s", uid, path,
+                       exc.strerror or exc)
+    finally:
+        os.close(dfd)
+
+
 def slurm_times(job: str, timeout: float = 10.0) -> dict[str, float | None]:
     """Submit time, start time and time limit (s) of `job`, read once at the supervisor's
     start with ``squeue -h -j JOB -o %V|%S|%l`` (local times; a read, never an action on
@@ -167,7 +270,14 @@ def parse_limit(text: str) -> float | None:
 
 class EventLog:
     """The supervisor's side. Every method is best-effort: an error disables the log (one
-    line on stderr), never the supervisor."""
+    line on stderr), never the supervisor.
+
+    Bounded as the epilog reads (MAX_FILE_BYTES, MAX_LINES), with CLOSE_RESERVE bytes kept
+    free while a launch is open: when the file is full, later saves are left out, never the
+    `end` that closes the launch or the requeue. One `ckpt` line per save, not per rank: the
+    ranks' datagrams of one step are folded in memory (first start, last end, rank count)
+    and the line is written when the next save starts, the step ends or the job requeues
+    (a 1,024 x 8-rank job: ~100 bytes per save instead of 8,192 lines)."""
 
     def __init__(self, fd: int | None, host: str) -> None:
         self.fd = fd
@@ -175,19 +285,26 @@ class EventLog:
         self.launch_no = 0
         self.started_mono = 0.0
         self.first_progress = False
-        self.ckpts: dict[int, list[float]] = {}  # step -> [start, end] (unix s), this launch
+        self.ckpts: dict[int, list[float]] = {}  # step -> [start, end, ranks], recent saves
+        self.dirty: dict[int, None] = {}  # steps whose line is not written yet, in order
+        self.ck_seqs: dict[tuple[int, int], int] = {}  # (rank, pid) -> last seq, this launch
         self.signal_mono: float | None = None
         self.lines = 0
+        self.bytes = 0
+        self.open_launch = False  # a launch line is written and its end not yet
+        self.skipping = False  # this launch's line did not fit: its events are left out
+        self.full_logged = False
 
     @classmethod
     def open(cls, env: Mapping[str, str], host: str, *, query: bool = True) -> EventLog:
         job, restart = env.get("SLURM_JOB_ID", ""), env.get("SLURM_RESTART_COUNT") or "0"
         if not job.isdigit() or not restart.isdigit() or len(job) > 12 or len(restart) > 5:
             return cls(None, host)
-        name = f"bv-goodput.{job}.r{int(restart)}.{secrets.token_hex(8)}.jsonl"
+        uid = os.getuid()
+        name = f"bv-goodput.{job}.r{int(restart)}.u{uid}.{secrets.token_hex(8)}.jsonl"
         fd = None
         try:
-            dfd = os.open(events_dir(env), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            dfd = open_user_dir(env, uid)
             try:
                 fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                              | os.O_APPEND | os.O_CLOEXEC, 0o600, dir_fd=dfd)
@@ -204,17 +321,31 @@ class EventLog:
         log._write(info)
         return log
 
-    def _write(self, rec: dict[str, Any]) -> None:
-        if self.fd is None or self.lines >= MAX_LINES:
-            return
+    def _write(self, rec: dict[str, Any], *, closing: bool = False) -> bool:
+        """Append one line; False when it was left out (no file, or no room for it)."""
+        if self.fd is None:
+            return False
+        data = json.dumps(rec, separators=(",", ":")).encode() + b"\n"
+        # A line that opens or fills a launch leaves room for the lines that close it.
+        room = MAX_FILE_BYTES - (0 if closing else CLOSE_RESERVE)
+        if self.bytes + len(data) > room or self.lines + (1 if closing else 3) > MAX_LINES:
+            if not self.full_logged:
+                self.full_logged = True
+                logger.warning("goodput events full (%d lines, %d bytes): later %s events "
+                               "are left out", self.lines, self.bytes, rec.get("e"))
+            return False
         try:
-            os.write(self.fd, json.dumps(rec, separators=(",", ":")).encode() + b"\n")
-            self.lines += 1
+            os.write(self.fd, data)
         except OSError as exc:
             logger.warning("goodput events stopped: %s", exc.strerror or exc)
             self.close()
+            return False
+        self.lines += 1
+        self.bytes += len(data)
+        return True
 
     def close(self) -> None:
+        self._flush_ckpts()
         if self.fd is not None:
             try:
                 os.close(self.fd)
@@ -228,42 +359,60 @@ class EventLog:
 
     def launch(self, attempt: int, launch: int, nodes: list[str], spares: int,
                started_mono: float) -> None:
+        self._flush_ckpts()
         self.launch_no = launch
         self.started_mono = started_mono
         self.first_progress = False
-        self.ckpts = {}
-        self._write({"e": "launch", "t": self.wall(started_mono), "attempt": attempt,
-                     "launch": launch, "n_nodes": len(nodes), "nodes": nodes[:MAX_NODES],
-                     "spares": spares})
+        self.ckpts, self.dirty, self.ck_seqs = {}, {}, {}
+        self.skipping = not self._write({
+            "e": "launch", "t": self.wall(started_mono), "attempt": attempt, "launch": launch,
+            "n_nodes": len(nodes), "nodes": nodes[:MAX_NODES], "spares": spares})
+        self.open_launch = not self.skipping
 
     def progress(self, mono: float) -> None:
         if not self.first_progress:
             self.first_progress = True
-            self._write({"e": "progress", "t": self.wall(mono), "launch": self.launch_no})
+            if not self.skipping:
+                self._write({"e": "progress", "t": self.wall(mono), "launch": self.launch_no})
 
     def datagram(self, data: bytes, key: bytes, max_ranks: int, now_mono: float) -> bool:
-        """Record a checkpoint datagram of this step; True when it was one (valid or not)."""
+        """Record a checkpoint datagram of this step; True when it was one (valid or not).
+        A datagram whose sequence number is not above the last one of its (rank, pid) is a
+        replay and changes nothing (as for heartbeats)."""
         if not data.startswith(CKPT_MAGIC.encode()):
             return False
         msg = parse_ckpt(data, key)
         life = now_mono - self.started_mono + 5
         if msg is None or msg.rank >= max_ranks or msg.start_age_s > life:
             return True
+        who = (msg.rank, msg.pid)
+        last = self.ck_seqs.get(who)
+        if last is not None and msg.seq <= last:
+            return True  # a replayed or reordered datagram
+        if last is None and len(self.ck_seqs) >= 4 * max_ranks:
+            return True
+        self.ck_seqs[who] = msg.seq
         now = time.time()
         start, end = now - msg.start_age_s, now - msg.end_age_s
         have = self.ckpts.get(msg.step)
         if have is not None:  # another rank's save of the same step: one save, widest span
-            have[0], have[1] = min(have[0], start), max(have[1], end)
-            self._write({"e": "ckpt", "launch": self.launch_no, "step": msg.step,
-                         "t0": have[0], "t1": have[1]})
-            return True
-        if len(self.ckpts) >= MAX_CKPTS:
-            self._write({"e": "ckpt_more", "launch": self.launch_no, "t0": start, "t1": end})
-            return True
-        self.ckpts[msg.step] = [start, end]
-        self._write({"e": "ckpt", "launch": self.launch_no, "step": msg.step, "t0": start,
-                     "t1": end})
+            have[0], have[1], have[2] = min(have[0], start), max(have[1], end), have[2] + 1
+        else:
+            self._flush_ckpts()  # a new save: the ones before it are complete
+            self.ckpts[msg.step] = [start, end, 1]
+            while len(self.ckpts) > CKPT_WINDOW:  # a late rank of an older save: a 2nd line
+                del self.ckpts[next(iter(self.ckpts))]
+        self.dirty[msg.step] = None
         return True
+
+    def _flush_ckpts(self) -> None:
+        """One line per save changed since its last line."""
+        for step in list(self.dirty):
+            c = self.ckpts.get(step)
+            if c is not None and not self.skipping:
+                self._write({"e": "ckpt", "launch": self.launch_no, "step": step,
+                             "t0": round(c[0], 3), "t1": round(c[1], 3), "ranks": int(c[2])})
+        self.dirty = {}
 
     def signal(self, mono: float) -> None:
         if self.signal_mono is None:
@@ -272,16 +421,23 @@ class EventLog:
     def step_ended(self, kind: str, cause: str, lost: list[str], failed_mono: float | None,
                    detected_mono: float | None, gone_mono: float) -> None:
         """The step's end. For a signal the failure and its detection are the signal."""
+        self._flush_ckpts()
         if kind in ("signal", "terminated") and self.signal_mono is not None:
             failed_mono = detected_mono = max(self.signal_mono, self.started_mono)
         failed = self.wall(failed_mono) if failed_mono is not None else None
         detected = self.wall(detected_mono) if detected_mono is not None else None
+        if self.skipping:
+            return
+        names = [n for n in sorted(lost) if safe_name(n) == n][:MAX_NODES]
         self._write({"e": "end", "launch": self.launch_no, "kind": kind,
-                     "cause": cause[:MAX_CAUSE], "nodes": sorted(lost)[:MAX_NODES],
-                     "failed": failed, "detected": detected, "gone": self.wall(gone_mono)})
+                     "cause": cause[:MAX_CAUSE], "nodes": names,
+                     "failed": failed, "detected": detected, "gone": self.wall(gone_mono)},
+                    closing=True)
+        self.open_launch = False
 
     def requeue(self) -> None:
-        self._write({"e": "requeue", "t": time.time()})
+        self._flush_ckpts()
+        self._write({"e": "requeue", "t": time.time()}, closing=True)
 
 
 def failure_time(lost: Mapping[str, str], last_seen: Mapping[str, float], started: float,
@@ -367,7 +523,7 @@ def fold(lines: list[dict[str, Any]]) -> dict[str, Any]:
             by[n] = {"launch": n, "attempt": ev.get("attempt"), "start": ev.get("t"),
                      "n_nodes": ev.get("n_nodes"), "nodes": ev.get("nodes"),
                      "spares": ev.get("spares"), "first_progress": None, "ckpts": {},
-                     "ckpt_more": [0, 0.0], "end": None}
+                     "ckpt_more": [0, 0.0], "end": None, "_over": {}}
             rec["launches"].append(by[n])
             continue
         if not isinstance(n, int) or n not in by:
@@ -376,12 +532,15 @@ def fold(lines: list[dict[str, Any]]) -> dict[str, Any]:
         if kind == "progress":
             la["first_progress"] = la["first_progress"] or ev.get("t")
         elif kind == "ckpt":
-            step = ev.get("step")
-            if not isinstance(step, int) or isinstance(step, bool):
-                raise EventsError(f"{where}: step is not an integer")
-            if step not in la["ckpts"] and len(la["ckpts"]) >= MAX_CKPTS:
-                raise EventsError(f"{where}: more than {MAX_CKPTS} checkpoints in a launch")
-            la["ckpts"][step] = [step, ev.get("t0"), ev.get("t1")]
+            # One line per save (a later line of the same step widens it); the first
+            # MAX_CKPTS saves of a launch are kept one by one, the rest summed in ckpt_more.
+            step = _int(ev.get("step"), f"{where} step", -1, MAX_STEP)
+            t0, t1 = _t(ev.get("t0"), where), _t(ev.get("t1"), where)
+            ck = la["ckpts"] if step in la["ckpts"] or len(la["ckpts"]) < MAX_CKPTS \
+                else la["_over"]
+            have = ck.get(step)
+            ck[step] = [step, t0, t1] if have is None else \
+                [step, min(have[1], t0), max(have[2], t1)]
         elif kind == "ckpt_more":
             t0, t1 = _t(ev.get("t0"), where), _t(ev.get("t1"), where)
             la["ckpt_more"] = [la["ckpt_more"][0] + 1, la["ckpt_more"][1] + max(0.0, t1 - t0)]
@@ -392,6 +551,9 @@ def fold(lines: list[dict[str, Any]]) -> dict[str, Any]:
             raise EventsError(f"{where}: unknown event")
     for la in rec["launches"]:
         la["ckpts"] = sorted(la["ckpts"].values(), key=lambda c: (c[2], c[0]))
+        over = la.pop("_over").values()
+        la["ckpt_more"] = [la["ckpt_more"][0] + len(over),
+                           la["ckpt_more"][1] + sum(max(0.0, c[2] - c[1]) for c in over)]
     return validate(rec)
 
 
@@ -489,26 +651,80 @@ def read_events_file(data: bytes) -> dict[str, Any]:
     return fold(lines)
 
 
+@dataclass
+class Collected:
+    """What the epilog read of one attempt: the record, and the files it came from (removed
+    only once the report holding the record is spooled: `remove`)."""
+
+    record: dict[str, Any]
+    names: list[str]
+    uid: int
+    env: Mapping[str, str]
+
+    def remove(self) -> None:
+        """Remove the files read (never raises): call it after the spool write succeeded."""
+        try:
+            dfd = open_user_dir(self.env, self.uid)
+        except OSError:
+            return
+        try:
+            for name in self.names:
+                _unlink(dfd, name, self.uid)
+        finally:
+            os.close(dfd)
+
+
 def collect(job_id: int, restart: int, node: str, uid: int | None,
-            env: Mapping[str, str] | None = None, *, remove: bool = True
+            env: Mapping[str, str] | None = None, *, remove: bool = False
             ) -> dict[str, Any] | None:
     """The epilog's read (as root) of the supervisor's events of this job attempt on this
-    node, or None. Never follows a symlink, never reads a file not owned by the job's user
-    (`uid`) or larger than MAX_FILE_BYTES; a file that fails a check is logged and left
-    out (and kept, for a person to look at). Never raises."""
+    node, or None (see `collect_files`); with `remove`, the files read are removed."""
+    found = collect_files(job_id, restart, node, uid, env)
+    if found is None:
+        return None
+    if remove:
+        found.remove()
+    return found.record
+
+
+def collect_files(job_id: int, restart: int, node: str, uid: int | None,
+                  env: Mapping[str, str] | None = None) -> Collected | None:
+    """Read the events files of this job attempt on this node, as root, as hostile input.
+
+    Only a directory that no other user can fill or replace is read (`dir_layout`); at most
+    MAX_SCAN entries of it are looked at (scandir). The files are named with the job's uid
+    and filtered by their owner (the job's user, from lstat) BEFORE the MAX_FILES cap, so
+    another user's files, whatever their names, never push the real record out. Never
+    follows a symlink, never reads more than MAX_FILE_BYTES; a file that fails a check is
+    logged and left out (and kept, for a person to look at). Never raises."""
     if uid is None:
         return None
     env = os.environ if env is None else env
     try:
-        dfd = os.open(events_dir(env), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-                      | os.O_CLOEXEC)
-    except OSError:
+        dfd = open_user_dir(env, uid)
+    except OSError as exc:
+        if isinstance(exc, EventsDirError):
+            logger.warning("goodput events not read: %s", exc)
         return None
     found: dict[str, Any] | None = None
+    read: list[str] = []
     try:
-        names = sorted(n for n in os.listdir(dfd) if (m := _NAME_RE.match(n))
-                       and int(m.group(1)) == job_id and int(m.group(2)) == restart)
-        for name in names[:8]:
+        names = []
+        with os.scandir(dfd) as entries:
+            for n, entry in enumerate(entries):
+                if n >= MAX_SCAN:
+                    logger.warning("goodput events: more than %d entries in %s, the rest "
+                                   "not looked at (per-user directories avoid this)",
+                                   MAX_SCAN, events_dir(env))
+                    break
+                m = _NAME_RE.match(entry.name)
+                if (m is None or int(m.group(1)) != job_id or int(m.group(2)) != restart
+                        or int(m.group(3)) != uid):
+                    continue
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+                    names.append(entry.name)
+        for name in sorted(names)[:MAX_FILES]:
             try:
                 rec = _read_one(dfd, name, uid)
                 if rec["host"] != node or rec["job"] != job_id or rec["restart"] != restart:
@@ -517,15 +733,14 @@ def collect(job_id: int, restart: int, node: str, uid: int | None,
             except (OSError, EventsError) as exc:
                 logger.warning("goodput events %s left out: %s", name, exc)
                 continue
-            if remove:
-                _unlink(dfd, name)
+            read.append(name)
             if found is None or len(rec["launches"]) > len(found["launches"]):
                 found = rec
     except OSError as exc:
         logger.warning("goodput events not read: %s", exc.strerror or exc)
     finally:
         os.close(dfd)
-    return found
+    return None if found is None else Collected(found, read, uid, env)
 
 
 def _read_one(dfd: int, name: str, uid: int) -> dict[str, Any]:
@@ -541,18 +756,30 @@ def _read_one(dfd: int, name: str, uid: int) -> dict[str, Any]:
         os.close(fd)
 
 
-def _unlink(dfd: int, name: str) -> None:
+def _unlink(dfd: int, name: str, uid: int) -> None:
     try:
-        os.unlink(name, dir_fd=dfd)
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+            os.unlink(name, dir_fd=dfd)
     except OSError:
         pass
 
 
 def collect_for_epilog(job_id: int, restart: int, node: str,
-                       env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
-    """`collect` with the job's user from ``SLURM_JOB_UID`` (the epilog's environment)."""
+                       env: Mapping[str, str] | None = None) -> Collected | None:
+    """`collect_files` with the job's user from ``SLURM_JOB_UID`` (the epilog's
+    environment). The caller removes the files (`Collected.remove`) once spooled."""
     env = os.environ if env is None else env
     raw = env.get("SLURM_JOB_UID", "")
     if not raw.isdigit() or len(raw) > 10:
         return None
-    return collect(job_id, restart, node, int(raw), env)
+    return collect_files(job_id, restart, node, int(raw), env)
+
+
+def prepare_for_prolog(env: Mapping[str, str] | None = None) -> None:
+    """The prolog's part: the job user's directory in a per-user layout (`ensure_user_dir`),
+    from ``SLURM_JOB_UID``/``SLURM_JOB_GID``. Never raises."""
+    env = os.environ if env is None else env
+    uid, gid = env.get("SLURM_JOB_UID", ""), env.get("SLURM_JOB_GID", "")
+    if uid.isdigit() and len(uid) <= 10 and gid.isdigit() and len(gid) <= 10:
+        ensure_user_dir(env, int(uid), int(gid))
