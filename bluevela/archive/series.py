@@ -28,7 +28,9 @@ without it holds attempt 0 of each node.
 `read_series` / `write_series` are the API the efficiency view and the fleet report use.
 A re-ingest adds nothing twice (a node's attempt already in the file is kept as it is); a late
 node's (or a later attempt's) side file is added by rewriting the file (temp file, fsync,
-rename).
+rename). An existing file that cannot be read (a reader's lock, an I/O error, damage) is never
+rebuilt over: its rows are the only copy of the nodes whose side files are done, so the new
+side files wait in the spool until it can be read (or an operator moves it aside).
 
 A side file is checked against its job before anything is sized from it (`check_side_file`,
 `SeriesLimits`): GPU indices within the node's class, a bounded number of IB ports, the site's
@@ -421,6 +423,7 @@ class _Meta:
     node_metrics: set[str]
     units: dict[str, str]
     restarts: tuple[int, ...] = (0,)  # the attempts this window holds
+    source: str = ""  # the spool name of a new side file ("": a row of the existing file)
 
 
 class SideFileError(ValueError):
@@ -658,35 +661,68 @@ def _old_row(path: Path, i: int) -> NodeWindow:
                           uuids, ports, units)
 
 
+# What h5py raises on a file that is not what it should be (a damaged superblock or chunk, a
+# dataset where a group should be, ...): the file cannot be read, whatever the cause.
+_UNREADABLE = (OSError, KeyError, ValueError, TypeError, AttributeError, RuntimeError)
+
+
 def _old_metas(path: Path) -> list[_Meta]:
     """The nodes of an existing series file, each loaded only when written again (with the
-    attempts its row holds)."""
+    attempts its row holds).
+
+    Raises:
+        ArchiveError: the file is there but cannot be read now (a lock held by a reader, an
+            I/O error, damage, not a regular file). It is left as it is: its rows are the
+            only copy of the nodes whose side files are done.
+    """
+    import stat
+
     import h5py
 
-    with h5py.File(path, "r") as f:
-        if f.attrs.get("format") != FORMAT:
-            raise ValueError("not a job series file")
-        times = f["time"][()]
-        interval = float(f.attrs["interval_s"])
-        nodes = [n.decode() if isinstance(n, bytes) else str(n) for n in f["nodes"][()]]
-        G = f["gpu/uuid"].shape[1] if "gpu/uuid" in f else 0
-        P = f["ib/port"].shape[1] if "ib/port" in f else 0
-        gpu = {k for k in f["gpu"] if k != "uuid"} if "gpu" in f else set()
-        ib = {k for k in f["ib"] if k != "port"} if "ib" in f else set()
-        nm = set(f["node"]) if "node" in f else set()
-        units = {k: str(ds.attrs.get("unit", "")) for g in ("gpu", "ib", "node") if g in f
-                 for k, ds in f[g].items() if k not in ("uuid", "port")}
-        attempts = _attempts_attr(f)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise _unreadable(path, exc) from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise ArchiveError(f"series file {path} is not a regular file: left as it is")
+    try:
+        with h5py.File(path, "r") as f:
+            if f.attrs.get("format") != FORMAT:
+                raise ValueError("not a job series file")
+            times = f["time"][()]
+            interval = float(f.attrs["interval_s"])
+            nodes = [n.decode() if isinstance(n, bytes) else str(n) for n in f["nodes"][()]]
+            G = f["gpu/uuid"].shape[1] if "gpu/uuid" in f else 0
+            P = f["ib/port"].shape[1] if "ib/port" in f else 0
+            gpu = {k for k in f["gpu"] if k != "uuid"} if "gpu" in f else set()
+            ib = {k for k in f["ib"] if k != "port"} if "ib" in f else set()
+            nm = set(f["node"]) if "node" in f else set()
+            units = {k: str(ds.attrs.get("unit", "")) for g in ("gpu", "ib", "node") if g in f
+                     for k, ds in f[g].items() if k not in ("uuid", "port")}
+            attempts = _attempts_attr(f)
+    except _UNREADABLE as exc:
+        raise _unreadable(path, exc) from exc
     if not len(times):
         return []
     out = []
     for i, node in enumerate(nodes):
         def load(i: int = i) -> NodeWindow:
-            return _old_row(path, i)
+            try:
+                return _old_row(path, i)
+            except _UNREADABLE as exc:
+                raise _unreadable(path, exc) from exc
 
         out.append(_Meta(node, load, float(times[0]), float(times[-1]), interval, G, P,
                          gpu, ib, nm, units, tuple(attempts.get(node, (0,)))))
     return out
+
+
+def _unreadable(path: Path, exc: BaseException) -> ArchiveError:
+    why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    return ArchiveError(f"series file {path} cannot be read ({type(exc).__name__}: {why}): "
+                        "left as it is")
 
 
 def _attempts_attr(f: Any) -> dict[str, list[int]]:
@@ -744,9 +780,13 @@ def ingest_side_files(w: Writer, sd: SpoolDir, archive_dir: Path, entries: list[
     Side files of jobs not yet archived wait in the spool. A node already in the job's file is
     not added again (its side file is just done). A side file that is a symlink, has a bad
     header, a truncated record, another node's/job's header, or does not fit its job
-    (`check_side_file`) is quarantined. A job whose series cannot be built from its new side
-    files' data (MemoryError included) has them quarantined; an OSError (a full disk) leaves
-    them for the next ingest. Either way the next job is built.
+    (`check_side_file`) is quarantined, and so is one whose records cannot be loaded. A job
+    whose series cannot be built from its new side files' data (a ValueError, MemoryError)
+    has them quarantined. An existing series file that cannot be read (a reader's lock, an
+    I/O error, damage), an OSError (a full disk) or any other exception (a bug) leaves the
+    file as it is and the side files in the spool for the next ingest: rows that cannot be
+    read are never rebuilt over, and user data is quarantined only for what it holds. Either
+    way the next job is built.
 
     Args:
         limits: the site's bounds (`SeriesLimits.from_site`); default: no node class known.
@@ -785,11 +825,25 @@ def ingest_side_files(w: Writer, sd: SpoolDir, archive_dir: Path, entries: list[
             continue
         except (OSError, ArchiveError) as exc:
             # The reports are durable already; the side files stay for the next ingest.
-            logger.error("job %d: series file not written: %s", job_id, exc)
+            logger.error("job %d: series file not written: %s; its side files stay in the "
+                         "spool for the next ingest", job_id, exc)
+            continue
+        except Exception:  # noqa: BLE001 - a bug: logged whole, no user data quarantined
+            logger.exception("job %d: series file not written (a bug, not the data: its side "
+                             "files stay in the spool for the next ingest)", job_id)
             continue
         done += names
         bad += quarantined
     return done, bad
+
+
+class _BadSideFile(Exception):
+    """A new side file's records could not be loaded (the file is named)."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(reason)
+        self.name = name
+        self.reason = reason
 
 
 class _BuildFailed(Exception):
@@ -814,16 +868,10 @@ def _ingest_job(sd: SpoolDir, archive_dir: Path, job_id: int, job_entries: list[
     done: list[str] = []
     bad: list[tuple[str, str]] = []
     path = series_path(archive_dir, job_id)
-    have: set[tuple[str, int]] = set()
-    metas: list[_Meta] = []
-    if path.is_file():
-        try:
-            metas = _old_metas(path)
-            have = {(m.node, k) for m in metas for k in m.restarts}
-        except (OSError, KeyError, ValueError) as exc:
-            logger.error("job %d: series file %s unreadable (%s): rebuilt from the spool",
-                         job_id, path, exc)
-            have, metas = set(), []
+    # Never rebuild over rows that cannot be read: the side files of the nodes in the file are
+    # done (and pruned from done/ after a week); its rows are their only copy.
+    metas = _old_metas(path)
+    have = {(m.node, k) for m in metas for k in m.restarts}
     new_names: list[str] = []
     for e in sorted(job_entries, key=lambda x: (x.node, x.restart)):
         if (e.node, e.restart) in have:
@@ -831,7 +879,10 @@ def _ingest_job(sd: SpoolDir, archive_dir: Path, job_id: int, job_entries: list[
             continue
 
         def load(e: SpoolEntry = e) -> NodeWindow:
-            return window_from_segment(read_file(e.name, strict=True, dir_fd=sd.fd))
+            try:
+                return window_from_segment(read_file(e.name, strict=True, dir_fd=sd.fd))
+            except ValueError as exc:  # FormatError, SideFileError: this file's records
+                raise _BadSideFile(e.name, str(exc)) from exc
 
         try:
             probe = probe_file(e.name, dir_fd=sd.fd)
@@ -849,6 +900,7 @@ def _ingest_job(sd: SpoolDir, archive_dir: Path, job_id: int, job_entries: list[
             check_side_file(probe, job, restart, limits, now=now, age_s=age)
             meta = _meta_of(probe, load)
             meta.restarts = (restart,)
+            meta.source = e.name
         except FileNotFoundError:
             continue
         except SideFileWait as why:
@@ -865,20 +917,27 @@ def _ingest_job(sd: SpoolDir, archive_dir: Path, job_id: int, job_entries: list[
         done.append(e.name)
         metas.append(meta)
         new_names.append(e.name)
-    if new_names:
+    while new_names:
+        # Only errors that say "this data is bad" quarantine: a bug (TypeError, KeyError...)
+        # goes up and the side files stay for the next ingest.
         try:
             _check_plan(metas, limits)
             n = build_series(path, job_id, metas)
-        except (OSError, ArchiveError):
-            raise
+        except _BadSideFile as exc:  # one file's records: it alone, the others are built
+            reason = f"series side file: {exc.reason}"
+            quarantine(sd, exc.name, reason)
+            bad.append((exc.name, reason))
+            done.remove(exc.name)
+            new_names.remove(exc.name)
+            metas = [m for m in metas if m.source != exc.name]
+            continue
         except MemoryError:
             raise _BuildFailed(new_names, "out of memory") from None
-        except SideFileError as exc:
+        except ValueError as exc:  # SideFileError, a value h5py cannot store (a UUID...)
             raise _BuildFailed(new_names, str(exc)) from exc
-        except Exception as exc:  # noqa: BLE001 - a file's data broke the build: quarantine
-            raise _BuildFailed(new_names, f"{type(exc).__name__}: {exc}") from exc
         logger.info("job %d: series of %d node(s) in %s (%d new)", job_id, n, path,
                     len(new_names))
+        break
     return done, bad
 
 
