@@ -26,6 +26,11 @@ def validate(obj: State, path: str | None) -> None:
     note = readiness(site.launch.grow_deadline_s)
     if note is not None:
         click.echo(f"WARNING: {note}", err=True)
+    from bluevela.launch.events import events_dir_problem
+
+    events_note = events_dir_problem()
+    if events_note is not None:
+        click.echo(f"WARNING: {events_note}", err=True)
 
 
 @command.command("show")

@@ -160,6 +160,30 @@ def dir_layout(st: os.stat_result, path: str) -> str:
     return "per-user"
 
 
+def site_events_dir(environ: Mapping[str, str] | None = None) -> str:
+    """The events directory the hooks use: BV_EVENTS_DIR from hook.env (`BV_HOOK_ENV`,
+    else /etc/bluevela/hook.env, when readable), else from `environ`, else /tmp."""
+    from pathlib import Path
+
+    from bluevela.hooks.env import HOOK_ENV, read_hook_env
+
+    environ = os.environ if environ is None else environ
+    chosen = environ.get("BV_HOOK_ENV") or str(HOOK_ENV)
+    values = {} if chosen == "none" else read_hook_env(Path(chosen))
+    return events_dir({**environ, **values})
+
+
+def events_dir_problem(environ: Mapping[str, str] | None = None) -> str | None:
+    """`bv site validate`'s check of the hooks' events directory: a one-line problem, or
+    None when the epilog can trust it (`dir_layout`)."""
+    path = site_events_dir(environ)
+    if not os.path.lexists(path):
+        return (f"goodput events directory {path} ({EVENTS_DIR_ENV}) does not exist: no "
+                "job's goodput events can be recorded")
+    problem = check_events_dir(path)[1]
+    return None if problem is None else f"goodput events directory: {problem}"
+
+
 def check_events_dir(path: str) -> tuple[str, str | None]:
     """(layout, problem) of the events directory at `path` for `bv site validate`: the
     problem is None when the epilog can trust it. Never raises."""
@@ -206,7 +230,7 @@ def ensure_user_dir(env: Mapping[str, str], uid: int, gid: int) -> None:
     except OSError:
         return
     try:
-        if dir_layout(os.fstat(dfd), path) != "per-user" or uid == 0:
+        if dir_layout(os.fstat(dfd), path) != "per-user":
             return
         try:
             os.mkdir(str(uid), 0o700, dir_fd=dfd)

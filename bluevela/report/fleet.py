@@ -769,8 +769,12 @@ def _ledgers(jobs: list[JobFacts], gpus_of: Mapping[str, int], class_of: Mapping
                      else a.first_prolog, "last_epilog_unix_s": None if math.isnan(a.last_epilog)
                      else a.last_epilog} for k, a in sorted(j.attempts.items())]
         gpus = max((gpus_of.get(n, 0) for n in j.nodes), default=0)
+        alloc = G.Allocation(j.num_nodes, frozenset(j.nodes),
+                             None if math.isnan(j.start) else j.start,
+                             None if math.isnan(j.end) else j.end)
         try:
-            led = G.build_ledger(j.job_id, j.goodput, attempts, gpus_per_node=gpus)
+            led = G.build_ledger(j.job_id, j.goodput, attempts, gpus_per_node=gpus,
+                                 alloc=alloc)
         except ValueError as exc:
             logger.warning("no ledger for job %d: %s", j.job_id, exc)
             continue

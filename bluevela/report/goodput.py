@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +45,106 @@ PHASE_LABELS = {
     "unattributed": "unattributed",
 }
 TIME_LIMIT_WINDOW_S = 300.0  # a SIGUSR1 this close to the limit is the time limit's signal
+# The events are the job owner's own words: every record is clamped to what the archive
+# (root's hooks) saw of the job before it is used (`bound_record`). The slack covers the
+# prolog's run before its report's time stamp and the epilog's after the job, and clock skew.
+CLOCK_SLACK_S = 120.0
+# The one time the archive cannot check: the submission. The queue wait a record claims is
+# at most this long before the attempt's first prolog.
+MAX_QUEUE_S = 7 * 86400.0
+_HANG_NODE = re.compile(r"^hang: rank [0-9]+ on (\S+)")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What root's hooks reported of a job (never the job's owner): Slurm's node count, the
+    node names of its reports and nodelists, and its first prolog / last epilog times."""
+
+    num_nodes: int
+    nodes: frozenset[str]
+    start: float | None
+    end: float | None
+
+
+def bound_record(rec: dict[str, Any], alloc: Allocation, lo: float | None, hi: float | None
+                 ) -> tuple[dict[str, Any], list[str]]:
+    """A validated record clamped to the job's allocation: every time within the attempt's
+    first prolog (`lo`) and last epilog (`hi`) +- CLOCK_SLACK_S (the submission at most
+    MAX_QUEUE_S before), node counts at most Slurm's, node names only the job's (a cause may
+    name no other node). Returns the clamped copy and a note per change.
+
+    Raises:
+        ValueError: the archive has no time of the attempt to hold the record to.
+    """
+    lo = lo if lo is not None else alloc.start
+    hi = hi if hi is not None else alloc.end
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        raise ValueError(f"restart {rec['restart']}: no prolog/epilog time in the archive to "
+                         "check its goodput events against")
+    lo, hi = min(lo, hi) - CLOCK_SLACK_S, max(lo, hi) + CLOCK_SLACK_S
+    notes: list[str] = []
+    changed: set[str] = set()
+
+    def t(value: float | None, what: str, low: float = lo) -> float | None:
+        if value is None:
+            return None
+        out = min(max(value, low), hi)
+        if out != value:
+            changed.add(what)
+        return out
+
+    def names(values: list[str], what: str) -> list[str]:
+        kept = [n for n in values if n in alloc.nodes] if alloc.nodes else list(values)
+        if len(kept) != len(values):
+            changed.add(what)
+        return kept
+
+    cap = max(alloc.num_nodes, len(alloc.nodes), 1)
+    out = dict(rec)
+    out["opened"] = t(rec["opened"], "times")
+    out["requeue"] = t(rec["requeue"], "times")
+    slurm = dict(rec["slurm"])
+    slurm["start"] = t(slurm["start"], "times")
+    slurm["submit"] = t(slurm["submit"], "submit time", lo - MAX_QUEUE_S)
+    if slurm["submit"] is not None:
+        slurm["submit"] = min(slurm["submit"], hi)
+    out["slurm"] = slurm
+    launches = []
+    for la in rec["launches"]:
+        la = dict(la)
+        la["start"] = t(la["start"], "times")
+        la["first_progress"] = t(la["first_progress"], "times")
+        if la["n_nodes"] > cap:
+            changed.add("node count")
+        la["n_nodes"] = min(la["n_nodes"], cap)
+        la["spares"] = min(la["spares"], cap)
+        la["nodes"] = names(la["nodes"], "node names")
+        la["ckpts"] = [[s, t(a, "times"), t(b, "times")] for s, a, b in la["ckpts"]]
+        la["ckpt_more"] = [la["ckpt_more"][0], min(la["ckpt_more"][1], hi - lo)]
+        end = la["end"]
+        if end is not None:
+            end = dict(end)
+            for k in ("failed", "detected", "gone"):
+                end[k] = t(end[k], "times")
+            end["nodes"] = names(end["nodes"], "cause nodes")
+            m = _HANG_NODE.match(end["cause"])
+            if m and alloc.nodes and m.group(1) not in alloc.nodes:
+                end["cause"] = "hang (the node it named is not one of the job's)"
+                changed.add("cause nodes")
+            la["end"] = end
+        launches.append(la)
+    out["launches"] = launches
+    for what in sorted(changed):
+        notes.append(f"restart {rec['restart']}: goodput events clamped to the allocation "
+                     f"({what} outside what the archive saw of the job)")
+    return out, notes
+
+
+def allocation_of(job: dict[str, Any]) -> Allocation:
+    """The `Allocation` of a `query.show_job` result."""
+    nodes = frozenset(str(n.get("node")) for n in job.get("nodes") or [] if n.get("node"))
+    return Allocation(int(job.get("num_nodes") or 0), nodes, job.get("start_unix_s"),
+                      job.get("end_unix_s"))
 
 
 @dataclass(frozen=True)
@@ -152,16 +253,32 @@ def _cause_of(kind: str, detail: str, nodes: Sequence[str], at: float | None,
 
 def build_ledger(job_id: int, records: Sequence[dict[str, Any]],
                  attempts: Sequence[dict[str, Any]] = (), *, gpus_per_node: int = 0,
-                 end: float | None = None) -> Ledger:
+                 end: float | None = None, alloc: Allocation | None = None) -> Ledger:
     """The ledger from validated event records (one per Slurm attempt, any order) and the
     archive's attempts (`query.job_attempts`: restart, first_prolog_unix_s,
-    last_epilog_unix_s) for the attempts without a record.
+    last_epilog_unix_s) for the attempts without a record. With `alloc` (every caller that
+    reads an archive), each record is first clamped to it (`bound_record`) and a record the
+    archive has no time for is left out.
 
     Raises:
         ValueError: neither events nor attempt times to build a time line from.
     """
-    by_restart = {int(r["restart"]): r for r in records}
     times = {int(a["restart"]): a for a in attempts}
+    bound_notes: list[str] = []
+    if alloc is not None:
+        bounded = []
+        for r in records:
+            att = times.get(int(r["restart"]), {})
+            try:
+                clamped, why = bound_record(r, alloc, att.get("first_prolog_unix_s"),
+                                            att.get("last_epilog_unix_s"))
+            except ValueError as exc:
+                bound_notes.append(f"goodput events left out: {exc}")
+                continue
+            bounded.append(clamped)
+            bound_notes.extend(why)
+        records = bounded
+    by_restart = {int(r["restart"]): r for r in records}
     restarts = sorted(set(by_restart) | set(times))
     if not restarts:
         raise ValueError(f"job {job_id}: no goodput events and no attempts archived")
@@ -183,7 +300,7 @@ def build_ledger(job_id: int, records: Sequence[dict[str, Any]],
         raise ValueError(f"job {job_id}: no start time known")
     line = _Line(origin)
     interruptions: list[Interruption] = []
-    notes: list[str] = []
+    notes: list[str] = bound_notes
     n_train = 0
     ckpt_durations: list[float] = []
     ckpt_gaps: list[float] = []
@@ -454,7 +571,7 @@ def job_goodput(archive_dir: Path, job_id: int, *, job: dict[str, Any] | None = 
     try:
         ledger = build_ledger(job_id, records, attempts,
                               gpus_per_node=gpus_per_node if gpus_per_node is not None
-                              else _gpus_per_node(job))
+                              else _gpus_per_node(job), alloc=allocation_of(job))
     except ValueError as exc:
         raise ArchiveError(str(exc)) from exc
     ledger.notes.extend(bad)
