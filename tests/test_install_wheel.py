@@ -1,0 +1,298 @@
+"""The package, not a checkout (issue 24 §4): the wheel carries the shims, units, Prometheus
+files, hooks.conf and logrotate file as package data, and the `bv` of a venv it is installed
+in lays out a node with `bv install --root`: the right tree, idempotent, switched between
+versions by one rename of `current`, removed exactly by `--uninstall`.
+
+Everything runs for real: `pip wheel` on a copy of the source tree, `python -m venv`, `pip
+install` of the built wheel, the venv's own `bv` entry point, `systemd-analyze verify` on the
+laid-out units. The venv sees the system's site-packages (click, pydantic, torch ...) through
+a .pth line, never the editable install of this checkout: `bluevela` resolves to the wheel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import site
+import stat
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+_CACHES = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".*")
+TOP_SKIP = {"tests", "benchmarks", "examples", "docs"}
+
+
+def _ignore(directory: str, names: list[str]) -> set[str]:
+    """No VCS, caches or build output anywhere; no tests/docs at the top (the wheel has none)."""
+    skip = set(_CACHES(directory, names))
+    if Path(directory) == REPO:
+        skip |= TOP_SKIP & set(names)
+    return skip
+SHIMS = ("prolog", "epilog", "healthcheck", "epilog_slurmctld", "sampler")
+
+
+def sources() -> dict[str, bytes]:
+    """What the wheel must carry, from the top-level source of truth."""
+    out: dict[str, bytes] = {}
+    for path in sorted((REPO / "prolog_epilog").rglob("*")):
+        rel = path.relative_to(REPO)
+        if path.is_file() and not any(p.startswith(".") or p == "__pycache__" for p in rel.parts):
+            out[rel.as_posix()] = path.read_bytes()
+    out["slurm/hooks.conf"] = (REPO / "slurm" / "hooks.conf").read_bytes()
+    return out
+
+
+def build_wheel(out: Path) -> Path:
+    """`pip wheel` on a copy of the source tree (no build/ left in the checkout)."""
+    src = out / "src"
+    shutil.copytree(REPO, src, ignore=_ignore, symlinks=True)
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                        "-q", "-w", str(out / "dist"), str(src)],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr
+    (wheel,) = (out / "dist").glob("bluevela-*.whl")
+    return wheel
+
+
+def make_venv(where: Path, wheel: Path) -> Path:
+    """A venv with the wheel installed; the system site-packages reachable for the
+    dependencies only (a .pth line: the checkout's editable-install hook is not run)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True,
+                   timeout=120)
+    purelib = subprocess.run([str(where / "bin" / "python3"), "-c",
+                              "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, "bv-test-deps.pth").write_text(
+        "".join(f"{d}\n" for d in site.getsitepackages() if Path(d).is_dir()))
+    # pip --python: this interpreter's pip installs into the venv, entry points included
+    # (their #! names the venv's python), without ensurepip in every venv.
+    p = subprocess.run([sys.executable, "-m", "pip", "--python", str(where / "bin" / "python3"),
+                        "install", "-q", "--no-deps", "--no-compile", str(wheel)],
+                       capture_output=True, text=True, timeout=300, check=False,
+                       env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    assert p.returncode == 0, p.stderr
+    return where
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The built wheel and one venv with it installed."""
+    base = tmp_path_factory.mktemp("wheel")
+    wheel = build_wheel(base)
+    return wheel, make_venv(base / "venv-a", wheel)
+
+
+def bv(venv: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "BV_"))}
+    p = subprocess.run([str(venv / "bin" / "bv"), *args], capture_output=True, text=True,
+                       timeout=120, check=False, cwd="/", env=env)
+    if check:
+        assert p.returncode == 0, p.stdout + p.stderr
+    return p
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every path under root: file -> mode + sha256, symlink -> target, dir -> 'dir'."""
+    out: dict[str, str] = {}
+    for path in sorted(root.rglob("*")):
+        rel = "/" + path.relative_to(root).as_posix()
+        st = path.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            out[rel] = "-> " + os.readlink(path)
+        elif stat.S_ISDIR(st.st_mode):
+            out[rel] = f"dir {stat.S_IMODE(st.st_mode):04o}"
+        else:
+            out[rel] = (f"{stat.S_IMODE(st.st_mode):04o} "
+                        f"{hashlib.sha256(path.read_bytes()).hexdigest()}")
+    return out
+
+
+def test_wheel_carries_the_sources_byte_for_byte(built: tuple[Path, Path]) -> None:
+    wheel, venv = built
+    want = sources()
+    with zipfile.ZipFile(wheel) as zf:
+        got = {n.removeprefix("bluevela/_data/"): zf.read(n) for n in zf.namelist()
+               if n.startswith("bluevela/_data/") and not n.endswith("/")}
+        modes = {n.removeprefix("bluevela/_data/"): (zf.getinfo(n).external_attr >> 16) & 0o777
+                 for n in zf.namelist() if n.startswith("bluevela/_data/")}
+    assert set(got) == set(want)
+    assert all(got[k] == want[k] for k in want), [k for k in want if got[k] != want[k]]
+    assert all(modes[f"prolog_epilog/{s}"] & 0o111 for s in SHIMS)
+    # Units of other helpers (fleet metrics) are picked up as they appear in prolog_epilog/.
+    assert {"prolog_epilog/bv-sampler.service", "prolog_epilog/bv-ingest.timer",
+            "prolog_epilog/bv-nightly.timer"} <= set(got)
+    # Only the wheel's copy is importable from the venv, and it reads its own package data.
+    p = subprocess.run([str(venv / "bin" / "python3"), "-I", "-c",
+                        "import bluevela, bluevela.deploy.data as d; "
+                        "print(bluevela.__file__); print(d.root())"],
+                       capture_output=True, text=True, check=True, cwd="/")
+    pkg, data_root = p.stdout.split()
+    assert pkg.startswith(str(venv)) and data_root.startswith(str(venv)), p.stdout
+    assert data_root.endswith("bluevela/_data")
+
+
+def test_install_lays_out_the_node_idempotently_and_uninstalls_clean(
+        built: tuple[Path, Path], tmp_path: Path) -> None:
+    _, venv = built
+    root = tmp_path / "root"
+    root.mkdir()
+    dry = bv(venv, "install", "--root", str(root), "--dry-run")
+    assert "dry run, nothing written" in dry.stdout
+    assert not any(root.iterdir()), "a dry run wrote something"
+
+    first = bv(venv, "install", "--root", str(root))
+    assert "bv install: done" in first.stdout
+    t = tree(root)
+    src = sources()
+    for s in SHIMS:
+        f = root / "opt/bluevela/prolog_epilog" / s
+        assert f.read_bytes() == src[f"prolog_epilog/{s}"]
+        assert stat.S_IMODE(f.stat().st_mode) == 0o755
+    assert (root / "opt/bluevela/slurm/hooks.conf").read_bytes() == src["slurm/hooks.conf"]
+    assert (root / "opt/bluevela/prolog_epilog/prometheus/tests/bluevela.rules.test.yml"
+            ).read_bytes() == src["prolog_epilog/prometheus/tests/bluevela.rules.test.yml"]
+    for name in [k.split("/")[-1] for k in src if k.endswith((".service", ".timer"))]:
+        assert (root / "etc/systemd/system" / name).read_bytes() == src[f"prolog_epilog/{name}"]
+    assert (root / "etc/logrotate.d/bluevela").read_bytes() == src[
+        "prolog_epilog/bluevela.logrotate"]
+    assert (root / "etc/bluevela/python").read_text() == "/opt/bluevela/current/bin/python3\n"
+    assert os.readlink(root / "opt/bluevela/current") == str(venv)
+    # Through the switch: the interpreter and the package the shims will run.
+    p = subprocess.run([str(root / "opt/bluevela/current/bin/python3"), "-I", "-c",
+                        "import bluevela; print(bluevela.__file__)"],
+                       capture_output=True, text=True, check=True, cwd="/")
+    assert "/opt/bluevela/current/lib/" in p.stdout
+    # No file group/other-writable (the hooks run them as root).
+    assert not [p for p in root.rglob("*") if not p.is_symlink() and p.stat().st_mode & 0o022]
+    manifest = json.loads((root / "opt/bluevela/install-manifest.json").read_text())
+    assert {e["path"] for e in manifest["items"]} == {
+        k for k, v in t.items() if not v.startswith("dir")} - {"/opt/bluevela/install-manifest.json"}
+
+    second = bv(venv, "install", "--root", str(root))
+    assert second.stdout.strip() == f"bv install: nothing to change (0.1.0, root {root})"
+    assert tree(root) == t
+
+    # An edited shim is put back (the package is the source of truth); nothing else moves.
+    shim = root / "opt/bluevela/prolog_epilog/prolog"
+    shim.write_text("#!/bin/sh\nexit 1\n")
+    third = bv(venv, "install", "--root", str(root))
+    assert third.stdout.splitlines()[0].split() == ["update", "/opt/bluevela/prolog_epilog/prolog",
+                                                    "(0755)"]
+    assert tree(root) == t
+
+    # The units are valid systemd units whose ExecStart is what bv install laid out.
+    if shutil.which("systemd-analyze"):
+        for unit in (root / "etc/systemd/system").iterdir():
+            text = unit.read_text().replace("/opt/bluevela/", f"{root}/opt/bluevela/")
+            copy = tmp_path / "units" / unit.name
+            copy.parent.mkdir(exist_ok=True)
+            copy.write_text(text.replace("User=bvnightly", "User=root"))
+        for suffix in ("service", "timer"):
+            units = sorted(str(u) for u in (tmp_path / "units").glob(f"*.{suffix}"))
+            v = subprocess.run(["systemd-analyze", "verify", "--man=no", *units],
+                               capture_output=True, text=True, timeout=60, check=False)
+            assert v.returncode == 0 and "bluevela" not in v.stderr, v.stderr
+
+    # Uninstall: everything it laid out, the directories it made, nothing else.
+    keep = root / "etc/bluevela/site.yaml"
+    keep.write_text("cluster: x\n")
+    un = bv(venv, "install", "--root", str(root), "--uninstall")
+    assert "kept /etc/bluevela/: not empty" in un.stdout
+    assert tree(root) == {"/etc": "dir 0755", "/etc/bluevela": "dir 0755",
+                          "/etc/bluevela/site.yaml": tree(root)["/etc/bluevela/site.yaml"]}
+    keep.unlink()
+    again = bv(venv, "install", "--root", str(root), "--uninstall")
+    assert "nothing was installed here" in again.stdout
+
+
+def test_versions_switch_by_rename_and_roll_back(built: tuple[Path, Path],
+                                                 tmp_path: Path) -> None:
+    """Two versions side by side under /opt/bluevela/<version>: each one's bv install points
+    `current` at itself (a relative name, one rename), and the other's switches back."""
+    wheel, _ = built
+    root = tmp_path / "root"
+    (root / "opt/bluevela").mkdir(parents=True, mode=0o755)
+    (root / "opt").chmod(0o755)
+    old = make_venv(root / "opt/bluevela/0.0.9", wheel)
+    new = make_venv(root / "opt/bluevela/0.1.0", wheel)
+    bv(old, "install", "--root", str(root))
+    link = root / "opt/bluevela/current"
+    assert os.readlink(link) == "0.0.9"
+    out = bv(new, "install", "--root", str(root)).stdout
+    assert os.readlink(link) == "0.1.0"
+    # Only the switch changed: the same package data laid out by both.
+    assert out.splitlines()[:-1] == ["update  /opt/bluevela/current  (-> 0.1.0)"]
+    assert not list(link.parent.glob(".current.bv-install-*"))  # no temporary name left
+    bv(old, "install", "--root", str(root))
+    assert os.readlink(link) == "0.0.9"
+    manifest = json.loads((root / "opt/bluevela/install-manifest.json").read_text())
+    assert manifest["venv"] == str(old)
+
+
+def test_a_file_the_new_version_no_longer_ships_is_removed(built: tuple[Path, Path],
+                                                          tmp_path: Path) -> None:
+    _, venv = built
+    root = tmp_path / "root"
+    root.mkdir()
+    bv(venv, "install", "--root", str(root))
+    mpath = root / "opt/bluevela/install-manifest.json"
+    manifest = json.loads(mpath.read_text())
+    gone = root / "etc/systemd/system/bv-old.timer"
+    gone.write_text("[Timer]\n")
+    digest = hashlib.sha256(b"[Timer]\n").hexdigest()
+    manifest["items"].append({"path": "/etc/systemd/system/bv-old.timer", "mode": "0644",
+                              "sha256": digest})
+    # A manifest entry outside the layout's places is never acted on.
+    victim = tmp_path / "victim"
+    victim.write_text("x")
+    manifest["items"].append({"path": "/../victim", "mode": "0644",
+                              "sha256": hashlib.sha256(b"x").hexdigest()})
+    manifest["items"].append({"path": "/opt/bluevela/../../victim", "mode": "0644",
+                              "sha256": hashlib.sha256(b"x").hexdigest()})
+    mpath.write_text(json.dumps(manifest))
+    out = bv(venv, "install", "--root", str(root)).stdout
+    assert "remove  /etc/systemd/system/bv-old.timer" in out
+    assert not gone.exists() and victim.exists()
+
+
+def test_refusals_are_one_line(built: tuple[Path, Path], tmp_path: Path) -> None:
+    _, venv = built
+    root = tmp_path / "root"
+    (root / "opt/bluevela").mkdir(parents=True)
+    (root / "opt/bluevela").chmod(0o777)
+    p = bv(venv, "install", "--root", str(root), check=False)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert "group/other-writable" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert not (root / "opt/bluevela/current").exists()
+    (root / "opt/bluevela").chmod(0o755)
+    p = bv(venv, "install", "--root", "relative/dir", check=False)
+    assert p.returncode != 0 and "not an existing absolute directory" in p.stderr
+    # Uninstall while slurm.conf still runs the shims: Slurm would drain every node.
+    bv(venv, "install", "--root", str(root))
+    (root / "etc/slurm").mkdir(parents=True)
+    (root / "etc/slurm/slurm.conf").write_text("Prolog=/opt/bluevela/prolog_epilog/prolog\n")
+    p = bv(venv, "install", "--root", str(root), "--uninstall", check=False)
+    assert p.returncode != 0 and "slurm.conf still runs the hooks" in p.stderr
+    assert (root / "opt/bluevela/prolog_epilog/prolog").exists()
+    # Not from a venv: refused (python -m bluevela with the system interpreter).
+    p = subprocess.run([sys.executable, "-m", "bluevela", "install", "--root", str(root),
+                        "--dry-run"], capture_output=True, text=True, check=False, cwd=REPO)
+    if sys.prefix == sys.base_prefix:
+        assert p.returncode != 0 and "is not in a venv" in p.stderr, p.stderr
+
+
+def test_requires_python_is_the_oldest_tested() -> None:
+    """pyproject claims >=3.11; this suite's interpreter is the one the wheel tests install
+    into, and it must be the oldest claimed or newer."""
+    import tomllib
+
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert meta["requires-python"] == ">=3.11"
+    assert sys.version_info >= (3, 11)
