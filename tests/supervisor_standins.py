@@ -3,11 +3,13 @@ supervisor (`python3 -P -m bluevela.launch.supervisor`) on them, without Slurm.
 
 - srun: starts the command it is given once per node of ``--nodelist`` (SLURMD_NODENAME set),
   locally, and records the supervisor's addresses (what any user reads in /proc/net/{tcp,udp}).
-- torchrun: records its argv, starts one worker with LOCAL_RANK (as torchrun does), exits with
+- torchrun: records the rendezvous options it would use (``rdzv-id.<node>``,
+  ``rdzv-endpoint.<node>``, ...: a flag, else ``PET_<OPTION>``), starts one worker with LOCAL_RANK (as torchrun does), exits with
   the worker's status. The worker calls `bluevela.runtime.progress()` every 0.2 s (mode
   ``steps``) or once (mode ``stall``: a real hang), writes ``ready.<node>`` once running,
   ``finished.<node>`` when the file ``done`` appears, ``usr1.<node>`` on SIGUSR1.
-- scontrol: records its argv in ``scontrol.log``.
+- scontrol: records its argv in ``scontrol.log``; hangs or refuses as ``BV_TEST_SCONTROL``
+  says (``hang``, ``refuse``, ``refuse:N``).
 """
 
 from __future__ import annotations
@@ -47,9 +49,13 @@ sys.exit(max([p.wait() for p in procs] or [0]))
 TORCHRUN = """
 import os, subprocess, sys
 out, node = os.environ["BV_TEST_DIR"], os.environ.get("SLURMD_NODENAME", "?")
-ep = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--rdzv-endpoint=")]
-with open(os.path.join(out, "endpoint." + node), "w") as fh:
-    fh.write(ep[0] if ep else "")
+# What the real torchrun would use: a command-line flag, else PET_<OPTION> (its env action).
+def option(name):
+    flag = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--" + name + "=")]
+    return flag[-1] if flag else os.environ.get("PET_" + name.upper().replace("-", "_"), "")
+for name in ("rdzv-endpoint", "rdzv-id", "rdzv-backend", "nnodes"):
+    with open(os.path.join(out, name + "." + node), "w") as fh:
+        fh.write(option(name))
 env = {**os.environ, "LOCAL_RANK": "0", "RANK": os.environ.get("SLURM_PROCID", "0")}
 worker = subprocess.Popen([sys.executable, "-P", "-c", os.environ["BV_TEST_WORKER"]], env=env)
 sys.exit(worker.wait())
@@ -75,9 +81,20 @@ open(os.path.join(out, "finished." + node), "w").close()
 """
 
 SCONTROL = """
-import os, sys
-with open(os.path.join(os.environ["BV_TEST_DIR"], "scontrol.log"), "a") as fh:
+import os, sys, time
+log = os.path.join(os.environ["BV_TEST_DIR"], "scontrol.log")
+with open(log, "a") as fh:
     fh.write(" ".join(sys.argv[1:]) + "\\n")
+# BV_TEST_SCONTROL: "hang" (a slurmctld that never answers), "refuse" (one that is down, as
+# scontrol says it), "refuse:N" (down for the first N calls, then up).
+mode, _, count = os.environ.get("BV_TEST_SCONTROL", "").partition(":")
+with open(log) as fh:
+    calls = len(fh.read().splitlines())
+if mode == "hang":
+    time.sleep(3600)
+if mode == "refuse" and (not count or calls <= int(count)):
+    sys.stderr.write("scontrol: error: Unable to contact slurm controller (connect failure)\\n")
+    sys.exit(1)
 """
 
 
@@ -92,7 +109,7 @@ class Job:
 
     def __init__(self, tmp: Path, nodes: Sequence[str] = ("n1",), mode: str = "steps",
                  options: Sequence[str] = (), argv: Sequence[str] | None = None,
-                 cwd: Path | None = None) -> None:
+                 cwd: Path | None = None, extra_env: dict[str, str] | None = None) -> None:
         self.dir = tmp
         self.nodes = list(nodes)
         self.bin = tmp / "bin"
@@ -109,7 +126,7 @@ class Job:
         self.env = {**env, "PATH": f"{self.bin}:{os.environ['PATH']}", "SLURM_JOB_ID": "77",
                     "SLURM_JOB_NODELIST": ",".join(nodes), "BV_TEST_DIR": str(tmp),
                     "BV_TEST_MODE": mode, "BV_TEST_WORKER": WORKER,
-                    "PYTHONPATH": str(REPO)}
+                    "PYTHONPATH": str(REPO), **(extra_env or {})}
         self.out = open(tmp / "out.txt", "wb")  # noqa: SIM115 - closed in wait()/kill()
         self.err = open(tmp / "err.txt", "wb")  # noqa: SIM115
         self.proc: subprocess.Popen[bytes] | None = None

@@ -26,12 +26,14 @@ from bluevela.launch.supervisor import (
     catches,
     choose_nodes,
     end_line,
+    endpoint_env,
     find_hang,
+    new_rdzv_id,
     previous_cause,
     ranks_bound,
+    rdzv_env,
     read_history,
     torchrun_step_argv,
-    with_endpoint,
 )
 from bluevela.launch.wire import SECRET_ENV, Channel, challenge_line, derive, mac, new_secret
 from bluevela.runtime.heartbeat import Beat, beat_key, format_beat, parse_beat
@@ -73,10 +75,14 @@ def test_choose_nodes_spare_then_shrink_then_none() -> None:
 
 def test_torchrun_argv_per_step() -> None:
     base = ["torchrun", "--nproc-per-node=2", "--max-restarts=0", "train.py", "--x"]
-    step = torchrun_step_argv(base, ["n3", "n4"], "9-2")
-    assert with_endpoint(step, "n3", 41234) == [
-        "torchrun", "--rdzv-endpoint=n3:41234", "--nnodes=2", "--rdzv-backend=c10d",
-        "--rdzv-id=9-2", "--nproc-per-node=2", "--max-restarts=0", "train.py", "--x"]
+    # The id and the endpoint name the store: the environment only (argv is world-readable).
+    assert torchrun_step_argv(base, ["n3", "n4"]) == [
+        "torchrun", "--nnodes=2", "--rdzv-backend=c10d", "--nproc-per-node=2",
+        "--max-restarts=0", "train.py", "--x"]
+    rdzv_id = new_rdzv_id()
+    assert re.fullmatch(r"[0-9a-f]{32}", rdzv_id) and new_rdzv_id() != rdzv_id  # 128 bits
+    assert rdzv_env(rdzv_id, "n3") == {"PET_RDZV_ID": rdzv_id, "BV_RDZV_NODE": "n3"}
+    assert endpoint_env("n3", 41234) == {"PET_RDZV_ENDPOINT": "n3:41234"}
     assert ranks_bound(base, 2) == 4 and ranks_bound(["torchrun", "--nproc-per-node", "gpu"], 2) == 2048
 
 
@@ -167,6 +173,7 @@ FAKE_TORCHRUN = """
 import os, signal, subprocess, sys, time
 out = sys.argv[-1]
 open(os.path.join(out, "torchrun.argv"), "w").write("\\0".join(sys.argv))
+open(os.path.join(out, "torchrun.endpoint"), "w").write(os.environ.get("PET_RDZV_ENDPOINT", ""))
 worker = '''
 import os, signal, sys, time
 out, delay = sys.argv[1], float(sys.argv[2])
@@ -202,10 +209,10 @@ class AgentPeer:
         torchrun.chmod(0o755)
         env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
         env.update(BV_SUPERVISOR=f"127.0.0.1:{self.listen.getsockname()[1]}",
-                   SLURMD_NODENAME=node, **{SECRET_ENV: secret})
+                   SLURMD_NODENAME=node, BV_RDZV_NODE=node, **{SECRET_ENV: secret})
         self.agent = subprocess.Popen(
             [sys.executable, "-P", "-m", "bluevela.launch.supervisor", "agent",
-             f"--rdzv-node={node}", "--", str(torchrun), str(tmp_path)], env=env, cwd=REPO)
+             "--", str(torchrun), str(tmp_path)], env=env, cwd=REPO)
         self.sock, _ = self.listen.accept()
         self.sock.settimeout(20)
         nonce = os.urandom(16)
@@ -250,7 +257,9 @@ def test_agent_signals_workers_not_torchrun(tmp_path: Path) -> None:
         assert (tmp_path / "usr1.0").exists() and (tmp_path / "usr1.1").exists()
         # The stand-in got no SIGUSR1 (it would have died of it): it saw both workers exit 0.
         assert (tmp_path / "torchrun.exit").read_text() == "[0, 0]"
-        assert (tmp_path / "torchrun.argv").read_text().split("\0")[1] == f"--rdzv-endpoint=nodeX:{port}"
+        # The endpoint reaches torchrun in its environment, not on its command line.
+        assert (tmp_path / "torchrun.endpoint").read_text() == f"nodeX:{port}"
+        assert str(port) not in (tmp_path / "torchrun.argv").read_text()
         assert any(m["t"] == "ping" for m in msgs)
     finally:
         peer.agent.wait(timeout=20)

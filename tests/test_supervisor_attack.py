@@ -346,7 +346,7 @@ def test_the_rendezvous_port_is_a_free_one_per_step(tmp_path: Path, jobs: list[J
         pass  # taken already: by someone else, which is the point
     try:
         job = run(jobs, tmp_path, ("n1", "n2"))
-        ends = {(tmp_path / f"endpoint.{n}").read_text() for n in job.nodes}
+        ends = {(tmp_path / f"rdzv-endpoint.{n}").read_text() for n in job.nodes}
         assert len(ends) == 1, ends
         host, _, port = ends.pop().rpartition(":")
         assert host == "n1" and port.isdigit() and int(port) not in (29500, 29501), port

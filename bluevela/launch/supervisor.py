@@ -76,6 +76,7 @@ from bluevela.launch.wire import (
     derive,
     new_secret,
     parse_challenge,
+    printable,
     safe_name,
     secret_from_env,
 )
@@ -96,6 +97,10 @@ ABORT_KILL_S = 0.5
 USR1_UNCAUGHT_S = 30.0  # then a worker without a SIGUSR1 handler gets it anyway (and dies)
 TICK_S = 0.2
 UNSET_ON_RESIZE = ("SLURM_NPROCS", "SLURM_NTASKS", "SLURM_TASKS_PER_NODE")
+# torchrun's rendezvous, in the environment only (/proc/PID/environ: the owner and root).
+RDZV_ID_ENV = "PET_RDZV_ID"
+RDZV_ENDPOINT_ENV = "PET_RDZV_ENDPOINT"
+RDZV_NODE_ENV = "BV_RDZV_NODE"  # the step's first node, where the store runs
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,16 +190,29 @@ def choose_nodes(alloc: Sequence[str], excluded: Iterable[str], want: int,
     return None
 
 
-def torchrun_step_argv(base: Sequence[str], nodes: Sequence[str], rdzv_id: str) -> list[str]:
-    """torchrun's argv for one step, all but the endpoint: rendezvous flags inserted after the
-    program word. The agent adds the endpoint (`with_endpoint`) once the rendezvous node's
-    agent has found a free port there."""
-    return [base[0], f"--nnodes={len(nodes)}", "--rdzv-backend=c10d", f"--rdzv-id={rdzv_id}",
-            *base[1:]]
+def torchrun_step_argv(base: Sequence[str], nodes: Sequence[str]) -> list[str]:
+    """torchrun's argv for one step: the node count and the c10d backend inserted after the
+    program word. Nothing that names the rendezvous store is on it (argv is world-readable in
+    /proc): its id and endpoint go in the environment (`rdzv_env`, `endpoint_env`)."""
+    return [base[0], f"--nnodes={len(nodes)}", "--rdzv-backend=c10d", *base[1:]]
 
 
-def with_endpoint(argv: Sequence[str], host: str, port: int) -> list[str]:
-    return [argv[0], f"--rdzv-endpoint={host}:{port}", *argv[1:]]
+def new_rdzv_id() -> str:
+    """A rendezvous id no one else can learn or guess: 128 random bits, new for every step.
+    torchrun keeps its pickled rendezvous state in the store under a key made of it."""
+    return secrets.token_hex(16)
+
+
+def rdzv_env(rdzv_id: str, rdzv_node: str) -> dict[str, str]:
+    """What the step's agents and torchruns read instead of command-line flags: torchrun takes
+    any option from ``PET_<OPTION>`` when it is not on its command line (its ``env`` action)."""
+    return {RDZV_ID_ENV: rdzv_id, RDZV_NODE_ENV: rdzv_node}
+
+
+def endpoint_env(host: str, port: int) -> dict[str, str]:
+    """torchrun's ``--rdzv-endpoint``, through the environment (the agent adds it once the
+    rendezvous node's agent has found a free port there)."""
+    return {RDZV_ENDPOINT_ENV: f"{host}:{port}"}
 
 
 def ranks_bound(torchrun: Sequence[str], nodes: int) -> int:
@@ -269,6 +287,45 @@ def find_hang(beats: dict[int, RankBeat], started: float, now: float,
 
 
 # --------------------------------------------------------------------------------------------
+# Slurm calls: bounded and retried (the supervisor must outlive a hung or restarting slurmctld)
+
+SLURM_TIMEOUT_S = 20.0  # one try of a Slurm command
+SLURM_RETRY_FOR_S = 300.0  # all tries of one call, within the job's remaining time
+BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)  # between tries, then 15 s
+# Refusals that no retry changes (the job is gone or not requeueable, the user may not).
+PERMANENT_SLURM_ERRORS = ("invalid job id", "access/permission denied", "presently disabled",
+                          "already completing or completed", "not requeue", "invalid user")
+
+
+@dataclass(frozen=True)
+class SlurmCall:
+    ok: bool
+    stdout: str
+    why: str  # the last try's failure, one line
+    tries: int
+    seconds: float
+    terminated: bool = False  # Slurm's SIGTERM came while retrying
+
+    def describe(self) -> str:
+        return f"{self.tries} tr{'y' if self.tries == 1 else 'ies'} in {self.seconds:.0f} s; last: {self.why}"
+
+
+def permanent_slurm_error(why: str) -> bool:
+    low = why.lower()
+    return any(text in low for text in PERMANENT_SLURM_ERRORS)
+
+
+def retry_budget(env: dict[str, str], retry_for: float, now: float) -> float:
+    """Seconds the tries of one Slurm call may take: `retry_for`, cut to the job's remaining
+    time when Slurm says it (``SLURM_JOB_END_TIME``, epoch seconds; Slurm 23.02+), less 10 s
+    so the last line is written before the time limit."""
+    end = env.get("SLURM_JOB_END_TIME", "")
+    if end.isdigit() and len(end) <= 12:
+        return max(1.0, min(retry_for, int(end) - now - 10))
+    return max(1.0, retry_for)
+
+
+# --------------------------------------------------------------------------------------------
 # Wire: signed lines over TCP (bluevela/launch/wire.py)
 
 
@@ -284,6 +341,7 @@ class Conn:
         self.last_seen = now
         self.exit_rc: int | None = None
         self.signalled = 0  # workers this agent sent SIGUSR1 to (from its exit message)
+        self.why = ""  # the agent's own reason with a failed exit (e.g. no torchrun)
         self.go_sent = False
         self.closed = False
 
@@ -330,6 +388,8 @@ class Options:
     abort_grace_s: float = 5.0
     max_relaunches: int = 8
     grow_deadline: float = 0.0  # seconds to wait for a grown node; 0: no growth (requeue)
+    slurm_timeout: float = SLURM_TIMEOUT_S
+    slurm_retry_for: float = SLURM_RETRY_FOR_S
     torchrun: list[str] = field(default_factory=list)
 
 
@@ -355,6 +415,7 @@ class StepState:
     seqs: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, pid) -> last seq
     lost: dict[str, str] = field(default_factory=dict)
     first_failure: tuple[str, int] | None = None  # (node, rc) of the first non-zero exit
+    failure_why: str = ""  # what the first failed node's agent said about it, if anything
     srun_rc: int | None = None
     srun_exit_at: float | None = None
     dropped: int = 0  # connections dropped for a protocol error
@@ -385,7 +446,9 @@ class Supervisor:
     def __init__(self, opts: Options, env: dict[str, str] | None = None) -> None:
         self.opts = opts
         self.env = dict(os.environ if env is None else env)
-        self.env.pop(SECRET_ENV, None)  # a step's secret is made by run_step, never inherited
+        # A step's secret and rendezvous are made by run_step, never inherited.
+        for name in (SECRET_ENV, RDZV_ID_ENV, RDZV_ENDPOINT_ENV, RDZV_NODE_ENV):
+            self.env.pop(name, None)
         self.job = self.env.get("SLURM_JOB_ID", "0")
         nodelist = self.env.get("SLURM_JOB_NODELIST") or self.env.get("SLURM_NODELIST") or ""
         self.alloc = expand(nodelist) if nodelist else [socket.gethostname()]
@@ -556,12 +619,18 @@ class Supervisor:
             _log(cause)
         self.events.requeue()
         keep = [n for n in self.alloc if n not in self.excluded]
-        if lost and keep:
-            self._scontrol("update", f"JobId={self.job}", f"NodeList={compress(keep)}")
-        proc = subprocess.run(["scontrol", "requeue", self.job], capture_output=True,
-                              text=True, check=False, timeout=60)
-        if proc.returncode != 0:
-            _log(f"scontrol requeue {self.job} failed: {one_line(proc.stderr or proc.stdout)}")
+        if lost and keep and self._scontrol("update", f"JobId={self.job}",
+                                            f"NodeList={compress(keep)}").terminated:
+            return 0  # Slurm is ending the job
+        done = self._slurm(["scontrol", "requeue", self.job])
+        if done.terminated:
+            return 0  # Slurm is ending the job (the requeue took, or a cancel): let it
+        if not done.ok:
+            why = (f"scontrol requeue {self.job} failed ({done.describe()}): the job ends "
+                   "here, not requeued")
+            _log(why)
+            if attempt:
+                _say(end_line(attempt, why))
             return 1
         # Slurm now ends this allocation (SIGTERM, then SIGKILL): wait for it rather than exit
         # first (an early exit could end the job before the requeue takes effect).
@@ -575,25 +644,68 @@ class Supervisor:
                 wait.select(1.0)
         return 0
 
-    def _scontrol(self, *args: str) -> bool:
-        proc = subprocess.run(["scontrol", *args], capture_output=True, text=True, check=False,
-                              timeout=60)
-        if proc.returncode != 0:
-            _log(f"scontrol {' '.join(args)}: {one_line(proc.stderr or proc.stdout)}")
-        return proc.returncode == 0
+    def _scontrol(self, *args: str) -> SlurmCall:
+        done = self._slurm(["scontrol", *args])
+        if not done.ok and not done.terminated:
+            _log(f"scontrol {' '.join(args)} failed ({done.describe()})")
+        return done
+
+    def _slurm(self, argv: list[str]) -> SlurmCall:
+        """Run a Slurm command: each try bounded by --slurm-timeout, retried with backoff
+        while slurmctld is unreachable, hung or busy, within --slurm-retry-for and the job's
+        remaining time. Never raises. Stops early when Slurm's SIGTERM arrives (the job is
+        ending: nothing left to retry for). The first try is immediate: no cost when Slurm
+        answers."""
+        start = time.monotonic()
+        deadline = start + retry_budget(self.env, self.opts.slurm_retry_for, time.time())
+        tries, why = 0, ""
+        while True:
+            tries += 1
+            limit = max(1.0, min(self.opts.slurm_timeout, deadline - time.monotonic()))
+            try:
+                proc = subprocess.run(argv, capture_output=True, text=True, check=False,
+                                      timeout=limit, stdin=subprocess.DEVNULL)
+            except subprocess.TimeoutExpired:
+                why = f"timed out after {limit:.0f} s"
+            except OSError as exc:  # no such command: no retry mends it
+                return SlurmCall(False, "", f"cannot run {argv[0]}: {exc.strerror or exc}",
+                                 tries, time.monotonic() - start)
+            else:
+                if proc.returncode == 0:
+                    return SlurmCall(True, proc.stdout, "", tries, time.monotonic() - start)
+                why = (f"exit {proc.returncode}: "
+                       f"{printable(proc.stderr or proc.stdout, 200) or 'no message'}")
+                if permanent_slurm_error(why):
+                    return SlurmCall(False, "", why, tries, time.monotonic() - start)
+            delay = BACKOFF_S[min(tries - 1, len(BACKOFF_S) - 1)]
+            if time.monotonic() + delay >= deadline:
+                return SlurmCall(False, "", why, tries, time.monotonic() - start)
+            _log(f"{' '.join(argv[:2])}: {why}; try {tries + 1} in {delay:g} s")
+            if self._sleep_unless_terminated(delay):
+                return SlurmCall(False, "", why, tries, time.monotonic() - start,
+                                 terminated=True)
+
+    def _sleep_unless_terminated(self, seconds: float) -> bool:
+        """Wait `seconds`; True as soon as SIGTERM (or SIGINT) arrives."""
+        end = time.monotonic() + seconds
+        with selectors.DefaultSelector() as wait:
+            wait.register(self.wake_r, selectors.EVENT_READ)
+            while (left := end - time.monotonic()) > 0:
+                wait.select(left)
+                if any(sig in (signal.SIGTERM, signal.SIGINT) for sig in self._drain_signals()):
+                    return True
+        return False
 
     # -- one step --------------------------------------------------------------------------
     def srun_argv(self, nodes: Sequence[str], launch: int) -> list[str]:
-        rdzv_id = self.job if launch == 1 else f"{self.job}-{launch}"
         # -P: the job's working directory is not on the agent's import path (a module planted
         # there, e.g. select.py, would run as the job's user inside every node agent).
-        agent = [sys.executable, "-P", "-m", "bluevela.launch.supervisor", "agent",
-                 f"--rdzv-node={nodes[0]}", "--"]
+        agent = [sys.executable, "-P", "-m", "bluevela.launch.supervisor", "agent", "--"]
         return [
             "srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
             f"--nodelist={','.join(nodes)}", "--export=ALL",
             *(["--overlap"] if launch > 1 else []),
-            *agent, *torchrun_step_argv(self.opts.torchrun, nodes, rdzv_id),
+            *agent, *torchrun_step_argv(self.opts.torchrun, nodes),
         ]
 
     def run_step(self, attempt: int, launch: int, nodes: list[str]) -> StepResult:
@@ -604,6 +716,10 @@ class Supervisor:
         env[HEARTBEAT_ENV] = f"{self.advertised}:{self.udp.getsockname()[1]}"
         env[ATTEMPT_ENV] = str(attempt)
         env[SECRET_ENV] = secret  # the environment only: argv is world-readable in /proc
+        # Whoever knows the store's key can write torchrun's pickled state, which every agent
+        # unpickles: code execution as the job's user. So the id is random, and like the
+        # endpoint it travels in the environment, never on srun's, the agent's or torchrun's argv.
+        env.update(rdzv_env(new_rdzv_id(), nodes[0]))
         key = bytes.fromhex(secret)
         st = StepState(nodes=list(nodes), started=time.monotonic(),
                        line_key=derive(key, b"line"), beat_key=beat_key(key),
@@ -612,7 +728,12 @@ class Supervisor:
         self.step_failed = self.step_detected = None
         self.events.launch(attempt, launch, nodes, len([n for n in self.alloc if n not in
                                                         self.excluded]) - len(nodes), st.started)
-        srun = subprocess.Popen(self.srun_argv(nodes, launch), env=env, stdin=subprocess.DEVNULL)
+        try:
+            srun = subprocess.Popen(self.srun_argv(nodes, launch), env=env,
+                                    stdin=subprocess.DEVNULL)
+        except OSError as exc:
+            return StepResult("failed", 127 if exc.errno == errno.ENOENT else 126,
+                              f"cannot start srun: {exc.strerror or exc}")
         try:
             while True:
                 self._pump(st, srun)
@@ -685,6 +806,11 @@ class Supervisor:
                 if (msg.get("t") == "exit" and conn.exit_rc not in (None, 0)
                         and st.first_failure is None and conn.node is not None):
                     st.first_failure = (conn.node, conn.exit_rc or 1)
+                    st.failure_why = conn.why
+        for conn in [c for c in st.conns if not c.closed and (c.chan.out or c.chan.broken)]:
+            conn.chan.flush()  # what a slow reader left pending: whole lines only
+            if conn.chan.broken is not None:
+                self._drop(st, conn, conn.chan.broken)
         if self.listen in ready:
             self._accept(st, now)
         for conn in [c for c in st.conns if c.node is None]:
@@ -726,6 +852,9 @@ class Supervisor:
         if st.lost:
             return StepResult("lost", 1, lost_text, dict(st.lost))
         node, rc = st.first_failure or ("?", 1)
+        if st.failure_why:
+            return StepResult("failed", rc, f"exit {rc} ({st.failure_why}; not a lost node, so "
+                              "no relaunch or requeue)")
         return StepResult("failed", rc, f"exit {rc} (rank failure on {node}; every node "
                           "answered, so no relaunch: torchrun --max-restarts retries in place)")
 
@@ -860,6 +989,8 @@ class Supervisor:
             rc, signalled = msg.get("rc"), msg.get("signalled")
             conn.exit_rc = rc if isinstance(rc, int) and 0 <= rc <= 255 else 1
             conn.signalled = signalled if isinstance(signalled, int) else 0
+            why = msg.get("why")
+            conn.why = printable(why) if isinstance(why, str) else ""
         return None
 
     @staticmethod
@@ -994,12 +1125,10 @@ def _agent_read(chan: Channel) -> list[dict[str, object]] | None:
 
 def agent_main(argv: Sequence[str]) -> int:
     args = list(argv)
-    rdzv_node = ""
-    while args and args[0].startswith("--rdzv-node="):
-        rdzv_node = args.pop(0).split("=", 1)[1]
     if args[:1] == ["--"]:
         args = args[1:]
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    rdzv_node = os.environ.get(RDZV_NODE_ENV, "")
     if not args:
         _log("agent: no torchrun command")
         return 2
@@ -1041,8 +1170,12 @@ def agent_main(argv: Sequence[str]) -> int:
                     want_usr1 = True
             except BlockingIOError:
                 pass
-        if sock in ready:
-            msgs = _agent_read(chan)
+        chan.flush()  # lines a slow reader left pending: whole lines only (wire.Channel)
+        if chan.broken is not None:
+            _log(f"agent on {safe_name(node)}: the channel to the supervisor broke "
+                 f"({chan.broken})")
+        if chan.broken is not None or sock in ready:
+            msgs = None if chan.broken is not None else _agent_read(chan)
             if msgs is None:  # the supervisor is gone: do not leave training running
                 if proc is not None:
                     _kill_tree(proc)
@@ -1053,8 +1186,21 @@ def agent_main(argv: Sequence[str]) -> int:
                 port = msg.get("port")
                 if (kind == "go" and proc is None and aborting_at is None
                         and isinstance(port, int) and 1 <= port <= 65535):
-                    proc = subprocess.Popen(with_endpoint(args, rdzv_node or node, port),
-                                            start_new_session=True)
+                    try:
+                        proc = subprocess.Popen(
+                            args, start_new_session=True,
+                            env={**os.environ, **endpoint_env(rdzv_node or node, port)})
+                    except OSError as exc:
+                        # A missing or unrunnable torchrun is the step's failure (the shell's
+                        # 127/126), not a lost node: no relaunch or requeue would mend it.
+                        code = 127 if exc.errno == errno.ENOENT else 126
+                        why = (f"cannot start {printable(args[0])} on {safe_name(node)}: "
+                               f"{exc.strerror or exc}")
+                        _log(f"agent: {why}")
+                        chan.send({"t": "exit", "rc": code, "node": node, "signalled": 0,
+                                   "why": why})
+                        chan.close(linger_s=5.0)
+                        return code
                 elif kind == "usr1":
                     want_usr1 = True
                 elif kind == "abort" and aborting_at is None:
@@ -1064,7 +1210,7 @@ def agent_main(argv: Sequence[str]) -> int:
         if proc is None:
             if aborting_at is not None:
                 chan.send({"t": "exit", "rc": 1, "node": node, "signalled": 0})
-                sock.close()
+                chan.close(linger_s=5.0)
                 return 1
             if time.monotonic() - last_ping >= PING_S:
                 chan.send({"t": "ping"})
@@ -1089,7 +1235,7 @@ def agent_main(argv: Sequence[str]) -> int:
         if rc is not None:
             code = rc if rc >= 0 else 128 - rc
             chan.send({"t": "exit", "rc": code, "node": node, "signalled": len(signalled)})
-            sock.close()
+            chan.close(linger_s=5.0)
             return code
         if time.monotonic() - last_ping >= PING_S:
             chan.send({"t": "ping"})
@@ -1137,6 +1283,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--hang-timeout", type=float, default=0.0)
     parser.add_argument("--node-timeout", type=float, default=10.0)
     parser.add_argument("--grow-deadline", type=float, default=0.0)
+    parser.add_argument("--slurm-timeout", type=float, default=SLURM_TIMEOUT_S,
+                        help="seconds one try of a Slurm command (scontrol) may take")
+    parser.add_argument("--slurm-retry-for", type=float, default=SLURM_RETRY_FOR_S,
+                        help="seconds all tries of one Slurm call may take")
     # Ignored: batch scripts written before issue 16 still pass it; the rendezvous port is now
     # a free one picked on the step's first node for every step.
     parser.add_argument("--rdzv-port", type=int, default=0, help=argparse.SUPPRESS)
@@ -1152,9 +1302,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--min-nodes must be between 1 and --nodes")
     inf = float("inf")
     if not (0 <= args.hang_timeout < inf and 0 < args.node_timeout < inf
-            and 0 <= args.grow_deadline <= 3600):
-        parser.error("--hang-timeout must be >= 0, --node-timeout > 0 (finite) and "
-                     "--grow-deadline between 0 and 3600")
+            and 0 <= args.grow_deadline <= 3600 and 1 <= args.slurm_timeout <= 600
+            and 1 <= args.slurm_retry_for <= 86400):
+        parser.error("--hang-timeout must be >= 0, --node-timeout > 0 (finite), "
+                     "--grow-deadline between 0 and 3600, --slurm-timeout between 1 and 600 "
+                     "and --slurm-retry-for between 1 and 86400")
     return args
 
 
@@ -1166,7 +1318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(args_list)
     opts = Options(nodes=args.nodes, spare_nodes=args.spare_nodes, min_nodes=args.min_nodes,
                    hang_timeout=args.hang_timeout, node_timeout=args.node_timeout,
-                   grow_deadline=args.grow_deadline, torchrun=list(args.torchrun))
+                   grow_deadline=args.grow_deadline, slurm_timeout=args.slurm_timeout,
+                   slurm_retry_for=args.slurm_retry_for, torchrun=list(args.torchrun))
     logging.basicConfig(level=logging.INFO, format="bv supervisor: %(message)s")
     return Supervisor(opts).run()
 

@@ -27,7 +27,9 @@ import hmac
 import json
 import os
 import secrets
+import select
 import socket
+import time
 from collections.abc import Mapping
 
 SECRET_ENV = "BV_JOB_SECRET"
@@ -35,6 +37,9 @@ CHALLENGE = b"bvch1"
 MAC_HEX = 32  # 128 bits of HMAC-SHA256, hex
 MAX_LINE = 4096  # bytes of one line (a real message is under 200)
 NAME_MAX = 64
+# Bytes a channel holds for a peer that does not read; past it the connection is dropped (a
+# ping a second fills it in hours: a peer that far behind is gone).
+MAX_OUT = 256 * 1024
 
 
 class ChannelError(Exception):
@@ -88,6 +93,14 @@ def safe_name(text: object, limit: int = NAME_MAX) -> str:
     return (out + "...") if len(raw) > limit else (out or "?")
 
 
+def printable(text: object, limit: int = 300) -> str:
+    """Free text from the wire (an agent's reason), fit for one line of the job output: runs
+    of whitespace as one space, anything but printable ASCII as ``?``; at most `limit`."""
+    raw = " ".join(str(text).split())
+    out = "".join(c if c.isascii() and c.isprintable() else "?" for c in raw[:limit])
+    return (out + "...") if len(raw) > limit else out
+
+
 class Channel:
     """One end of the signed line channel over a connected TCP socket.
 
@@ -106,6 +119,8 @@ class Channel:
         self.sent = 0
         self.received = 0
         self.buf = b""
+        self.out = bytearray()  # encoded lines the socket has not taken yet
+        self.broken: str | None = None  # why the channel can no longer send, once it cannot
 
     def _mac(self, tag: bytes, number: int, body: bytes) -> bytes:
         return mac(self.key, b"%s|%s|%d|%s" % (tag, self.nonce, number, body))
@@ -117,10 +132,45 @@ class Channel:
         return line
 
     def send(self, msg: Mapping[str, object]) -> None:
+        """Queue `msg` and send what the socket takes now. A line is numbered (and MACed) once
+        and its bytes are kept until sent in full: a partial write on a non-blocking socket
+        never leaves half a line, so the peer's next MAC still verifies. A peer that stops
+        reading (over MAX_OUT pending) or a send error marks the channel `broken`; the owner
+        drops the connection on it."""
+        if self.broken is not None:
+            return
+        self.out += self.encode(msg)
+        if len(self.out) > MAX_OUT:
+            self.broken = f"the peer read nothing of {len(self.out)} bytes"
+            return
+        self.flush()
+
+    def flush(self) -> bool:
+        """Send what the socket takes now; True when nothing is left pending."""
+        while self.out and self.broken is None:
+            try:
+                sent = self.sock.send(self.out)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError as exc:
+                self.broken = f"send: {exc.strerror or exc}"
+                return False
+            del self.out[:sent]
+        return not self.out
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the socket, first waiting up to `linger_s` for pending lines to go out."""
+        deadline = time.monotonic() + linger_s
         try:
-            self.sock.sendall(self.encode(msg))
-        except OSError:
-            pass
+            poll = select.poll()
+            poll.register(self.sock, select.POLLOUT)
+            while not self.flush() and self.broken is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                poll.poll(min(left, 0.2) * 1000)
+        finally:
+            self.sock.close()
 
     def feed(self, data: bytes) -> list[dict[str, object]]:
         """The messages completed by `data`. Raises ChannelError on a line over MAX_LINE, a

@@ -1,0 +1,184 @@
+"""Issue 23 §1: torchrun's rendezvous store is named nowhere another user can read.
+
+torchrun keeps its rendezvous state as a pickle in its c10d TCPStore under the key
+``torch.rendezvous.<rdzv-id>``, and every agent unpickles it: whoever writes that key runs code
+as the job's user. bv used to pass ``--rdzv-id=<job id>`` and ``--rdzv-endpoint=host:port`` on
+torchrun's command line, world-readable in /proc. Now the id is 128 random bits per step and,
+like the endpoint, travels in the environment (owner-only /proc/PID/environ).
+
+The REAL supervisor with its real agents (stand-in srun; stand-in or REAL torchrun), and
+another uid (``nobody``) that reads /proc as any user of the node can. Each fails on 9058adc.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from bluevela.launch.supervisor import descendants
+from tests.supervisor_standins import Job
+
+# What another user runs: every process's argv (world-readable) and environment (owner-only).
+SCAN = r"""
+import json, os, sys
+ask = json.loads(sys.stdin.read())  # not on its own command line
+words, pids = [w.encode() for w in ask["words"]], ask["pids"]
+out = {"cmdlines": 0, "hits": [], "environ_read": [], "supervisor_seen": False}
+for pid in pids:
+    try:
+        open(f"/proc/{pid}/environ", "rb").read()
+        out["environ_read"].append(pid)
+    except OSError:
+        pass
+for pid in os.listdir("/proc"):
+    if not pid.isdigit():
+        continue
+    try:
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        continue
+    out["cmdlines"] += 1
+    if b"bluevela.launch.supervisor" in cmd:
+        out["supervisor_seen"] = True
+    for w in words:
+        if w in cmd:
+            out["hits"].append([pid, w.decode(), cmd.replace(b"\0", b" ").decode("utf-8", "replace")])
+print(json.dumps(out))
+"""
+
+
+def scan_as(user: str | None, words: list[str], pids: Sequence[int] = ()) -> dict[str, object]:
+    """Scan /proc for `words` in any command line, and try to read the environment of
+    `pids`, as `user` (None: as this process)."""
+    python = "/usr/bin/python3" if user else sys.executable
+    argv = [python, "-I", "-c", SCAN]
+    if user:
+        argv = ["runuser", "-u", user, "--", *argv]
+    out = subprocess.run(argv, input=json.dumps({"words": words, "pids": list(pids)}), capture_output=True, text=True,
+                         timeout=60, check=True, cwd="/")
+    result: dict[str, object] = json.loads(out.stdout)
+    return result
+
+
+def other_user() -> str:
+    if os.geteuid() != 0 or not shutil.which("runuser") or not Path("/usr/bin/python3").exists():
+        pytest.skip("needs root, runuser and /usr/bin/python3 to act as another user")
+    return "nobody"
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[Job]]:
+    started: list[Job] = []
+    yield started
+    for job in started:
+        job.kill()
+
+
+def step_rdzv(job: Job) -> tuple[str, str]:
+    """(id, endpoint) the step's torchruns use, the same on every node."""
+    ids = {(job.dir / f"rdzv-id.{n}").read_text() for n in job.nodes}
+    ends = {(job.dir / f"rdzv-endpoint.{n}").read_text() for n in job.nodes}
+    assert len(ids) == 1 and len(ends) == 1, (ids, ends)
+    return ids.pop(), ends.pop()
+
+
+def test_rendezvous_id_and_endpoint_are_on_no_command_line(tmp_path: Path,
+                                                           jobs: list[Job]) -> None:
+    """A 2-node step: its torchruns get a 128-bit random id and the endpoint; no command line
+    of any process (supervisor, srun, agents, torchrun, workers) names either, and another
+    uid that reads every command line learns neither, nor can it read their environments."""
+    user = other_user()
+    job = Job(tmp_path, ("n1", "n2"))
+    jobs.append(job)
+    job.start().wait_ready()
+    rdzv_id, endpoint = step_rdzv(job)
+    assert re.fullmatch(r"[0-9a-f]{32}", rdzv_id), rdzv_id
+    host, _, port = endpoint.rpartition(":")
+    assert host == "n1" and port.isdigit(), endpoint
+    assert {(tmp_path / f"rdzv-backend.{n}").read_text() for n in job.nodes} == {"c10d"}
+    words = [rdzv_id, endpoint, f":{port}", "--rdzv-id", "--rdzv_id", "--rdzv-endpoint",
+             "--rdzv_endpoint", "--rdzv-node"]
+    for seen in (scan_as(None, words), scan_as(user, words)):
+        assert seen["supervisor_seen"], seen  # the scan did read the job's command lines
+        assert seen["hits"] == [], seen["hits"]
+    tree = [job.pid, *descendants(job.pid)]
+    assert len(tree) >= 7  # supervisor, srun, 2 agents, 2 torchruns, 2 workers
+    assert scan_as(None, [], tree)["environ_read"] == tree  # the owner reads them...
+    assert scan_as(user, [], tree)["environ_read"] == []  # ...another uid none
+    job.finish()
+    assert job.wait(60) == 0, job.stdout() + job.stderr()
+
+
+def test_each_step_has_a_new_rendezvous_id(tmp_path: Path, jobs: list[Job]) -> None:
+    """A hang relaunches the step in place: the new step's store has a key the old step's
+    processes (and whoever learnt the old one) do not know."""
+    job = Job(tmp_path, ("n1",), mode="stall", options=["--hang-timeout=2"])
+    jobs.append(job)
+    job.start().wait_ready()
+    first, _ = step_rdzv(job)
+    deadline = time.monotonic() + 40
+    while "==== bv attempt 2 job" not in job.stdout() or step_rdzv(job)[0] == first:
+        assert time.monotonic() < deadline, job.stdout() + job.stderr()
+        assert job.running(), job.stdout() + job.stderr()
+        time.sleep(0.1)
+    second, _ = step_rdzv(job)
+    assert re.fullmatch(r"[0-9a-f]{32}", second) and second != first
+
+
+REAL_WORKER = r"""
+import os, sys, time
+out = sys.argv[1]
+node = os.environ.get("SLURMD_NODENAME", "?")
+# torchrun's own record of what it used: the rendezvous id, the store's host and port.
+info = {k: os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR",
+                                           "MASTER_PORT", "PET_RDZV_ENDPOINT", "WORLD_SIZE")}
+import json
+open(os.path.join(out, "real." + node), "w").write(json.dumps(info))
+while not os.path.exists(os.path.join(out, "done")):
+    time.sleep(0.1)
+"""
+
+
+def test_real_torchrun_takes_the_rendezvous_from_the_environment(tmp_path: Path,
+                                                                 jobs: list[Job]) -> None:
+    """The REAL torchrun (torch's c10d rendezvous, a real TCPStore) started by the real
+    supervisor and agent: it rendezvouses with the id and endpoint from PET_RDZV_ID and
+    PET_RDZV_ENDPOINT (no flag names them), and another uid finds neither in /proc."""
+    pytest.importorskip("torch.distributed.run")
+    user = other_user()
+    node = socket.gethostname()
+    worker = tmp_path / "worker.py"
+    worker.write_text(REAL_WORKER)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip(f"no {torchrun}")
+    job = Job(tmp_path, (node,), argv=[
+        sys.executable, "-P", "-m", "bluevela.launch.supervisor", "--nodes=1", "--",
+        str(torchrun), "--nproc-per-node=1", "--monitor-interval=0.1", str(worker),
+        str(tmp_path)])
+    jobs.append(job)
+    job.start()
+    job.wait_for(f"real.{node}", timeout=120)
+    info = json.loads((tmp_path / f"real.{node}").read_text())
+    rdzv_id = info["TORCHELASTIC_RUN_ID"]
+    assert re.fullmatch(r"[0-9a-f]{32}", rdzv_id), info
+    host, _, port = info["PET_RDZV_ENDPOINT"].rpartition(":")
+    assert host == node and port.isdigit(), info
+    # The rendezvous store really is there: a TCP listener on that port.
+    with socket.create_connection((host, int(port)), timeout=5):
+        pass
+    seen = scan_as(user, [rdzv_id, f"{host}:{port}", "--rdzv-id", "--rdzv_id",
+                          "--rdzv-endpoint", "--rdzv_endpoint"])
+    assert seen["supervisor_seen"] and seen["hits"] == [], seen
+    job.finish()
+    assert job.wait(60) == 0, job.stdout() + job.stderr()
