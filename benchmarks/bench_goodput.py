@@ -112,7 +112,7 @@ def _big_job_files(tmp: Path) -> tuple[list[tuple[int, str]], list[str]]:
             now_wall = time.time()
             s = start + 300 + 600
             while s + 20 < start + per - 400:
-                ck = E.CkptMsg(0, int(s), 100, 1, now_wall - s, now_wall - s - 20)
+                ck = E.CkptMsg(0, int(s), 100, int(s), now_wall - s, now_wall - s - 20)
                 log.datagram(E.format_ckpt(ck, heartbeat.beat_key(key)), heartbeat.beat_key(key),
                              8000, time.monotonic())
                 s += 600
@@ -135,6 +135,7 @@ def bench_ledger(rounds: int) -> dict[str, Any]:
     for _ in range(rounds):
         with tempfile.TemporaryDirectory() as d:
             tmp = Path(d)
+            tmp.chmod(0o1777)  # like /tmp: a directory the epilog reads (events.dir_layout)
             files, _ = _big_job_files(tmp)
             sizes.append(sum(p.stat().st_size for p in tmp.iterdir()))
             tracemalloc.start()

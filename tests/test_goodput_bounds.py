@@ -1,0 +1,103 @@
+"""Issue 23 §2.2: a job's owner writes their own goodput events; the ledger and the fleet
+report hold every record to what root's hooks saw of the job (the archive's prolog/epilog
+times, Slurm's node count, the job's node names). A forged events file goes through the real
+reader, the epilog report, the spool, the ingest and the archive. Failed on 9058adc."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bluevela.launch import events as E
+from bluevela.report import goodput as G
+
+T = 1_800_000_000.0
+FAR_PAST, FAR_FUTURE = 1.0e9 + 1, 9.9e9  # 2001 and 2283: inside the fields' ranges
+
+
+def forged_file() -> bytes:
+    """What the job's owner can write: 10^6 nodes, times from 2001 to 2283, a node failure
+    on gpu007 (never the job's), a hang naming it too."""
+    lines = [
+        {"e": "job", "t": FAR_PAST, "host": "node1", "job": 9, "restart": 0,
+         "submit": FAR_PAST - 1, "start": FAR_PAST, "time_limit_s": 86400},
+        {"e": "launch", "t": FAR_PAST, "attempt": 1, "launch": 1, "n_nodes": 10**6,
+         "nodes": ["node1", "node2", "gpu007"], "spares": 10**6},
+        {"e": "progress", "t": FAR_PAST + 5, "launch": 1},
+        {"e": "ckpt", "launch": 1, "step": 1, "t0": FAR_PAST + 10, "t1": FAR_FUTURE - 10},
+        {"e": "end", "launch": 1, "kind": "lost", "cause": "gpu007 lost", "nodes": ["gpu007"],
+         "failed": FAR_FUTURE, "detected": FAR_FUTURE, "gone": FAR_FUTURE},
+        {"e": "launch", "t": FAR_FUTURE, "attempt": 2, "launch": 2, "n_nodes": 10**6,
+         "nodes": ["node1"], "spares": 0},
+        {"e": "progress", "t": FAR_FUTURE, "launch": 2},
+        {"e": "end", "launch": 2, "kind": "hang", "nodes": [],
+         "cause": "hang: rank 3 on gpu007 stopped first (no progress for 600 s)",
+         "failed": FAR_FUTURE, "detected": FAR_FUTURE, "gone": FAR_FUTURE + 1},
+    ]
+    return b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+
+
+def test_a_forged_record_is_held_to_the_allocation_in_the_ledger_and_the_fleet_report(
+        tmp_path: Path) -> None:
+    from bluevela.archive.ingest import ingest
+    from bluevela.archive.sample import sample_report
+    from bluevela.archive.spool import write_report
+    from bluevela.report.fleet import fleet_report
+
+    rec = E.read_events_file(forged_file())  # the epilog's reader takes it: every field in range
+    spool, archive = tmp_path / "spool", tmp_path / "archive"
+    spool.mkdir()
+    archive.mkdir()
+    nodes = ["node1", "node2"]  # Slurm gave the job 2 nodes, from T+11 to T+81
+    for node in nodes:
+        write_report(spool, sample_report(9, node, "prolog", nodelist=nodes, time=T + 11))
+        epi = sample_report(9, node, "epilog", nodelist=nodes, time=T + 81)
+        if node == "node1":
+            epi["goodput_events"] = rec
+        write_report(spool, epi)
+    ingest(spool, archive, timeout_s=0.0, prolog_only_timeout_s=0.0, now=T + 4000)
+
+    led = G.job_goodput(archive, 9, gpus_per_node=8)
+    slack = G.CLOCK_SLACK_S
+    assert led.nodes == 2  # Slurm's count, not 10^6
+    # What the job held: first prolog - slack .. last epilog + slack; the claimed queue wait
+    # is at most MAX_QUEUE_S before it.
+    assert led.start >= T + 11 - slack - G.MAX_QUEUE_S and led.end <= T + 81 + slack
+    assert led.wall_s - led.phases["queue_hold"] <= 70 + 2 * slack
+    assert sum(led.gpu_hours().values()) <= (G.MAX_QUEUE_S + 70 + 2 * slack) * 16 / 3600
+    causes = [i.cause for i in led.interruptions]
+    assert causes == ["node failure", "hang"]
+    assert all(i.nodes == [] and "gpu007" not in i.cause for i in led.interruptions)
+    assert any("clamped to the allocation" in n for n in led.notes)
+
+    rep = fleet_report(archive, since=T, now=T + 4000)
+    (row,) = rep["ledger"]["per_job"]
+    assert row["nodes"] == 2 and row["wall_h"] <= (G.MAX_QUEUE_S + 70 + 2 * slack) / 3600
+    assert not any("gpu007" in c for c in rep["ledger"]["hours_lost_by_cause"])
+    assert all("gpu007" not in str(i["nodes"]) for i in row["interruptions"])
+    # Node hours of the job as the report counts them: at most its 2 nodes for what it held.
+    g = rep["goodput"]
+    assert g["node_hours"]["completed"] + g["node_hours"]["lost_ledger"] <= \
+        2 * (70 + 2 * slack) / 3600 + 0.01
+    assert sum(rep["ledger"]["hours_by_phase"].values()) <= \
+        2 * (G.MAX_QUEUE_S + 70 + 2 * slack) / 3600 + 0.01
+
+
+def test_bound_record_by_hand() -> None:
+    """The clamp on hand numbers: the archive saw the attempt from T+100 to T+200."""
+    rec = E.read_events_file(forged_file())
+    alloc = G.Allocation(2, frozenset({"node1", "node2"}), T + 100, T + 200)
+    out, notes = G.bound_record(rec, alloc, T + 100, T + 200)
+    lo, hi = T + 100 - G.CLOCK_SLACK_S, T + 200 + G.CLOCK_SLACK_S
+    assert out["slurm"]["submit"] == lo - G.MAX_QUEUE_S and out["opened"] == lo
+    one, two = out["launches"]
+    assert (one["n_nodes"], one["spares"], one["nodes"]) == (2, 2, ["node1", "node2"])
+    assert one["ckpts"] == [[1, lo, hi]] and one["end"]["gone"] == hi
+    assert one["end"]["nodes"] == [] and two["n_nodes"] == 2
+    assert {n.split("(")[1].split(" outside")[0] for n in notes} == \
+        {"cause nodes", "node count", "node names", "submit time", "times"}
+    # A record the archive has no time for is not used.
+    with pytest.raises(ValueError, match="no prolog/epilog time"):
+        G.bound_record(rec, G.Allocation(2, frozenset(), None, None), None, None)
