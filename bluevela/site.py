@@ -217,6 +217,9 @@ class Health:
     drain_timeout_s: Annotated[float, Gt(0)] = 5.0
     fleet_breaker_pct: Annotated[float, Ge(0), Le(100)] = 15.0
     drain_prefix: Annotated[str, _Checked(_drain_prefix)] = "bv:"
+    # enforce: drain/resume/hold; audit: check and report only; off: the hooks check nothing.
+    # A node's /etc/bluevela/actions overrides it (bluevela.fleet.nodestate, the action gate).
+    actions: Literal["enforce", "audit", "off"] = "enforce"
 
     def __post_init__(self) -> None:
         for name in ("quick", "full"):

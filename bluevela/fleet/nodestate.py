@@ -26,17 +26,35 @@ two reads. A slot is freed (deleted) right after its node is resumed by us; a sl
 is no longer drained by us (an operator resumed it with scontrol) is stale and is freed by that
 node's own next drain or healthcheck, by `bv health resume`, or by the nightly run: never by
 another node's hook, whose delete could race with a fresh holder of the same name.
+
+The action gate (docs/health.md, "Audit mode and the kill switch"): every automatic action
+here (a drain, a resume, a breaker slot taken or freed) first asks `local_actions` and, right
+before its first write to slurmctld, the cluster-wide kill switch:
+
+- `health.actions` in site.yaml: `enforce` (default), `audit` (checks run and report; nothing
+  is drained, resumed or held: the log says what would have happened) or `off` (the hooks
+  check nothing);
+- `/etc/bluevela/actions` (`$BV_ACTIONS_FILE`), one word, overrides site.yaml on that node in
+  either direction (audit everywhere but enforce on a few canaries; off on one node). A word
+  that is not one of the three reads as `audit`: a typo never turns actions on;
+- the reservation `bv-actions-off` on slurmctld stops every action of every node at once,
+  without touching a file on any node. It is read only when a node is about to act (the read
+  the breaker makes anyway), so healthy nodes still make no call.
+
+`bv health resume`, an operator's explicit command, is not gated.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bluevela.errors import SlurmError
 from bluevela.site import Site
@@ -58,6 +76,9 @@ MAX_CREATE_TRIES = 3  # create attempts per partition (random free slots) before
 HOOK_JITTER_S = 2.0  # hooks wait up to this long before their first Slurm call
 NO_PARTITION = "_none"  # slots of nodes in no partition (counted over all nodes)
 _SLOT = re.compile(r"^bv-drain-([A-Za-z0-9_]{1,64})-([0-9]{1,6})$")
+ACTION_MODES = ("enforce", "audit", "off")
+ACTIONS_FILE = Path("/etc/bluevela/actions")
+KILL_SWITCH = "bv-actions-off"  # a reservation of this name on slurmctld stops every action
 
 
 class DrainFailed(SlurmError):
@@ -82,10 +103,69 @@ class DrainOutcome:
     why_not: str | None = None  # "fleet breaker: 3/16 ...", "already drained by operator", ...
     slots: tuple[str, ...] = ()  # breaker slots taken for this drain
     rpcs: int = 0  # Slurm commands this call ran
+    gated: str | None = None  # "audit" or "off": the action gate stopped it (why_not says why)
 
     @property
     def breaker(self) -> bool:
         return bool(self.why_not and self.why_not.startswith("fleet breaker"))
+
+
+# -- the action gate ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Actions:
+    """What bluevela may do on this host, and which setting said so."""
+
+    mode: str  # enforce | audit | off
+    source: str  # "site.yaml", the node file's path, "reservation bv-actions-off"
+
+    @property
+    def enforce(self) -> bool:
+        return self.mode == "enforce"
+
+    def why(self, what: str) -> str:
+        return f"actions {self.mode} ({self.source}): would {what}"
+
+
+def node_actions(environ: Mapping[str, str] | None = None) -> Actions | None:
+    """The node's own setting (`$BV_ACTIONS_FILE`, else /etc/bluevela/actions), or None when
+    there is none. Anything but enforce/audit/off (or an unreadable file) is audit."""
+    env = os.environ if environ is None else environ
+    path = env.get("BV_ACTIONS_FILE") or str(ACTIONS_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        logger.warning("%s unreadable (%s): actions audit", path, exc.strerror or exc)
+        return Actions("audit", f"{path} unreadable")
+    try:
+        raw = os.read(fd, 256)
+    except OSError as exc:
+        logger.warning("%s unreadable (%s): actions audit", path, exc.strerror or exc)
+        return Actions("audit", f"{path} unreadable")
+    finally:
+        os.close(fd)
+    words = raw.decode("ascii", "replace").split()
+    word = words[0].lower() if words else ""
+    if word not in ACTION_MODES:
+        logger.warning("%s says %r, not one of %s: actions audit", path, word[:20],
+                       "/".join(ACTION_MODES))
+        return Actions("audit", f"{path} (not enforce/audit/off)")
+    return Actions(word, path)
+
+
+def local_actions(site: Site, environ: Mapping[str, str] | None = None) -> Actions:
+    """This host's mode: the node file when there is one, else site.yaml's `health.actions`."""
+    return node_actions(environ) or Actions(site.health.actions, "site.yaml")
+
+
+def cluster_actions(local: Actions, reservations: Sequence[ReservationInfo]) -> Actions:
+    """`local`, unless the kill switch (reservation `bv-actions-off`) is on the controller."""
+    if any(r.name == KILL_SWITCH for r in reservations):
+        return Actions("off", f"reservation {KILL_SWITCH}")
+    return local
 
 
 # -- reasons ------------------------------------------------------------------------------------
@@ -271,9 +351,12 @@ class _Counted:
         self.calls += 1
         return self.client.nodes()
 
-    def slots(self) -> list[Slot]:
+    def reservations(self) -> list[ReservationInfo]:
         self.calls += 1
-        return parse_slots(self.client.reservations(timeout_s=self.timeout))
+        return self.client.reservations(timeout_s=self.timeout)
+
+    def slots(self) -> list[Slot]:
+        return parse_slots(self.reservations())
 
     def create(self, name: str, node: str) -> bool:
         self.calls += 1
@@ -308,7 +391,12 @@ def release_own_slots(client: SlurmClient | _Counted, site: Site, node: str, *,
     slots are never freed by another node's hook.
     """
     c = client if isinstance(client, _Counted) else _Counted(client, site.health.drain_timeout_s)
-    held = [s for s in (slots if slots is not None else c.slots()) if s.node == node]
+    if slots is None:
+        reservations = c.reservations()
+        if not cluster_actions(Actions("enforce", ""), reservations).enforce:
+            return []  # the kill switch: not even a stale slot is freed
+        slots = parse_slots(reservations)
+    held = [s for s in slots if s.node == node]
     if not held:
         return []
     if only_stale:
@@ -362,6 +450,9 @@ def drain_node(client: SlurmClient, site: Site, node: str, detail: str, *,
     """
     rng = rng or random.Random()
     reason = make_reason(site, detail)
+    local = local_actions(site)
+    if not local.enforce:  # audit or off here: no call to Slurm at all
+        return DrainOutcome(node, False, reason, local.why("drain"), gated=local.mode)
     c = _Counted(client, site.health.drain_timeout_s)
     if jitter_s > 0:
         sleep(rng.uniform(0.0, jitter_s))
@@ -373,12 +464,17 @@ def drain_node(client: SlurmClient, site: Site, node: str, detail: str, *,
     if mine.drained and not is_ours(site, mine.reason):
         return DrainOutcome(node, False, reason, f"already drained by operator: {mine.reason}",
                             rpcs=c.calls)
+    reservations = c.reservations()
+    gate = cluster_actions(local, reservations)
+    if not gate.enforce:
+        return DrainOutcome(node, False, reason, gate.why("drain"), rpcs=c.calls,
+                            gated=gate.mode)
     if mine.drained:
         # Already ours, and counted as such: only the reason changes.
         c.drain(node, reason)
         logger.warning("drained %s (again): %s", node, reason)
         return DrainOutcome(node, True, reason, rpcs=c.calls)
-    slots = c.slots()
+    slots = parse_slots(reservations)
     # Our own slots while we are not drained by us: stale (an operator resumed us) or a drain
     # of this node in flight in another process.
     own = [s for s in slots if s.node == node]
@@ -457,6 +553,7 @@ class ResumeCheck:
 
     resumed: bool
     note: str | None
+    gated: str | None = None  # "audit" or "off": it would have resumed (the note says so)
 
 
 def dcgm_gate(site: Site, before_resume: Callable[[], tuple[int, str]] | None
@@ -485,11 +582,14 @@ def resume_if_passing(client: SlurmClient, site: Site, node: str,
     Operators' drains and nightly drains stay. A node that is not drained frees its stale
     breaker slots (one reservation read per healthcheck run on an idle node).
     """
+    local = local_actions(site)
     found = client.nodes([node])
     info = found[0] if found else None
     if info is None:
         return ResumeCheck(False, f"node {node} is not known to Slurm")
     if not info.drained:
+        if not local.enforce:
+            return ResumeCheck(False, None)
         freed = release_own_slots(client, site, node, nodes=found)
         return ResumeCheck(False, f"freed stale breaker slot(s) {', '.join(freed)}"
                            if freed else None)
@@ -504,6 +604,12 @@ def resume_if_passing(client: SlurmClient, site: Site, node: str,
     if not ok:
         logger.warning("%s stays drained (%s): %s", node, info.reason, note)
         return ResumeCheck(False, note)
+    gate = local if not local.enforce else cluster_actions(
+        local, client.reservations(timeout_s=site.health.drain_timeout_s))
+    if not gate.enforce:
+        why = f"{gate.why('resume')} ({note})"
+        logger.warning("NOT resuming %s: %s", node, why)
+        return ResumeCheck(False, why, gated=gate.mode)
     out = resume_node(client, site, node)
     if out.drained:
         logger.warning("resumed %s (was: %s): %s", node, info.reason, note)

@@ -17,7 +17,12 @@ Drains, resumes and the fleet breaker live in `bluevela.fleet.nodestate` (the ch
 
 Failing open: an error of the hook itself (bad site.yaml, a bug) logs one line and exits 0 -
 a broken installation must not drain the fleet; the checks themselves never raise (a check
-that cannot run is UNKNOWN).
+that cannot run is UNKNOWN). A package that does not even import is the shims' to catch
+(prolog_epilog/prolog: only this module's deliberate exit 1 reaches Slurm).
+
+Every run sends one syslog line (`bluevela.hooks.log`: job, node, verdict, action, time).
+Audit mode and the kill switch (`bluevela.fleet.nodestate`, the action gate): nothing is
+drained, resumed or held, the line says what would have been; `off` checks nothing.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class DrainResult:
     why_not: str | None = None  # fleet breaker, operator's drain
     error: str | None = None  # the Slurm call failed
     slot_held: bool = False  # a breaker slot was won before the Slurm call failed
+    gated: str | None = None  # audit / off: the action gate kept it from draining
 
     @property
     def breaker(self) -> bool:
@@ -61,7 +67,7 @@ class DrainResult:
         failed, or already drained. A drain the breaker held, or one that failed before any
         slot was won (slurmctld unreachable or too slow), exits 0: else every prolog of a
         storm against a slow controller would be drained by Slurm, outside the breaker."""
-        if not self.attempted or self.breaker:
+        if not self.attempted or self.breaker or self.gated:
             return 0
         if self.error is not None and not self.slot_held:
             return 0
@@ -79,6 +85,7 @@ class HookOutcome:
     drain: DrainResult
     resumed: bool = False
     resume_note: str | None = None
+    resume_gated: str | None = None  # audit / off: it would have resumed
     spooled: str | None = None
     exit_code: int = 0
 
@@ -101,7 +108,13 @@ def _setup_logging(phase: str) -> None:
 
 
 def run_hook(phase: str) -> int:
-    """Run one hook; the return value is the exit code Slurm sees. Never raises."""
+    """Run one hook; the return value is the exit code Slurm sees. Never raises.
+    Leaves exactly one syslog line (`bluevela.hooks.log`)."""
+    from bluevela.hooks import log as hooklog
+
+    started = time.monotonic()
+    who: dict[str, object] = {"job": os.environ.get("SLURM_JOB_ID"),
+                              "node": os.environ.get("SLURMD_NODENAME")}
     try:
         load_hook_env()
         _setup_logging(phase)
@@ -109,19 +122,30 @@ def run_hook(phase: str) -> int:
         if fixtures:
             logger.warning("%s", fixtures)
         hctx = HookContext.from_env(phase)
+        who = {"job": hctx.job_id, "node": hctx.node}
+        from bluevela.fleet.nodestate import local_actions
         from bluevela.hooks.lock import hook_lock
         from bluevela.site import load_site
 
         site = load_site(cwd=False)  # $BV_SITE (hook.env) or /etc/bluevela: never ./site.yaml
+        actions = local_actions(site)
+        if actions.mode == "off":
+            logger.info("actions off (%s): nothing checked", actions.source)
+            hooklog.run_line(phase, who, started, "off", detail=f"actions off ({actions.source})")
+            return 0
         with hook_lock(site.path("state"), phase, hctx.job_id) as run:
-            if not run:
-                return 0  # a healthcheck while another hook runs: skipped (hooks/lock.py)
+            if not run:  # a healthcheck while another hook runs: skipped (hooks/lock.py)
+                hooklog.run_line(phase, who, started, "skipped", detail="another hook runs")
+                return 0
             hook = {"prolog": prolog, "epilog": epilog, "healthcheck": healthcheck}[phase]
-            return hook(site, hctx).exit_code
+            outcome = hook(site, hctx)
+        hooklog.outcome_line(outcome, started, actions.mode)
+        return outcome.exit_code
     except Exception as exc:  # noqa: BLE001 - fail open: see the module docstring
         logging.getLogger(__name__).debug("hook failure", exc_info=True)
         print(f"bluevela {phase}: hook error, nothing checked, exit 0: "
               f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        hooklog.run_line(phase, who, started, "hook-error", detail=f"{type(exc).__name__}: {exc}")
         return 0
 
 
@@ -214,9 +238,11 @@ def _drain_if_critical(site: Site, node: str, report: HealthReport) -> DrainResu
                      "" if held else "; no breaker slot was won: not counted, the job may "
                      "start here (the epilog and healthcheck check again)")
         return DrainResult(True, False, reason, error=str(exc), slot_held=held)
-    if not out.drained:
+    if out.gated:
+        logger.warning("%s: %s", node, out.why_not)
+    elif not out.drained:
         logger.error("NOT drained %s (%s): %s", node, reason, out.why_not)
-    return DrainResult(True, out.drained, out.reason, out.why_not)
+    return DrainResult(True, out.drained, out.reason, out.why_not, gated=out.gated)
 
 
 def _spool(site: Site, hctx: HookContext, report: HealthReport, drain: DrainResult,
@@ -337,7 +363,7 @@ def healthcheck(site: Site, hctx: HookContext) -> HookOutcome:
     report = _run(site, hctx, state, "full")
     _record(site, state, report, "healthcheck")
     drain = _drain_if_critical(site, hctx.node, report)
-    resumed, note = False, None
+    resumed, note, gated = False, None, None
     if not drain.attempted:
         try:
             # Resumes only our drains whose named check passes again (never a nightly's or
@@ -345,12 +371,13 @@ def healthcheck(site: Site, hctx: HookContext) -> HookOutcome:
             check = resume_if_passing(hook_client(site), site, hctx.node,
                                       {c.name: int(c.status) for c in report.checks},
                                       lambda: _dcgm_before_resume(site, hctx, state, started))
-            resumed, note = check.resumed, check.note
+            resumed, note, gated = check.resumed, check.note, check.gated
         except BluevelaError as exc:
             note = f"could not query/resume: {exc}"
             logger.error("%s", note)
     return _finish(state, HookOutcome("healthcheck", hctx.node, None, report, drain,
-                                      resumed=resumed, resume_note=note, exit_code=0))
+                                      resumed=resumed, resume_note=note, resume_gated=gated,
+                                      exit_code=0))
 
 
 def _compressed(nodes: tuple[str, ...]) -> str:
