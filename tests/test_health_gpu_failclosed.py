@@ -205,19 +205,49 @@ def test_xid_table_covers_the_codes_issue_11_names() -> None:
 
 
 def test_xid_window(h100: NodeClass) -> None:
-    """The same XID 79 line 388 s before the reading drains, 23 h before it does not (old main
-    matched the whole ring buffer: sticky until reboot)."""
+    """The same XID 79 line 388 s before the reading drains; 23 h before it, with the driver
+    loaded again since, it does not (old main matched the whole ring buffer: sticky until
+    reboot)."""
     gpu = get_check("gpu")
     recent = gpu.run_once(ctx_on(h100, "h100-gpu-xid79-recent"))
     assert recent.status is Status.CRITICAL and "XID 79 on GPU3 (PCI 0000:5d:00)" in recent.summary
     old = gpu.run_once(ctx_on(h100, "h100-gpu-xid79-expired"))
     assert old.status is Status.OK, old
     assert old.metrics["xid_count"] == 0 and old.metrics["xid_outside_window_count"] == 1
-    # xid_window_s 0: every record since boot counts.
-    from dataclasses import replace
 
-    whole = replace(h100, gpu=replace(h100.gpu, xid_window_s=0.0))
-    assert gpu.run_once(ctx_on(whole, "h100-gpu-xid79-expired")).status is Status.CRITICAL
+
+def _kmsg_variant(tmp_path: Path, name: str, keep: int, extra: list[str]) -> Path:
+    """The xid79-expired snapshot with its first `keep` kernel lines and `extra` after them."""
+    snap = json.loads((FIXTURES / "h100-gpu-xid79-expired" / "nvml.json").read_text())
+    snap["kmsg"] = snap["kmsg"][:keep] + extra
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(snap))
+    return path
+
+
+def test_a_draining_xid_needs_evidence_of_a_reset(h100: NodeClass, tmp_path: Path) -> None:
+    """Issue 24: an XID 79 23 h old with no driver load after it stays CRITICAL, whatever
+    xid_window_s (on 9058adc it stopped counting after the 1 h window: the node resumed with
+    no evidence the GPU was reset). A driver load BEFORE the XID is no evidence; one after it
+    is. An application XID (13, RESTART_APP) still ends with the window."""
+    gpu = get_check("gpu")
+    root = FIXTURES / "h100-gpu-xid79-expired" / "root"
+
+    def judge(snap: Path) -> object:
+        return gpu.run_once(ProbeContext(h100, "h100", root=root, nvml_snapshot=snap))
+
+    no_reset = judge(_kmsg_variant(tmp_path, "no-reset", 2, []))
+    assert no_reset.status is Status.CRITICAL, no_reset
+    assert "XID 79 on GPU3 (PCI 0000:5d:00)" in no_reset.summary
+    assert "no GPU reset since: reload the driver or reboot" in no_reset.summary
+    assert no_reset.metrics["xid_count"] == 1
+    reload_at = "NVRM: loading NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build"
+    after = judge(_kmsg_variant(tmp_path, "reload-after", 2, [f"[ 3700.000000] {reload_at}"]))
+    assert after.status is Status.OK, after
+    xid13 = ("[ 3602.000000] NVRM: Xid (PCI:0000:5d:00): 13, pid=4242, name=python, "
+             "Graphics SM Warp Exception on (GPC 0, TPC 0, SM 0)")
+    app = judge(_kmsg_variant(tmp_path, "app-xid", 1, [xid13]))
+    assert app.status is Status.OK and app.metrics["xid_outside_window_count"] == 1, app
 
 
 def test_unreadable_kernel_log_is_unknown_not_ok(h100: NodeClass, tmp_path: Path) -> None:

@@ -8,8 +8,10 @@
 - `BV_KMSG`: a text file of kernel log lines (dmesg) searched for NVIDIA XIDs instead of
   `/dev/kmsg`. With a snapshot, the snapshot's own `kmsg` lines are used.
 
-In the prolog and epilog, `SLURM_JOB_GPUS` (the GPU indexes Slurm gave the job on this node)
-narrows the leftover-process check to the job's own GPUs.
+In the prolog and epilog, `SLURM_JOB_GPUS` (the GPU indexes Slurm gave the job on this node;
+`CUDA_VISIBLE_DEVICES` when only that is set: Slurm 22.05 gives the prolog both for a job with
+GPUs, the same global indexes) narrows the leftover-process check and the prolog's nccl to the
+job's own GPUs; `SLURM_JOB_ID` names the hook's own job (`job_id`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class ProbeContext:
         job_gpus: the GPU indexes the job was given (SLURM_JOB_GPUS); None: all of them.
         runner_pid: the process running the checks (set by the runner in each check's
             child): processes below it are this run's own, not leftovers.
+        job_id: the job of the prolog or epilog running the checks; None otherwise.
     """
 
     node_class: NodeClass
@@ -73,6 +76,7 @@ class ProbeContext:
     phase: str = "manual"
     job_gpus: tuple[int, ...] | None = None
     runner_pid: int | None = None
+    job_id: int | None = None
 
     def under_root(self, path: str | os.PathLike[str]) -> Path:
         """`path` (absolute, as on a real node) below the root."""
@@ -97,6 +101,9 @@ class ProbeContext:
         root = Path(env.get("BV_SYSFS_ROOT") or "/")
         snap = env.get("BV_NVML_SNAPSHOT") or None
         kmsg = env.get("BV_KMSG") or None
+        in_job = phase in ("prolog", "epilog")
+        gpus = env.get("SLURM_JOB_GPUS") or env.get("CUDA_VISIBLE_DEVICES")
+        raw_job = (env.get("SLURM_JOB_ID") or "").strip()
         return cls(
             node_class=node_class,
             class_name=class_name,
@@ -105,6 +112,6 @@ class ProbeContext:
             kmsg=Path(kmsg) if kmsg else None,
             state_dir=state_dir,
             phase=phase,
-            job_gpus=(parse_gpu_list(env.get("SLURM_JOB_GPUS"))
-                      if phase in ("prolog", "epilog") else None),
+            job_gpus=parse_gpu_list(gpus) if in_job else None,
+            job_id=int(raw_job) if in_job and raw_job.isdigit() and len(raw_job) <= 12 else None,
         )

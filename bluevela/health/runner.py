@@ -96,6 +96,42 @@ def plan_prolog(site: Site, nccl_stale: bool) -> RunPlan:
     return RunPlan("quick+nccl", (*plan.checks, "nccl"), cap, timeouts, plan.retries)
 
 
+# Checks that take the node's GPUs (or CPUs) for seconds to minutes.
+INTRUSIVE = ("nccl", "dcgm")
+
+
+def for_jobs_here(plan: RunPlan, ctx: ProbeContext) -> tuple[RunPlan, str | None]:
+    """The plan without the intrusive checks (nccl, the DCGM diagnostic) where they would run
+    on GPUs (or CPUs) in use by a running job; (plan, what was left out and why, or None).
+
+    nccl takes the node's GPUs (gloo: its CPUs) for seconds to a minute, a DCGM diagnostic
+    longer: next to a running job they would disturb it and measure hardware the job shares
+    (a false CRITICAL). So the healthcheck (which slurmd also runs at every start, jobs or
+    not) leaves them out while any job runs here; a prolog or epilog leaves them out while
+    another job runs here, except nccl when its own job was given GPUs (`SLURM_JOB_GPUS`):
+    then nccl runs on those only (checks/nccl.py). Without the job's GPUs (none given, or a
+    site without GPU gres) the GPUs in use cannot be told apart. Running jobs are read from
+    `<root>/proc` (health/jobprocs.py).
+    """
+    drop = [n for n in INTRUSIVE if n in plan.checks]
+    if not drop or ctx.phase not in ("healthcheck", "prolog", "epilog"):
+        return plan, None
+    from bluevela.health.jobprocs import running_jobs
+
+    others = running_jobs(ctx.under_root("/")).others(ctx.job_id)
+    if not others:
+        return plan, None
+    if ctx.phase in ("prolog", "epilog") and ctx.job_gpus:
+        drop = [n for n in drop if n != "nccl"]
+    if not drop:
+        return plan, None
+    shown = ", ".join(str(j) for j in sorted(others)[:4]) + (", ..." if len(others) > 4 else "")
+    why = f"{' and '.join(drop)} not run: job(s) {shown} running on this node"
+    logger.info("%s", why)
+    return replace(plan, checks=tuple(n for n in plan.checks if n not in drop),
+                   timeouts={n: t for n, t in plan.timeouts.items() if n not in drop}), why
+
+
 # -- the child's side ---------------------------------------------------------------------------
 
 
@@ -261,12 +297,24 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+def deliberate_sleep_s(name: str, ctx: ProbeContext) -> float:
+    """The seconds a check sleeps on purpose, given on top of its own timeout (and of the
+    run's cap): the gpu check's second reading `gpu.recheck_s` later. Its timeout then bounds
+    the NVML calls alone (a hung call is what the gpu check's timeout verdict names), not
+    NVML plus the wait (with the wait inside, 3 s of budget left 2 s for two readings of 8
+    GPUs)."""
+    if name == "gpu" and (ctx.node_class.gpus > 0 or ctx.nvml_snapshot is not None):
+        return float(ctx.node_class.gpu.recheck_s)
+    return 0.0
+
+
 def run_plan(plan: RunPlan, ctx: ProbeContext) -> HealthReport:
     """Run the plan's checks in parallel child processes; every result comes back in order."""
     started_at = time.time()
     start = time.monotonic()
     margin = min(0.25, plan.cap_s * 0.05)
-    hard_end = start + plan.cap_s - margin
+    sleeps = {n: deliberate_sleep_s(n, ctx) for n in plan.checks}
+    hard_end = start + plan.cap_s + max(sleeps.values(), default=0.0) - margin
     registry = all_checks()
     if ctx.runner_pid is None:  # the checks' children (and theirs) are this run's own
         ctx = replace(ctx, runner_pid=os.getpid())
@@ -293,7 +341,7 @@ def run_plan(plan: RunPlan, ctx: ProbeContext) -> HealthReport:
                 except OSError:
                     pass  # already did it itself, or already gone
                 now = time.monotonic()
-                own = now + plan.timeout(name)
+                own = now + plan.timeout(name) + sleeps.get(name, 0.0)
                 ch = _Child(name, pid, rfd, now, min(own, hard_end), own > hard_end)
                 children.append(ch)
                 sel.register(rfd, selectors.EVENT_READ, ch)

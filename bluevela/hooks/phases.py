@@ -164,7 +164,7 @@ def _state_dir(site: Site) -> Path | None:
 
 def _run(site: Site, hctx: HookContext, state: Path | None, plan_name: str) -> HealthReport:
     from bluevela.health.context import ProbeContext
-    from bluevela.health.runner import plan_prolog, plan_tier, run_plan
+    from bluevela.health.runner import for_jobs_here, plan_prolog, plan_tier, run_plan
     from bluevela.health.state import nccl_is_stale
 
     class_name = site.class_name_for(hctx.node)
@@ -182,6 +182,9 @@ def _run(site: Site, hctx: HookContext, state: Path | None, plan_name: str) -> H
     if hctx.phase == "healthcheck" and plan.cap_s > HEALTHCHECK_LIMIT_S:
         # slurmd kills a HealthCheckProgram after 60 s: end the run (and drain) before that.
         plan = replace(plan, cap_s=HEALTHCHECK_LIMIT_S)
+    # Never nccl or a DCGM diagnostic on GPUs a running job uses (a healthcheck at a slurmd
+    # restart under jobs, another job on a shared node): health/runner.py.
+    plan, _ = for_jobs_here(plan, pctx)
     return run_plan(plan, pctx)
 
 
@@ -217,7 +220,8 @@ def _record(site: Site, state: Path | None, report: HealthReport, phase: str) ->
         facts = None
     write_prom(site.path("metrics"), merged, facts)
     nccl = report.result("nccl")
-    if nccl is not None and nccl.status is Status.OK:
+    # A pass on the job's GPUs only (subset_gpus_count) does not make the node's nccl fresh.
+    if nccl is not None and nccl.status is Status.OK and "subset_gpus_count" not in nccl.metrics:
         record_nccl_pass(state, nccl.metrics)
 
 

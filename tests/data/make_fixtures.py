@@ -280,12 +280,17 @@ XID79 = ("NVRM: Xid (PCI:0000:5d:00): 79, pid='<unknown>', name=<unknown>, "
          "GPU has fallen off the bus.")
 
 
-def stamped_xid(at_s: float, uptime_s: float) -> Callable[[Path, dict[str, Any], Path], None]:
-    """An XID 79 record at `at_s` s after boot, the snapshot read at `uptime_s`."""
+def stamped_xid(at_s: float, uptime_s: float, reload_at_s: float | None = None
+                ) -> Callable[[Path, dict[str, Any], Path], None]:
+    """An XID 79 record at `at_s` s after boot, the snapshot read at `uptime_s`; with
+    `reload_at_s`, the driver loaded again then (the evidence of a GPU reset)."""
 
     def change(root: Path, nvml: dict[str, Any], state: Path) -> None:
         nvml["uptime_s"] = uptime_s
-        nvml["kmsg"] = [f"[{1.804211:12.6f}] {nvml['kmsg'][0]}", f"[{at_s:12.6f}] {XID79}"]
+        load = nvml["kmsg"][0]
+        nvml["kmsg"] = [f"[{1.804211:12.6f}] {load}", f"[{at_s:12.6f}] {XID79}"]
+        if reload_at_s is not None:
+            nvml["kmsg"].append(f"[{reload_at_s:12.6f}] {load}")
 
     return change
 
@@ -352,8 +357,9 @@ FAILURES: dict[str, tuple[str, list[Callable[[Path, dict[str, Any], Path], None]
     "h100-gpu-xid79-recent": ("XID 79 on 5d:00 logged 388 s before the reading (in the window)",
                               [stamped_xid(86012.345678, 86400.5)]),
     "h100-gpu-xid79-expired": ("XID 79 on 5d:00 logged 23 h before the reading, outside the 1 h "
-                               "window (the GPU was reset since): healthy",
-                               [stamped_xid(3601.25, 86400.5)]),
+                               "window, and the driver loaded again 30 min after it (the GPU "
+                               "was reset since): healthy",
+                               [stamped_xid(3601.25, 86400.5, reload_at_s=5400.0)]),
     "h100-gpu-kmsg-unreadable": ("no kernel log could be read (kmsg null, errors.kmsg EPERM)",
                                  [set_top(kmsg=None,
                                           errors={"kmsg": "Operation not permitted"})]),

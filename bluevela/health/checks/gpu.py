@@ -7,9 +7,11 @@ errors over the ceiling, a row remap pending or failed, retired pages over NVIDI
 ceiling, temperature over the class's maximum, a hardware slowdown (HW slowdown / HW thermal /
 HW power brake) seen in two readings `gpu.recheck_s` apart, a PCIe link narrower than its
 maximum width, a compute process on the job's GPUs (prolog; every GPU at healthcheck) that is
-not ours and is still there at the second reading, or an XID within `gpu.xid_window_s`
-whose resolution in NVIDIA's XID catalog is a reset, a reboot or a hardware action
-(checks/gpu_xids.py).
+not ours, not a running job's and not an MPS daemon, and is still there at the second
+reading (health/jobprocs.py), or an XID whose resolution in NVIDIA's XID catalog is a reset, a
+reboot or a hardware action (checks/gpu_xids.py) with no evidence of a reset since: such an
+XID stays CRITICAL past `gpu.xid_window_s` until the driver is loaded again after it (its
+`NVRM: loading` kernel line) or the node reboots (the kernel log is the current boot's).
 WARNING: more GPUs than expected, aggregate (lifetime) uncorrected ECC over the ceiling,
 retired pages pending, software thermal slowdown, a hardware slowdown gone at the second
 reading, a PCIe link whose maximum generation is below the GPU's, persistence mode off, any
@@ -32,13 +34,13 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bluevela.checks_registry import check
 from bluevela.health.checks import gpu_fabric as fabric
 from bluevela.health.checks.gpu_xids import XID_TABLE as XID_TABLE  # re-exported
-from bluevela.health.checks.gpu_xids import xid_verdict
+from bluevela.health.checks.gpu_xids import driver_loads, reset_since, xid_verdict
+from bluevela.health.jobprocs import owners, parent_pid
 from bluevela.health.nvml import (
     FABRIC_COMPLETED,
     HW_REASONS,
@@ -84,6 +86,9 @@ class GPUFacts:
     uptime_s: float | None = None  # time since boot at the reading (dates the XIDs)
     job_gpus: tuple[int, ...] | None = None  # the job's GPUs; None: every GPU
     own_pids: frozenset[int] = frozenset()  # compute processes that are this hook's own
+    job_pids: Mapping[int, int] = field(default_factory=dict)  # pid -> running job here
+    mps_pids: frozenset[int] = frozenset()  # MPS daemons (never leftovers)
+    driver_loads: tuple[float, ...] = ()  # NVIDIA driver loads (s since boot) in the log
     sxids: tuple[SXid, ...] = ()  # NVSwitch errors in the kernel log
     # Each GPU's previous counter reading (state dir), by fabric.gpu_key; empty: none.
     baselines: Mapping[str, fabric.Baseline] = field(default_factory=dict)
@@ -113,21 +118,11 @@ def nvml_source(ctx: ProbeContext) -> NVMLSource:
                     process_gpus=ctx.job_gpus)
 
 
-def _parent_pid(root: Path, pid: int) -> int | None:
-    try:
-        with open(root / "proc" / str(pid) / "stat", encoding="utf-8", errors="replace") as fh:
-            text = fh.read(4096)
-    except OSError:
-        return None
-    fields = text.rpartition(")")[2].split()  # the command name may hold spaces and ')'
-    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
-
-
 def own_processes(ctx: ProbeContext, pids: set[int]) -> frozenset[int]:
     """The `pids` that descend from this hook run (the runner, or this process when run
     directly): the nccl check's own workers are not leftovers. Read from `<root>/proc`."""
     ours = {os.getpid()} | ({ctx.runner_pid} if ctx.runner_pid else set())
-    root = ctx.under_root("/")
+    proc = ctx.under_root("/proc")
     found = set()
     for pid in pids:
         cur: int | None = pid
@@ -137,7 +132,7 @@ def own_processes(ctx: ProbeContext, pids: set[int]) -> frozenset[int]:
             if cur in ours:
                 found.add(pid)
                 break
-            cur = _parent_pid(root, cur)
+            cur = parent_pid(proc, cur)
     return frozenset(found)
 
 
@@ -161,9 +156,18 @@ def probe_gpu(ctx: ProbeContext) -> GPUFacts:
         uptime = time.clock_gettime(time.CLOCK_MONOTONIC)
     pids = {p.pid for g in snap.gpus
             for p in (*(g.compute_processes or ()), *(g.compute_processes_recheck or ()))}
+    own = own_processes(ctx, pids) if pids else frozenset()
+    job_pids: dict[int, int] = {}
+    mps: frozenset[int] = frozenset()
+    if pids - own and ctx.phase in PROCESS_PHASES:
+        # A running job's processes (the healthcheck at a slurmd restart under a job, another
+        # job's GPU on a shared node) and the MPS daemons are not leftovers.
+        found = owners(ctx.under_root("/"), pids - own)
+        job_pids, mps = found.jobs, found.mps
     return GPUFacts(snap, tuple(parse_xids(lines)), source, ctx.phase,
                     init_error=snap.init_error, uptime_s=uptime, job_gpus=ctx.job_gpus,
-                    own_pids=own_processes(ctx, pids) if pids else frozenset(),
+                    own_pids=own, job_pids=job_pids, mps_pids=mps,
+                    driver_loads=driver_loads(lines),
                     sxids=tuple(parse_sxids(lines)),
                     baselines=_counter_baselines(ctx, snap), live=live)
 
@@ -195,10 +199,12 @@ def _counter_baselines(ctx: ProbeContext, snap: NVMLSnapshot) -> dict[str, fabri
 
 def _leftovers(g: GPUInfo, facts: GPUFacts) -> tuple[list[ProcessInfo], list[ProcessInfo]]:
     """(still there at the second reading, gone by then) processes of `g` that are not ours,
-    on the job's GPUs only."""
+    not a running job's and not an MPS daemon, on the job's GPUs only."""
     if facts.job_gpus is not None and g.index not in facts.job_gpus:
         return [], []
-    first = [p for p in g.compute_processes or () if p.pid not in facts.own_pids]
+    first = [p for p in g.compute_processes or ()
+             if p.pid not in facts.own_pids and p.pid not in facts.job_pids
+             and p.pid not in facts.mps_pids]
     if not first or g.compute_processes_recheck is None:  # one reading decides
         return first, []
     again = {p.pid for p in g.compute_processes_recheck}
@@ -297,12 +303,11 @@ def _xid_problems(facts: GPUFacts, usable: list[GPUInfo], window_s: float
     seen: set[tuple[str, int, Status]] = set()
     counted = old = 0
     for x in facts.xids:
-        if (window_s > 0 and x.at_s is not None and facts.uptime_s is not None
-                and facts.uptime_s - x.at_s > window_s):
+        verdict = xid_verdict(x.code, x.line)
+        if not _xid_counts(x, verdict, facts, window_s):
             old += 1
             continue
         counted += 1
-        verdict = xid_verdict(x.code, x.line)
         key = (x.bus, x.code, verdict[0] if verdict else Status.WARNING)
         if key in seen:
             continue
@@ -313,8 +318,29 @@ def _xid_problems(facts: GPUFacts, usable: list[GPUInfo], window_s: float
             problems.append((Status.WARNING, f"XID {x.code} on {where}"))
         else:
             status, what, action = verdict
-            problems.append((status, f"XID {x.code} on {where}: {what}; {action}"))
+            stale = (status is Status.CRITICAL and window_s > 0 and _outside(x, facts, window_s))
+            since = " (no GPU reset since: reload the driver or reboot)" if stale else ""
+            problems.append((status, f"XID {x.code} on {where}: {what}; {action}{since}"))
     return problems, counted, old
+
+
+def _outside(x: Xid, facts: GPUFacts, window_s: float) -> bool:
+    return (x.at_s is not None and facts.uptime_s is not None
+            and facts.uptime_s - x.at_s > window_s)
+
+
+def _xid_counts(x: Xid, verdict: tuple[Status, str, str] | None, facts: GPUFacts,
+                window_s: float) -> bool:
+    """Whether an XID of the kernel log is judged now.
+
+    An XID bv drains for (CRITICAL) counts until the GPU was reset after it: a driver load
+    logged later (`reset_since`), or a reboot (it is then not in this boot's log). The window
+    does not end it: a GPU that needs a reset still needs one an hour later. Any other XID
+    counts within `gpu.xid_window_s` (0: every one since boot).
+    """
+    if verdict is not None and verdict[0] is Status.CRITICAL:
+        return reset_since(x.at_s, facts.driver_loads) is None
+    return not (window_s > 0 and _outside(x, facts, window_s))
 
 
 def _metrics(gpus: list[GPUInfo], xids: int, facts: GPUFacts,
@@ -369,6 +395,8 @@ def _metrics(gpus: list[GPUInfo], xids: int, facts: GPUFacts,
                 key = f"throttle_{name}_pct_max"
                 m[key] = max(m.get(key, 0.0), shares[name])
     m["processes_count"] = sum(len(_leftovers(g, facts)[0]) for g in gpus)
+    if facts.job_pids:
+        m["job_processes_count"] = len(facts.job_pids)
     return m
 
 
@@ -380,10 +408,9 @@ def _components(gpus: list[GPUInfo], facts: GPUFacts, window_s: float) -> tuple[
     # code alone cannot tell a rule in Prometheus): the reset alert reads this, not a code list.
     critical: dict[str, int] = {}
     for x in facts.xids if facts.xid_source is not None else ():
-        if not (window_s > 0 and x.at_s is not None and facts.uptime_s is not None
-                and facts.uptime_s - x.at_s > window_s):
+        verdict = xid_verdict(x.code, x.line)
+        if _xid_counts(x, verdict, facts, window_s):
             xids.setdefault(x.bus, []).append(x.code)
-            verdict = xid_verdict(x.code, x.line)
             if verdict is not None and verdict[0] is Status.CRITICAL:
                 critical[x.bus] = x.code
     out: list[dict[str, object]] = []
@@ -414,12 +441,37 @@ def _components(gpus: list[GPUInfo], facts: GPUFacts, window_s: float) -> tuple[
             values["xid_count"] = len(codes)
             values["xid_last"] = codes[-1] if codes else 0
             values["xid_critical_last"] = critical.get(g.bus or "", 0)
+            values["xid_fallen_off_bus"] = 1 if 79 in codes else 0
         values["processes_count"] = len(_leftovers(g, facts)[0])
         out.append({"kind": "gpu",
                     "labels": {"gpu": str(g.index), "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
                                "model": g.name},
                     "values": {k: v for k, v in values.items() if v is not None}})
+    # A GPU that fell off the bus logs XID 79 and NVML stops listing it: its XIDs go on a
+    # series of its PCI address alone, or no per-GPU series would carry them to an alert.
+    listed = {g.bus for g in gpus if g.bus}
+    for x in facts.xids if facts.xid_source is not None else ():
+        if x.bus in xids and x.bus not in listed:
+            codes = xids[x.bus]
+            listed.add(x.bus)
+            out.append({"kind": "gpu", "labels": {"pci_bus_id": _nvml_pci(x.pci)},
+                        "values": {"xid_count": len(codes), "xid_last": codes[-1],
+                                   "xid_critical_last": critical.get(x.bus, 0),
+                                   "xid_fallen_off_bus": 1 if 79 in codes else 0}})
     return tuple(out)
+
+
+def _nvml_pci(pci: str) -> str:
+    """The kernel's `0000:5d:00` (an XID line's) in NVML's form `00000000:5D:00.0`, so a GPU's
+    series keep one pci_bus_id before and after it leaves NVML's list; other forms unchanged."""
+    parts = pci.split(":")
+    if len(parts) != 3 or not all(parts):
+        return pci
+    dom, bus, dev = parts
+    try:
+        return f"{int(dom, 16):08X}:{bus.upper()}:{dev.upper()}{'' if '.' in dev else '.0'}"
+    except ValueError:
+        return pci
 
 
 def gpu_timed_out(seconds: float, cls: NodeClass) -> CheckResult:

@@ -260,3 +260,33 @@ def xid_verdict(code: int, line: str) -> tuple[Status, str, str] | None:
 
 
 FATAL_XIDS = frozenset(code for code, kind in XID_TABLE.items() if kind.status is Status.CRITICAL)
+
+
+# -- evidence that a GPU was reset after an XID -------------------------------------------------
+
+# nvidia.ko logs `NVRM: loading NVIDIA UNIX x86_64 Kernel Module  <version> ...` (the open
+# module: `NVRM: loading NVIDIA UNIX Open Kernel Module for x86_64 ...`) each time it loads
+# (kernel-open/nvidia/nv.c): a driver reload re-initialises every GPU of the node.
+_DRIVER_LOAD = re.compile(r"^\s*\[\s*([0-9]+(?:\.[0-9]+)?)\]\s.*NVRM: loading NVIDIA UNIX")
+
+
+def driver_loads(lines: list[str] | tuple[str, ...] | None) -> tuple[float, ...]:
+    """The times since boot of every NVIDIA driver load in dated kernel log lines."""
+    out = []
+    for line in lines or ():
+        m = _DRIVER_LOAD.match(line)
+        if m:
+            out.append(float(m.group(1)))
+    return tuple(sorted(out))
+
+
+def reset_since(at_s: float | None, loads: tuple[float, ...]) -> float | None:
+    """The first driver load after an XID at `at_s` (s since boot): the evidence that its GPU
+    was reset; None when there is none (an undated XID has none: it stays).
+
+    A reboot needs no evidence here: the kernel log is the current boot's, so an XID logged
+    before the boot is not in it.
+    """
+    if at_s is None:
+        return None
+    return next((t for t in loads if t > at_s), None)

@@ -7,6 +7,12 @@ temporary directory. The time of one all_reduce is the mean over `iters` after `
 taken from the slowest rank. algbw = size / time (GB = 1e9 B); busbw = algbw * 2(n-1)/n,
 compared with the class's `min_busbw_gbs` at its `size_bytes`. A single rank has no bus
 bandwidth (the factor is 0): not applicable (OK). Registered as noisy: the runner retries it.
+In a prolog or epilog whose job was given GPUs (`SLURM_JOB_GPUS`), only those GPUs run
+(`CUDA_VISIBLE_DEVICES` with `CUDA_DEVICE_ORDER=PCI_BUS_ID`, so CUDA counts them as NVML and
+Slurm's gres do): another job may hold the others. busbw is comparable across rank counts (the
+2(n-1)/n factor exists for that), so the class's floor applies; such a pass (metric
+`subset_gpus_count`) does not make the node's nccl fresh. Where nccl is not run at all (a
+node with jobs): runner.for_jobs_here.
 Every attempt is recorded in the state dir (`nccl_attempts.json`), every pass too: the prolog
 reruns nccl when its last pass is older than `health.nccl_freshness_h`, and backs off
 exponentially (15 min doubling, capped at 6 h) while attempts do not pass.
@@ -48,6 +54,7 @@ class NCCLFacts:
     iters: int
     time_s: float | None = None  # one all_reduce, slowest rank's mean
     error: str | None = None
+    subset: tuple[int, ...] | None = None  # the job's GPUs when not all of the class's
 
 
 def human_bytes(n: float) -> str:
@@ -65,12 +72,18 @@ def bus_bandwidth(size_bytes: int, time_s: float, ranks: int) -> tuple[float, fl
 
 
 def measure(backend: str, ranks: int, size_bytes: int, iters: int, warmup: int,
-            timeout_s: float = WORKER_TIMEOUT_S) -> NCCLFacts:
-    """Run `ranks` worker processes and collect the slowest rank's time per all_reduce."""
+            timeout_s: float = WORKER_TIMEOUT_S,
+            gpus: tuple[int, ...] | None = None) -> NCCLFacts:
+    """Run `ranks` worker processes and collect the slowest rank's time per all_reduce
+    (`gpus`: only these GPUs, by NVML index, are visible to the workers)."""
     if importlib.util.find_spec("torch") is None:
-        return NCCLFacts(backend, ranks, size_bytes, iters, error="torch is not installed")
+        return NCCLFacts(backend, ranks, size_bytes, iters, error="torch is not installed",
+                         subset=gpus)
     tmp = tempfile.mkdtemp(prefix="bv-nccl-")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if gpus is not None:
+        env.update(CUDA_VISIBLE_DEVICES=",".join(str(g) for g in gpus),
+                   CUDA_DEVICE_ORDER="PCI_BUS_ID")
     procs = []
     try:
         for rank in range(ranks):
@@ -97,8 +110,9 @@ def measure(backend: str, ranks: int, size_bytes: int, iters: int, warmup: int,
                 last = err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}"
                 errors.append(f"rank {rank}: {last}")
         if errors:
-            return NCCLFacts(backend, ranks, size_bytes, iters, error="; ".join(errors[:2]))
-        return NCCLFacts(backend, ranks, size_bytes, iters, time_s=max(times))
+            return NCCLFacts(backend, ranks, size_bytes, iters, error="; ".join(errors[:2]),
+                             subset=gpus)
+        return NCCLFacts(backend, ranks, size_bytes, iters, time_s=max(times), subset=gpus)
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -121,21 +135,35 @@ def probe_nccl(ctx: ProbeContext) -> NCCLFacts:
         # One attempt per run of the check: its retries run in the same child process.
         _ATTEMPT_RECORDED_BY = os.getpid()
         record_nccl_attempt(ctx.state_dir)
+    gpus = job_gpus_subset(ctx)
     if cls.gpus > 0:
-        backend, ranks = "nccl", cls.gpus
+        backend, ranks = "nccl", len(gpus) if gpus is not None else cls.gpus
         if not NVIDIA_CTL.exists():
             return NCCLFacts(backend, ranks, t.size_bytes, t.iters,
-                             error=f"no NVIDIA device ({NVIDIA_CTL} missing)")
+                             error=f"no NVIDIA device ({NVIDIA_CTL} missing)", subset=gpus)
     else:
         backend, ranks = "gloo", t.procs or 2
-    return measure(backend, ranks, t.size_bytes, t.iters, t.warmup)
+    return measure(backend, ranks, t.size_bytes, t.iters, t.warmup, gpus=gpus)
+
+
+def job_gpus_subset(ctx: ProbeContext) -> tuple[int, ...] | None:
+    """The job's GPUs when the prolog/epilog knows them and they are not all of the class's
+    (then nccl runs on them only); None: every GPU of the class."""
+    cls = ctx.node_class
+    if cls.gpus <= 0 or ctx.phase not in ("prolog", "epilog") or not ctx.job_gpus:
+        return None
+    gpus = tuple(g for g in ctx.job_gpus if 0 <= g < cls.gpus)
+    return gpus if gpus and len(gpus) < cls.gpus else None
 
 
 @check("nccl", probe=probe_nccl, noisy=True)
 def evaluate_nccl(facts: NCCLFacts, cls: NodeClass) -> CheckResult:
     """all_reduce bus bandwidth at the class's size against `nccl.min_busbw_gbs`."""
-    where = f"{facts.backend}, {facts.ranks} ranks, {human_bytes(facts.size_bytes)}"
-    base = {"ranks_count": facts.ranks, "size_bytes": facts.size_bytes}
+    on = f", the job's GPUs {','.join(map(str, facts.subset))}" if facts.subset else ""
+    where = f"{facts.backend}, {facts.ranks} ranks{on}, {human_bytes(facts.size_bytes)}"
+    base: dict[str, float] = {"ranks_count": facts.ranks, "size_bytes": facts.size_bytes}
+    if facts.subset:
+        base["subset_gpus_count"] = len(facts.subset)
     if facts.error:
         return CheckResult("nccl", Status.UNKNOWN, f"could not run ({where}): {facts.error}", base)
     if facts.time_s is None or facts.time_s <= 0:
