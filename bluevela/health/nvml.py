@@ -631,18 +631,38 @@ def gather_live(*, include_kmsg: bool = True, recheck_s: float = 0.0,
             pass
 
 
+def _call(nv: Any, where: dict[str, str], key: str, fn: Callable[[], Any]) -> Any:
+    """`fn()`, or None with NVML's error in `where[key]` when NVML refuses (not supported, no
+    permission, a function the driver lacks: `NVMLError_FunctionNotFound`,
+    `NVMLLibraryMismatchError`).
+
+    Only NVML's own errors are a null field. An AttributeError or TypeError is a bug here (a
+    misspelt function, wrong arguments) and goes up: caught, it would be a field that is
+    always null and looks like a GPU that does not answer. Every function and constant this
+    module calls unguarded is in the oldest binding it supports (nvidia-ml-py 12.535.77); the
+    newer ones are looked up with `getattr`/`hasattr` and a fallback
+    (tests/test_health_nvml_errors.py checks both against the installed binding).
+    """
+    try:
+        return fn()
+    except _nvml_errors(nv) as exc:
+        where[key] = str(exc)
+    return None
+
+
+def _nvml_errors(nv: Any) -> tuple[type[Exception], ...]:
+    """NVML's errors: `NVMLError`, and where the binding has it `NVMLLibraryMismatchError`
+    (nvidia-ml-py 13: an unversioned call whose versioned function the driver lacks)."""
+    mismatch = getattr(nv, "NVMLLibraryMismatchError", None)
+    return (nv.NVMLError, mismatch) if mismatch is not None else (nv.NVMLError,)
+
+
 def _gather(nv: Any, include_kmsg: bool, recheck_s: float = 0.0,
             process_gpus: tuple[int, ...] | None = None) -> dict[str, Any]:
     errors: dict[str, str] = {}
 
     def call(where: dict[str, str], key: str, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except nv.NVMLError as exc:
-            where[key] = str(exc)
-        except (AttributeError, TypeError, ValueError) as exc:  # older/newer pynvml
-            where[key] = f"{type(exc).__name__}: {exc}"
-        return None
+        return _call(nv, where, key, fn)
 
     count = call(errors, "device_count", nv.nvmlDeviceGetCount)
     cuda = call(errors, "cuda_driver_version", getattr(
