@@ -268,3 +268,31 @@ def test_line_is_one_bounded_line_of_fields() -> None:
     assert len(line.encode()) <= hooklog.MAX_LINE
     assert hooklog.facility({"BV_SYSLOG_FACILITY": "local3"}) == 19
     assert hooklog.facility({"BV_SYSLOG_FACILITY": "kern"}) == 3  # unknown: daemon
+
+
+@needs_unshare
+@needs_system_py
+def test_epilog_slurmctld_fails_open_and_logs_each_run(tmp_path: Path,
+                                                       syslog: SyslogSocket) -> None:
+    """EpilogSlurmctld: without the package, one line and exit 0 (the timer ingests later);
+    with it, one line saying what was ingested."""
+    from bluevela.archive.sample import sample_report
+    from bluevela.archive.spool import write_report
+
+    real = tmp_path / "real"
+    etc = etc_bluevela(tmp_path, {"BV_ARCHIVE_WAIT_S": "0", "BV_CACHE_DIR": "off",
+                                  "BV_SYSLOG_SOCKET": str(syslog.path)}, real)
+    for phase in ("prolog", "epilog"):
+        write_report(real / "spool", sample_report(51, "n1", phase, nodelist=["n1"],
+                                                   time=time.time()))
+    (etc / "python").write_text(f"{SYSTEM_PY}\n")
+    p = run_shim(SHIMS / "epilog_slurmctld", etc, Path("/"), {"SLURM_JOB_ID": "51"})
+    assert p.returncode == 0, p.stderr
+    lines = syslog.lines()
+    assert len(lines) == 1 and "epilog_slurmctld job=51 action=hook-error" in lines[0], lines
+    assert "No module named 'bluevela'" in lines[0]
+    (etc / "python").write_text(f"{sys.executable}\n")
+    p = run_shim(SHIMS / "epilog_slurmctld", etc, Path("/"), {"SLURM_JOB_ID": "51"})
+    assert p.returncode == 0, p.stderr
+    lines = syslog.lines()
+    assert len(lines) == 1 and "epilog_slurmctld job=51 action=ingested" in lines[0], lines

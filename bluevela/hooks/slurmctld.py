@@ -32,11 +32,16 @@ DEFAULT_WAIT_S = 30.0
 
 def main(environ: MutableMapping[str, str] | None = None) -> int:
     """Ingest the job named by SLURM_JOB_ID; return the exit status."""
+    import time
+
+    from bluevela.hooks import log as hooklog
     from bluevela.hooks.env import load_hook_env
     from bluevela.util.fs import safe_job_id
 
     env = os.environ if environ is None else environ
+    started = time.monotonic()
     logging.basicConfig(level=logging.WARNING, format="bluevela epilog_slurmctld: %(message)s")
+    job_id: int | str | None = env.get("SLURM_JOB_ID")
     try:
         load_hook_env(env)
         job_id = safe_job_id(env.get("SLURM_JOB_ID", ""))
@@ -50,10 +55,17 @@ def main(environ: MutableMapping[str, str] | None = None) -> int:
                      compact=False)
     except (BluevelaError, ValueError) as exc:
         print(f"bluevela epilog_slurmctld: error: {exc}", file=sys.stderr)
+        hooklog.hook_line("epilog_slurmctld", {
+            "job": job_id, "action": "hook-error", "time": f"{time.monotonic() - started:.2f}s",
+            "exit": 1, "detail": str(exc)}, hooklog.ERR, env)
         return 1
     if res.waiting_jobs:
         logger.warning("job %d: %d report(s) wait for the job's other nodes (the timer ingest "
                        "completes it)", job_id, res.waiting_reports)
+    # One syslog line per run, as the node hooks (bluevela.hooks.log).
+    hooklog.hook_line("epilog_slurmctld", {
+        "job": job_id, "action": "waiting" if res.waiting_jobs else "ingested",
+        "time": f"{time.monotonic() - started:.2f}s", "exit": 0}, hooklog.INFO, env)
     return 0
 
 
