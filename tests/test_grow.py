@@ -14,14 +14,16 @@ import pytest
 
 from bluevela.launch.grow import (
     granted_job,
-    parse_fields,
+    helper_name,
     parse_resize,
+    run_cli,
     salloc_argv,
     shape_of,
     support_problem,
 )
 from bluevela.launch.request import SubmitRequest
 from bluevela.launch.supervisor import parse_args
+from bluevela.slurm.cli_client import JOB_FIELDS, job_fields_argv, parse_config, parse_job_fields
 from tests.conftest import DATA
 from tests.supervisor_standins import Job
 
@@ -29,41 +31,93 @@ SLURM = DATA / "slurm"
 
 
 def _jobs() -> dict[str, dict[str, str]]:
-    lines = (SLURM / "show-job-o-22.05.txt").read_text().splitlines()
-    return {f["JobId"]: f for f in map(parse_fields, lines)}
+    text = (SLURM / "squeue-fields-22.05.txt").read_text()
+    return {j: parse_job_fields(text, j) for j in ("10", "11")}
+
+
+def test_squeue_asks_for_the_recorded_fields() -> None:
+    argv = job_fields_argv("10")
+    assert argv[:6] == ["squeue", "-h", "-t", "all", "-j", "10"]
+    assert argv[7] == "\t".join(code for _, code in JOB_FIELDS)  # what the recording used
+    assert JOB_FIELDS[-1][0] == "Features"  # the one the user typed: last, split off last
+
+
+def test_a_hostile_job_name_is_never_read_as_a_field() -> None:
+    """Job 10 is named `lr = 0.1 it's $(id) Partition=evil NodeList=node9 NumNodes=7` (and a
+    comment with more): its scontrol line has those words, squeue's fields do not."""
+    line = (SLURM / "show-job-o-hostile-22.05.txt").read_text().splitlines()[0]
+    assert "Partition=evil NodeList=node9" in line and " = " in line
+    fields = _jobs()["10"]
+    assert fields["Partition"] == "debug" and fields["NodeList"] == "node1"
+    assert fields["NumNodes"] == "1" and fields["OverSubscribe"] == "NO"
+    assert fields["TimeLimit"] == "2-00:00:00" and fields["JobState"] == "RUNNING"
+    shape = shape_of(fields)
+    assert shape.nodes == ["node1"] and shape.partition == "debug" and shape.exclusive
+    assert shape.minutes_left == 2 * 24 * 60  # 4 s in
+    argv = salloc_argv("10", shape, ["node1"], 15)
+    assert "--partition=debug" in argv and not any("evil" in a or "node9" in a for a in argv)
+    # Another job's line, a short one, a line of junk: no fields of job 10.
+    text = (SLURM / "squeue-fields-22.05.txt").read_text()
+    assert parse_job_fields(text, "1") == {} and parse_job_fields("10\tRUNNING\n", "10") == {}
+    assert parse_job_fields(line, "10") == {}
 
 
 def test_shape_of_a_shared_and_an_exclusive_job() -> None:
     jobs = _jobs()
-    shared, exclusive = shape_of(jobs["8"]), shape_of(jobs["7"])
-    # Job 8: `bv submit -N 2 --procs-per-node 1` (OverSubscribe=OK, TimeLimit=UNLIMITED).
+    shared, exclusive = shape_of(jobs["11"]), shape_of(jobs["10"])
+    # Job 11: `sbatch -N2 -c1 --mem=100` (OverSubscribe=OK, TimeLimit=UNLIMITED).
     assert shared.partition == "debug" and not shared.exclusive
     assert shared.minutes_left is None and shared.cpus_per_node == 1
     assert shared.account == "" and shared.constraints == "" and shared.qos == ""
-    # Job 7: `sbatch --exclusive -w node3` (OverSubscribe=NO), 365 days, 6 s in.
-    assert exclusive.exclusive and exclusive.minutes_left == 365 * 24 * 60
+    assert shared.mem_per_node == "100M" and shared.gres == ""
+    assert shared.nodes == ["node2", "node3"]
+    assert exclusive.exclusive and exclusive.mem_per_node == ""
 
 
 def test_salloc_asks_for_one_node_of_the_same_kind_never_a_lost_one() -> None:
-    shape = shape_of(_jobs()["8"])
-    argv = salloc_argv("8", shape, ["node2", "node1", "node2"], 15.7)
+    shape = shape_of(_jobs()["11"])
+    argv = salloc_argv("11", shape, ["node2", "node1", "node2"], 15.7)
     assert argv[:2] == ["salloc", "--no-shell"]
-    assert "--nodes=1" in argv and "--dependency=expand:8" in argv
+    assert "--nodes=1" in argv and "--dependency=expand:11" in argv
     assert "--immediate=15" in argv and "--partition=debug" in argv
     assert "--exclude=node1,node2" in argv and "--exclusive" not in argv
-    assert not any(a.startswith(("--account=", "--time=", "--constraint=")) for a in argv)
-    ex = salloc_argv("7", shape_of(_jobs()["7"]), [], 1)
-    assert "--exclusive" in ex and f"--time={365 * 24 * 60}" in ex
+    assert "--mincpus=1" not in argv and "--mem=100M" in argv
+    assert f"--job-name={helper_name('11')}" in argv and helper_name("11") == "bv-grow-11"
+    # No time limit: neither --time nor --deadline (a deadline needs one).
+    assert not any(a.startswith(("--account=", "--time=", "--constraint=", "--deadline"))
+                   for a in argv)
+    ex = salloc_argv("10", shape_of(_jobs()["10"]), [], 1)
+    assert "--exclusive" in ex and f"--time={2 * 24 * 60}" in ex
+    # Placed for the job's remaining time, removed by slurmctld if not started within the
+    # grow's wait + 60 s (start > deadline - time).
+    assert f"--deadline=now+{2 * 24 * 60 * 60 + 1 + 60}seconds" in ex
     assert not any(a.startswith("--exclude") for a in ex)
-    assert "--nodes=2" in salloc_argv("8", shape, ["node2", "node3"], 15, count=2)
+    assert "--nodes=2" in salloc_argv("11", shape, ["node2", "node3"], 15, count=2)
+
+
+def test_a_timed_out_salloc_still_names_its_pending_job(tmp_path: Path) -> None:
+    """subprocess.run's TimeoutExpired carries bytes even with text=True: what salloc printed
+    before it was killed (the pending job's id) must not be lost (issue 23)."""
+    import sys
+
+    script = tmp_path / "salloc"
+    script.write_text("import sys, time\n"
+                      "sys.stderr.write('salloc: Pending job allocation 4242\\n')\n"
+                      "sys.stderr.flush()\ntime.sleep(30)\n")
+    t0 = time.monotonic()
+    proc = run_cli([sys.executable, str(script)], 1.0)
+    assert time.monotonic() - t0 < 10
+    assert proc.returncode == 124 and isinstance(proc.stderr, str)
+    assert "(timed out)" in proc.stderr
+    assert granted_job(proc.stderr + proc.stdout) == "4242", proc.stderr
 
 
 def test_support_needs_permit_job_expansion() -> None:
     text = (SLURM / "show-config-22.05.txt").read_text()  # the dev cluster sets it
-    assert support_problem(parse_fields(text)) is None
+    assert support_problem(parse_config(text)) is None
     off = text.replace(",permit_job_expansion", "")
     assert off != text
-    why = support_problem(parse_fields(off))
+    why = support_problem(parse_config(off))
     assert why is not None and "cannot grow jobs" in why and "permit_job_expansion" in why
     assert support_problem({}) is not None
 

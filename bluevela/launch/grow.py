@@ -12,6 +12,22 @@ The last command writes ``slurm_job_JOB_resize.sh`` (in its working directory: h
 temporary one) with the ``SLURM_*`` variables the next ``srun`` of the job needs; the
 supervisor merges them into the environment of its next step.
 
+No path leaves a helper job (named ``bv-grow-JOB``) behind (issue 23):
+- every grow ends by cancelling the helper it knows of AND every job of this user with the
+  helper's name (a salloc killed, or a slurmctld answer lost, before the id was printed),
+  retrying while slurmctld does not answer; the salloc's output is kept on a timeout;
+- SIGTERM/SIGINT (the job cancelled, or at its time limit) during a grow stops the Slurm
+  command under way and runs that cleanup before the supervisor goes on (KillWait);
+- what no process of ours can clean up any more (the supervisor SIGKILLed) Slurm ends by
+  itself: a granted helper's time limit is cut to minutes before anything else, and a pending
+  one carries a ``--deadline`` by which it must have started (slurmctld removes it after);
+- a job that runs again (requeued, same id) sweeps what a previous run left
+  (`release_helpers`, from the supervisor).
+
+The job's fields are read with squeue's explicit format (bluevela.slurm.cli_client), never
+from `scontrol show job` text, where a job name such as ``lr = 0.1 Partition=x`` reads as
+fields.
+
 Pure parts (argv, parsers, the support verdict) are unit-tested; `grow()` runs the commands.
 Standard library only: it runs inside the supervisor, which must not import torch or
 pydantic. Talks to Slurm through its CLI with argv lists, never a shell.
@@ -20,13 +36,20 @@ pydantic. Talks to Slurm through its CLI with argv lists, never a shell.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
+
+from bluevela.slurm.cli_client import job_fields_argv, parse_config, parse_job_fields, unreachable
 
 logger = logging.getLogger(__name__)
 
@@ -35,20 +58,37 @@ EXPANSION_PARAM = "permit_job_expansion"
 RESIZE_VAR = re.compile(r'^export (SLURM_[A-Z_]+)="?([^"\n]*)"?\s*$', re.M)
 GRANTED = re.compile(r"Granted job allocation (\d+)")
 PENDING = re.compile(r"Pending job allocation (\d+)")
+HELPER_PREFIX = "bv-grow-"
+# A granted helper's time limit right after the grant: what it holds if every process of ours
+# is killed before it gave its node to the job (the merge itself takes well under a second).
+HELPER_HOLD_MIN = 2
+# How long the cleanup keeps trying while slurmctld does not answer (at least; a grow's own
+# deadline when longer), and its first pause (doubled up to 8 s).
+RELEASE_S = 60.0
+RELEASE_PAUSE_S = 0.5
+# Live states of a helper worth cancelling (squeue -t).
+LIVE_STATES = "PENDING,CONFIGURING,RUNNING,SUSPENDED,REQUEUED,RESIZING"
 
 Runner = Callable[[Sequence[str], float, str | None], "subprocess.CompletedProcess[str]"]
 
 
+def _text(data: str | bytes | None) -> str:
+    if data is None:
+        return ""
+    return data.decode(errors="replace") if isinstance(data, bytes) else data
+
+
 def run_cli(argv: Sequence[str], timeout: float,
             cwd: str | None = None) -> subprocess.CompletedProcess[str]:
-    """Run one Slurm command (argv list, no shell); a timeout reads as exit 124."""
+    """Run one Slurm command (argv list, no shell); a timeout reads as exit 124, with what the
+    command had printed (TimeoutExpired carries bytes even with text=True: salloc's "Pending
+    job allocation N" is in there)."""
     try:
         return subprocess.run(list(argv), capture_output=True, text=True, check=False,
                               timeout=max(1.0, timeout), cwd=cwd, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
-        out = exc.stdout if isinstance(exc.stdout, str) else ""
-        err = exc.stderr if isinstance(exc.stderr, str) else ""
-        return subprocess.CompletedProcess(list(argv), 124, out, err + " (timed out)")
+        return subprocess.CompletedProcess(list(argv), 124, _text(exc.stdout),
+                                           _text(exc.stderr) + " (timed out)")
     except OSError as exc:
         return subprocess.CompletedProcess(list(argv), 127, "", str(exc))
 
@@ -57,24 +97,12 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())[:300]
 
 
+def helper_name(job: str) -> str:
+    return f"{HELPER_PREFIX}{job}"
+
+
 # --------------------------------------------------------------------------------------------
 # Pure pieces
-
-
-def parse_fields(text: str) -> dict[str, str]:
-    """`scontrol show job -o` / `scontrol show config` text as KEY -> value. Values may hold
-    spaces only in config output (``KEY = value``); job output is ``Key=value`` words."""
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        if " = " in line:
-            key, _, value = line.partition(" = ")
-            out[key.strip()] = value.strip()
-            continue
-        for word in line.split():
-            key, sep, value = word.partition("=")
-            if sep and key not in out:
-                out[key] = value
-    return out
 
 
 def support_problem(config: dict[str, str]) -> str | None:
@@ -115,6 +143,8 @@ class JobShape:
 
 
 def shape_of(fields: dict[str, str]) -> JobShape:
+    """The shape from a job's fields (`parse_job_fields`: squeue's, named as scontrol names
+    them)."""
     def val(key: str) -> str:
         v = fields.get(key, "")
         return "" if v in ("(null)", "(null)=", "N/A") else v
@@ -123,14 +153,15 @@ def shape_of(fields: dict[str, str]) -> JobShape:
     run = _minutes(val("RunTime")) or 0
     left = None if limit is None else max(1, limit - run)
     # OverSubscribe=NO is what --exclusive gives; anything else: the job shares nodes.
-    exclusive = val("OverSubscribe") in ("NO", "") or val("Exclusive") not in ("", "0")
+    exclusive = val("OverSubscribe") in ("NO", "")
     cpus, nodes = val("NumCPUs"), val("NumNodes")
     per_node = int(cpus) // int(nodes) if cpus.isdigit() and nodes.isdigit() and int(nodes) else 0
     mem = val("MinMemoryNode")
     return JobShape(partition=val("Partition"), account=val("Account"), qos=val("QOS"),
                     constraints=val("Features"), gres=val("TresPerNode"), exclusive=exclusive,
                     minutes_left=left, cpus_per_node=per_node,
-                    mem_per_node="" if mem in ("", "0") else mem)
+                    mem_per_node="" if mem in ("", "0") else mem,
+                    nodes=_expand_nodes(val("NodeList")))
 
 
 def salloc_argv(job: str, shape: JobShape, exclude: Sequence[str], deadline_s: float,
@@ -140,7 +171,7 @@ def salloc_argv(job: str, shape: JobShape, exclude: Sequence[str], deadline_s: f
     allocated by Slurm. --immediate bounds the wait: salloc gives up (and withdraws the
     request) when no node is free by then."""
     argv = ["salloc", "--no-shell", f"--nodes={max(1, count)}", f"--dependency=expand:{job}",
-            f"--immediate={max(1, int(deadline_s))}", f"--job-name=bv-grow-{job}"]
+            f"--immediate={max(1, int(deadline_s))}", f"--job-name={helper_name(job)}"]
     if shape.exclusive:
         argv.append("--exclusive")
     elif shape.cpus_per_node > 1:
@@ -158,7 +189,14 @@ def salloc_argv(job: str, shape: JobShape, exclude: Sequence[str], deadline_s: f
     if shape.gres:
         argv.append(f"--gres={shape.gres.removeprefix('gres:').replace('gres:', '')}")
     if shape.minutes_left is not None:
+        # Placed as for the job's whole remaining time (never on a node that a reservation
+        # or a planned job needs sooner); and a request that cannot start within the grow's
+        # wait (+60 s) is removed by slurmctld itself, even when no process of ours is left
+        # to cancel it (its `expand:` job ended: it would pend for ever, and run if the job
+        # is requeued under the same id).
         argv.append(f"--time={shape.minutes_left}")
+        bound = shape.minutes_left * 60 + max(1, int(deadline_s)) + 60
+        argv.append(f"--deadline=now+{bound}seconds")
     if exclude:
         argv.append(f"--exclude={','.join(sorted(set(exclude)))}")
     return argv
@@ -185,6 +223,7 @@ class GrowResult:
     env: dict[str, str]  # SLURM_* for the next srun (from the resize script)
     seconds: float
     why: str = ""  # the reason when `added` is empty
+    left: list[str] = field(default_factory=list)  # helper jobs not confirmed gone
 
     @property
     def ok(self) -> bool:
@@ -197,20 +236,122 @@ def _expand_nodes(nodelist: str) -> list[str]:
     return list(hostlist.expand_hostlist(nodelist)) if nodelist and nodelist != "(null)" else []
 
 
+class _Ending(Exception):
+    """SIGTERM or SIGINT reached the supervisor during a grow (the job cancelled, or at its
+    time limit): stop the grow where it is and clean up."""
+
+
+@dataclass
+class _Guard:
+    armed: bool = True
+    got: list[int] = field(default_factory=list)
+
+
+@contextmanager
+def _stop_on_signal() -> Iterator[_Guard]:
+    """While armed, the first SIGTERM/SIGINT raises _Ending wherever the grow is (a Slurm
+    command under way is killed by subprocess.run on the way out). The handler that was there
+    still runs, and a wakeup fd (the supervisor's) still gets the signal, so the supervisor
+    sees it after the grow. Main thread only (signal handlers); elsewhere nothing changes."""
+    guard = _Guard()
+    if threading.current_thread() is not threading.main_thread():
+        guard.armed = False
+        yield guard
+        return
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    old = {s: signal.getsignal(s) for s in sigs}
+
+    def handler(sig: int, frame: FrameType | None) -> None:
+        prev = old.get(signal.Signals(sig))
+        if callable(prev):
+            prev(sig, frame)
+        guard.got.append(sig)
+        if guard.armed:
+            guard.armed = False
+            raise _Ending(signal.Signals(sig).name)
+
+    for s in sigs:
+        signal.signal(s, handler)
+    try:
+        yield guard
+    finally:
+        guard.armed = False
+        for s in sigs:
+            signal.signal(s, old[s])
+
+
+def _transient(proc: subprocess.CompletedProcess[str]) -> bool:
+    return proc.returncode == 124 or unreachable(proc.stderr + proc.stdout)
+
+
+def release_helpers(job: str, known: Sequence[str] = (), until: float | None = None,
+                    run: Runner = run_cli) -> list[str]:
+    """Cancel the grow helper jobs of `job`: the ids in `known` and every live job of this
+    user named ``bv-grow-JOB`` (`job` itself never), then check with squeue that none is
+    left. Retries, pausing 0.5 s doubling to 8 s, while slurmctld does not answer, until
+    `until` (monotonic; default RELEASE_S from now). Returns what may still be left: [] when
+    squeue confirmed none, else the ids (or the name, when squeue never answered)."""
+    until = time.monotonic() + RELEASE_S if until is None else until
+    cancel = [j for j in dict.fromkeys(known) if j and j != job]
+    left: list[str] = [*cancel] or [helper_name(job)]
+    pause = RELEASE_PAUSE_S
+    while True:
+        budget = max(1.0, min(30.0, until - time.monotonic()))
+        answered = True
+        if cancel:
+            proc = run(["scancel", *cancel], budget, None)
+            # 0, or "already completing/invalid job id": squeue below says what is left.
+            answered = not _transient(proc)
+        if answered:
+            proc = run(["squeue", "-h", "-u", str(os.getuid()), "-n", helper_name(job), "-t",
+                        LIVE_STATES, "-o", "%i"], budget, None)
+            if proc.returncode == 0:
+                left = [j for j in proc.stdout.split() if j.isdigit() and j != job]
+                if not left:
+                    return []
+                cancel = left
+        if time.monotonic() + pause > until:
+            logger.warning("grow helper(s) of job %s may be left: %s", job, ",".join(left))
+            return left
+        time.sleep(pause)
+        pause = min(pause * 2, 8.0)
+
+
 def grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
          run: Runner = run_cli, count: int = 1) -> GrowResult:
     """Let go of `lost`, then add `count` node(s) to `job`; `keep` are the nodes it keeps.
 
-    Never raises for Slurm's answers: a failed step returns a GrowResult with `why`."""
+    Never raises for Slurm's answers: a failed step returns a GrowResult with `why`. Every
+    path ends with `release_helpers`: no helper job is left behind that squeue can see."""
+    start = time.monotonic()
+    helpers: list[str] = []
     # Slurm writes slurm_job_<id>_resize.{sh,csh} into the working directory of the
     # `scontrol update` that resizes: a private directory, not the job's.
-    with tempfile.TemporaryDirectory(prefix="bv-grow-") as tmp:
-        return _grow(job, keep, lost, deadline_s, run, tmp, count)
+    with tempfile.TemporaryDirectory(prefix="bv-grow-") as tmp, _stop_on_signal() as guard:
+        try:
+            try:
+                res = _grow(job, keep, lost, deadline_s, run, tmp, count, helpers, start)
+            finally:
+                guard.armed = False
+        except _Ending as exc:
+            res = GrowResult([], {}, time.monotonic() - start,
+                             f"the job is ending ({exc}): grow stopped")
+        left = release_helpers(job, helpers, max(start + deadline_s,
+                                                 time.monotonic() + RELEASE_S), run)
+    res.left = left
+    if left and not res.ok:
+        res.why += f"; helper job(s) {','.join(left)} may be left (slurmctld did not answer)"
+    return res
+
+
+def _fields(run: Runner, job: str) -> tuple[dict[str, str], str]:
+    proc = run(job_fields_argv(job), 30, None)
+    fields = parse_job_fields(proc.stdout, job) if proc.returncode == 0 else {}
+    return fields, _one_line(proc.stderr) or "no such job"
 
 
 def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
-          run: Runner, tmp: str, count: int) -> GrowResult:
-    start = time.monotonic()
+          run: Runner, tmp: str, count: int, helpers: list[str], start: float) -> GrowResult:
 
     def fail(why: str) -> GrowResult:
         return GrowResult([], {}, time.monotonic() - start, why)
@@ -218,13 +359,15 @@ def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
     cfg = run(["scontrol", "show", "config"], 30, None)
     if cfg.returncode != 0:
         return fail(f"scontrol show config: {_one_line(cfg.stderr)}")
-    problem = support_problem(parse_fields(cfg.stdout))
+    problem = support_problem(parse_config(cfg.stdout))
     if problem is not None:
         return fail(problem)
-    show = run(["scontrol", "show", "job", "-o", job], 30, None)
-    if show.returncode != 0:
-        return fail(f"scontrol show job {job}: {_one_line(show.stderr)}")
-    shape = shape_of(parse_fields(show.stdout))
+    fields, err = _fields(run, job)
+    if not fields:
+        return fail(f"squeue -j {job}: {err}")
+    if fields.get("JobState") != "RUNNING":
+        return fail(f"job {job} is {fields.get('JobState')}, not RUNNING")
+    shape = shape_of(fields)
     if lost and keep:
         # The dead node out first: the job stays COMPLETING on it otherwise (SlurmdTimeout).
         upd = _retry(run, ["scontrol", "update", f"JobId={job}", f"NodeList={','.join(keep)}"],
@@ -235,26 +378,32 @@ def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
     if left < 1:
         return fail(f"no time left of the {deadline_s:g} s deadline")
     alloc = run(salloc_argv(job, shape, [*lost, *keep], left, count), left + 15, None)
-    new = granted_job(alloc.stderr + alloc.stdout)
-    if alloc.returncode != 0 or new is None or "Granted" not in alloc.stderr + alloc.stdout:
-        if new is not None:
-            run(["scancel", new], 30, None)  # a pending request left behind
+    said = alloc.stderr + alloc.stdout
+    new = granted_job(said)
+    if new is not None:
+        helpers.append(new)  # granted or pending: cancelled by grow() whatever happens next
+    if alloc.returncode != 0 or new is None or "Granted" not in said:
         text = _one_line(alloc.stderr or alloc.stdout) or f"exit {alloc.returncode}"
         return fail(f"no node granted in {deadline_s:g} s ({text})")
-    try:
-        info = parse_fields(run(["scontrol", "show", "job", "-o", new], 30, None).stdout)
-        added = _expand_nodes(info.get("NodeList", ""))
-        bye = _retry(run, ["scontrol", "update", f"JobId={new}", "NumNodes=0"],
-                     time.monotonic() + 30, cwd=tmp)
-        if bye.returncode != 0:
-            return fail(f"scontrol update JobId={new} NumNodes=0: {_one_line(bye.stderr)}")
-    finally:
-        run(["scancel", new], 30, None)
+    # Should every process of ours die from here on, the helper holds its node minutes, not
+    # the job's remaining time (users may shorten their own jobs; the merge is unaffected).
+    cut = run(["scontrol", "update", f"JobId={new}", f"TimeLimit={HELPER_HOLD_MIN}"], 30, tmp)
+    if cut.returncode != 0:
+        logger.warning("could not shorten grow helper %s: %s", new, _one_line(cut.stderr))
+    info, _ = _fields(run, new)
+    added = _expand_nodes(info.get("NodeList", ""))
+    bye = _retry(run, ["scontrol", "update", f"JobId={new}", "NumNodes=0"],
+                 time.monotonic() + 30, cwd=tmp)
+    if bye.returncode != 0:
+        return fail(f"scontrol update JobId={new} NumNodes=0: {_one_line(bye.stderr)}")
+    gone = run(["scancel", new], 30, None)
+    if not _transient(gone):  # 0, or already ended by NumNodes=0 (22.05)
+        helpers.remove(new)
     # On 22.05 `NumNodes=0` on the helper job already moves its node to JOB ("killing JobId=NEW
     # and moving all resources to JobId=JOB"); `NumNodes=ALL` on JOB is then only needed where
     # that did not happen, and without accounting it is refused for good ("the DB index is
     # being set"), each try costing slurmctld's 5 s wait.
-    fields = parse_fields(run(["scontrol", "show", "job", "-o", job], 30, None).stdout)
+    fields, _ = _fields(run, job)
     now = _expand_nodes(fields.get("NodeList", ""))
     env: dict[str, str] = {}
     if not added or not set(added) <= set(now):
@@ -268,7 +417,7 @@ def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
             env = parse_resize(resize.read_text())
         except OSError:
             env = {}
-        fields = parse_fields(run(["scontrol", "show", "job", "-o", job], 30, None).stdout)
+        fields, _ = _fields(run, job)
         now = _expand_nodes(fields.get("NodeList", ""))
     added = [n for n in now if n not in keep]
     if not added:
@@ -291,7 +440,6 @@ def _retry(run: Runner, argv: Sequence[str], until: float,
             return proc
         time.sleep(0.5)
 
-
 def readiness(deadline_s: float, run: Runner = run_cli) -> str | None:
     """For `bv site validate`: a one-line note when the site asks for growth
     (launch.grow_deadline_s > 0) that this Slurm cannot give, or None when all is well."""
@@ -301,7 +449,7 @@ def readiness(deadline_s: float, run: Runner = run_cli) -> str | None:
     if cfg.returncode != 0:
         return (f"launch.grow_deadline_s is {deadline_s:g} s, but whether Slurm can grow jobs "
                 f"is unknown (scontrol show config: {_one_line(cfg.stderr) or 'failed'})")
-    fields = parse_fields(cfg.stdout)
+    fields = parse_config(cfg.stdout)
     problem = support_problem(fields)
     if problem is None:
         return None

@@ -432,3 +432,52 @@ def _long_state(t: str) -> str:
     if t in table:
         return table[t]
     return t.upper()
+
+
+# -- one job's allocation, field by field (for growing it: bluevela/launch/grow.py) ----------
+# `scontrol show job -o` prints a job's name, comment, working directory, command and output
+# paths as the user gave them, spaces, `=` and field names included: a job named
+# `lr = 0.1 Partition=x NodeList=y` reads there as fields it is not, and 22.05 has no
+# `scontrol --json`. squeue prints exactly the fields asked for, in the order asked, one job per
+# line. None of these holds user text (Slurm's own names of partitions, accounts, QOS, nodes,
+# numbers and words); the one the user typed, the constraint (which Slurm checked against the
+# nodes' features), is last and split off last, so even a tab in it cannot shift another field.
+# The keys are `scontrol show job`'s names for the same fields.
+JOB_FIELDS: tuple[tuple[str, str], ...] = (
+    ("JobId", "%i"), ("JobState", "%T"), ("Partition", "%P"), ("Account", "%a"),
+    ("QOS", "%q"), ("TresPerNode", "%b"), ("NumCPUs", "%C"), ("NumNodes", "%D"),
+    ("TimeLimit", "%l"), ("RunTime", "%M"), ("OverSubscribe", "%h"),
+    ("MinMemoryNode", "%m"), ("NodeList", "%N"), ("Features", "%f"),
+)
+_JOB_SEP = "\t"
+
+
+def job_fields_argv(job: str) -> list[str]:
+    """`squeue` for one job's JOB_FIELDS (any state squeue still knows)."""
+    fmt = _JOB_SEP.join(code for _, code in JOB_FIELDS)
+    return ["squeue", "-h", "-t", "all", "-j", job, "-o", fmt]
+
+
+def parse_job_fields(text: str, job: str) -> dict[str, str]:
+    """The output of `job_fields_argv(job)` as field name -> value; {} when squeue printed
+    no line for that job (it ended and was purged) or a line that is not one."""
+    for line in text.splitlines():
+        parts = line.split(_JOB_SEP, len(JOB_FIELDS) - 1)
+        if len(parts) == len(JOB_FIELDS) and parts[0] == job:
+            return {name: value.strip() for (name, _), value in zip(JOB_FIELDS, parts, strict=True)}
+    return {}
+
+
+def parse_config(text: str) -> dict[str, str]:
+    """`scontrol show config` (``Key = value`` lines: an admin's file, no user text)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(" = ")
+        if sep and key.strip():
+            out[key.strip()] = value.strip()
+    return out
+
+
+def unreachable(text: str) -> bool:
+    """Slurm's words for a controller that did not answer (worth a retry), or a busy one."""
+    return bool(_UNREACHABLE.search(text) or _BUSY.search(text))
