@@ -60,8 +60,8 @@ def test_a_forged_record_is_held_to_the_allocation_in_the_ledger_and_the_fleet_r
     ingest(spool, archive, timeout_s=0.0, prolog_only_timeout_s=0.0, now=T + 4000)
 
     led = G.job_goodput(archive, 9, gpus_per_node=8)
-    slack = G.CLOCK_SLACK_S
     assert led.nodes == 2  # Slurm's count, not 10^6
+    slack = G.CLOCK_SLACK_S
     # What the job held: first prolog - slack .. last epilog + slack; the claimed queue wait
     # is at most MAX_QUEUE_S before it.
     assert led.start >= T + 11 - slack - G.MAX_QUEUE_S and led.end <= T + 81 + slack
