@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 LIST_KEYS = frozenset({"PrologFlags", "SchedulerParameters", "HealthCheckNodeState"})
 # Keys whose value is a number of seconds bv needs at least (the site may keep a larger one).
 AT_LEAST_KEYS = frozenset({"PrologEpilogTimeout"})
+# Keys bv needs set (non-zero) whatever the value: the site's choice (hooks.conf says why).
+ANY_VALUE_KEYS = frozenset({"HealthCheckInterval"})
 # slurmd kills a HealthCheckProgram after this long (hard-coded in slurmd).
 HEALTHCHECK_KILL_S = 60.0
 NFS_TYPES = frozenset({"nfs", "nfs4"})
@@ -141,7 +143,7 @@ def merged_lines(wanted: Sequence[tuple[str, str]],
 
     Flag keys (PrologFlags, SchedulerParameters, HealthCheckNodeState) keep the site's own
     flags and add bv's; PrologEpilogTimeout keeps a larger running value; other keys are bv's
-    value. Without a config every line is bv's own, and none is known to be in place."""
+    value (HealthCheckInterval: any non-zero one). Without a config every line is bv's own, and none is known to be in place."""
     out: list[tuple[str, bool]] = []
     for key, value in wanted:
         running = None if config is None else config.get(key)
@@ -153,6 +155,8 @@ def merged_lines(wanted: Sequence[tuple[str, str]],
             names = {f.split("=", 1)[0].lower() for f in have}
             add = [f for f in _flags(value) if f.split("=", 1)[0].lower() not in names]
             out.append((f"{key}={','.join(have + add)}", not add))
+        elif key in ANY_VALUE_KEYS and _seconds(running):
+            out.append((f"{key}={running.split(' ', 1)[0]}", True))
         elif key in AT_LEAST_KEYS:
             now, need = _seconds(running), _seconds(value)
             if now is not None and need is not None and (now >= need or now == 0):
@@ -335,6 +339,13 @@ def _budget_findings(site: Site, config: Mapping[str, str] | None) -> list[Findi
     return list(budget.findings(site, timeout))  # pragma: no cover - filled by budget
 
 
+def _first_line(text: str) -> str:
+    for line in text.splitlines():
+        if line.strip():
+            return " ".join(line.split())[:200]
+    return ""
+
+
 def gather(site: Site, *, hooks_conf: str | None = None, run: Runner = _run,
            mountinfo: str | None = None) -> SiteFacts:
     """Read every fact the checks need, once. Slurm unreachable is a fact, not an error."""
@@ -365,8 +376,8 @@ def gather(site: Site, *, hooks_conf: str | None = None, run: Runner = _run,
                  for role in ("spool", "archive"))
     return SiteFacts(
         node_classes=classes, sinfo_nodes=nodes,
-        sinfo_error=" ".join(sinfo.stderr.split())[:200],
-        config=config, config_error=" ".join(cfg.stderr.split())[:200],
+        sinfo_error=_first_line(sinfo.stderr),
+        config=config, config_error=_first_line(cfg.stderr),
         wanted=tuple(parse_hooks_conf(hooks_conf)), dirs=dirs, slurm_user_uid=slurm_uid,
         budget=tuple(_budget_findings(site, config)),
     )
@@ -382,6 +393,12 @@ class Validation:
     @property
     def status(self) -> Status:
         return worst(f.status for f in self.findings)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"status": self.status.name,
+                "findings": [{"status": f.status.name, "check": f.check, "message": f.message}
+                             for f in self.findings],
+                "slurm_conf": [{"line": line, "in_place": ok} for line, ok in self.slurm_lines]}
 
 
 def evaluate(facts: SiteFacts, *, drain_timeout_s: float = 5.0) -> Validation:

@@ -1,0 +1,178 @@
+"""`bv site validate --cluster` (issue 24 §2): the checks of bluevela.site_checks on recorded
+Slurm output (tests/data/slurm/show-config-22.05.txt: `scontrol show config` of the dev
+cluster, Slurm 22.05.8), real directories (owner, mode, mount from /proc/self/mountinfo) and
+the shipped slurm/hooks.conf. The same command against the live dev cluster is in
+tests/test_site_validate_cluster.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bluevela.health.result import Status
+from bluevela.site import load_site
+from bluevela.site_checks import (
+    DirFacts,
+    Mount,
+    SiteFacts,
+    check_directory,
+    check_node_classes,
+    dir_facts,
+    evaluate,
+    merged_lines,
+    mount_of,
+    parse_config,
+    parse_hooks_conf,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = parse_config((REPO / "tests/data/slurm/show-config-22.05.txt").read_text())
+HOOKS = parse_hooks_conf((REPO / "slurm/hooks.conf").read_text())
+# Two lines of a real /proc/self/mountinfo (a Debian 12 NFS client), fields as the kernel
+# writes them: the spool's mount is the longest mount point that prefixes the path.
+MOUNTINFO = (
+    "29 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw,errors=remount-ro\n"
+    "112 29 0:52 / /var/spool/bluevela rw,relatime shared:60 - nfs4 "
+    "fs1:/export/bvspool rw,vers=4.2,rsize=1048576,wsize=1048576,sec=sys\n"
+)
+
+
+def test_hooks_conf_ships_only_additions_each_explained() -> None:
+    text = (REPO / "slurm/hooks.conf").read_text()
+    keys = [k for k, _ in HOOKS]
+    assert keys == ["PrologFlags", "Prolog", "Epilog", "PrologEpilogTimeout",
+                    "SchedulerParameters", "HealthCheckProgram", "HealthCheckInterval",
+                    "HealthCheckNodeState"]
+    for gone in ("JobRequeue", "ReturnToService", "MessageTimeout"):
+        assert f"\n{gone}=" not in text
+    # Every setting sits under a comment that explains it; the flag lines say "ADD".
+    for block in text.split("\n\n"):
+        settings = [ln for ln in block.splitlines() if ln and not ln.startswith("#")]
+        if settings:
+            assert block.startswith("#") and len(block.splitlines()) > len(settings), block
+    for key in ("PrologFlags", "SchedulerParameters", "HealthCheckNodeState"):
+        block = text[:text.index(f"\n{key}=")].rsplit("\n\n", 1)[-1]
+        assert "ADD" in block and "existing" in block, key
+
+
+def test_merged_lines_keep_the_sites_own_flags() -> None:
+    site_conf = {**CONFIG, "PrologFlags": "Contain,X11",
+                 "SchedulerParameters": "bf_continue,bf_window=4320",
+                 "HealthCheckNodeState": "ANY", "PrologEpilogTimeout": "600",
+                 "HealthCheckInterval": "300 sec"}
+    got = dict(merged_lines(HOOKS, site_conf))
+    assert got["PrologFlags=Contain,X11,Alloc"] is False
+    assert got["SchedulerParameters=bf_continue,bf_window=4320,nohold_on_prolog_fail"] is False
+    assert got["HealthCheckNodeState=ANY,IDLE,CYCLE"] is False
+    assert got["PrologEpilogTimeout=600"] is True  # a larger timeout of the site's is kept
+    assert got["HealthCheckInterval=300"] is True  # the interval is the site's choice
+    # The dev cluster's recorded config already has the flags bv needs.
+    dev = dict(merged_lines(HOOKS, CONFIG))
+    assert dev["PrologFlags=Alloc"] is True
+    assert dev["SchedulerParameters=nohold_on_prolog_fail,sched_interval=5,bf_interval=5,"
+               "permit_job_expansion"] is True
+    assert dev["Prolog=/opt/bluevela/prolog_epilog/prolog"] is False  # a checkout's path there
+    # Too short a timeout is raised to bv's; no config: bv's lines, none known in place.
+    assert ("PrologEpilogTimeout=300", False) in merged_lines(HOOKS, {"PrologEpilogTimeout": "60"})
+    assert all(not ok for _, ok in merged_lines(HOOKS, None))
+
+
+def test_every_node_in_sinfo_needs_a_class() -> None:
+    site = load_site(REPO / "site.yaml")
+    classes = {n: nc.hostnames for n, nc in site.node_classes.items()}
+    ok = check_node_classes(SiteFacts(classes, ("node1", "node2", "gpu017")))
+    assert [f.status for f in ok] == [Status.OK]
+    bad = check_node_classes(SiteFacts(classes, ("node1", "login1", "weird9")))
+    assert bad[0].status is Status.CRITICAL
+    assert "2 of 3 nodes" in bad[0].message and "login1, weird9" in bad[0].message
+    unknown = check_node_classes(SiteFacts(classes, None, sinfo_error="sinfo: error: x"))
+    assert unknown[0].status is Status.WARNING and "sinfo: error: x" in unknown[0].message
+
+
+def test_spool_and_archive_owner_mode_and_mount(tmp_path: Path) -> None:
+    good = tmp_path / "spool"
+    good.mkdir(mode=0o755)
+    good.chmod(0o755)
+    facts = dir_facts("spool", good, Path("/proc/self/mountinfo").read_text())
+    assert facts.uid == os.geteuid() and facts.mount is not None
+    found = check_directory(facts, slurm_user_uid=os.geteuid())
+    assert [f.status for f in found] == [Status.OK], found
+    if os.geteuid() == 0:
+        assert facts.root_write_uid == 0  # root's test file was root's: no squash here
+        assert not list(good.iterdir())  # and it is gone
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o1777)
+    found = check_directory(dir_facts("archive", loose, ""), slurm_user_uid=os.geteuid())
+    assert [f.status for f in found] == [Status.CRITICAL]
+    assert "group/other-writable (mode 1777)" in found[0].message
+    if os.geteuid() == 0:
+        other = tmp_path / "nobody"
+        other.mkdir(mode=0o755)
+        os.chown(other, 65534, 65534)
+        found = check_directory(dir_facts("spool", other, ""), slurm_user_uid=64030)
+        assert found[0].status is Status.CRITICAL and "owned by uid 65534" in found[0].message
+    link = tmp_path / "link"
+    link.symlink_to(good)
+    assert "is a symlink" in check_directory(dir_facts("spool", link, ""), os.geteuid())[0].message
+    missing = check_directory(dir_facts("spool", tmp_path / "none", ""))
+    assert missing[0].status is Status.WARNING and "does not exist" in missing[0].message
+
+
+def test_nfs_spool_root_squash() -> None:
+    mount = mount_of("/var/spool/bluevela/done", MOUNTINFO)
+    assert mount == Mount("/var/spool/bluevela", "nfs4", "fs1:/export/bvspool",
+                          "rw,vers=4.2,rsize=1048576,wsize=1048576,sec=sys")
+    assert mount_of("/var/spool/bluevelaX", MOUNTINFO) == Mount(
+        "/", "ext4", "/dev/nvme0n1p2", "rw,errors=remount-ro")
+    base = DirFacts("spool", "/var/spool/bluevela", True, uid=0, mode=0o40755, mount=mount)
+    warn = check_directory(base)
+    assert [f.status for f in warn] == [Status.WARNING]
+    assert "no_root_squash" in warn[0].message and "fs1:/export/bvspool" in warn[0].message
+    squashed = DirFacts("spool", "/var/spool/bluevela", True, uid=0, mode=0o40755, mount=mount,
+                        root_write_uid=65534)
+    crit = check_directory(squashed)
+    assert crit[0].status is Status.CRITICAL and "belongs to uid 65534" in crit[0].message
+
+
+def test_evaluate_is_the_worst_and_drain_timeout_against_message_timeout() -> None:
+    site = load_site(REPO / "site.yaml")
+    classes = {n: nc.hostnames for n, nc in site.node_classes.items()}
+    facts = SiteFacts(classes, ("node1",), config={**CONFIG, "MessageTimeout": "4 sec"},
+                      wanted=tuple(HOOKS))
+    result = evaluate(facts, drain_timeout_s=5.0)
+    timeouts = [f for f in result.findings if f.check == "timeouts"]
+    assert timeouts and "not below Slurm's MessageTimeout (4 s)" in timeouts[0].message
+    assert result.status is Status.WARNING
+    data = result.to_dict()
+    assert data["status"] == "WARNING" and {"line": "PrologFlags=Alloc", "in_place": True} in \
+        data["slurm_conf"]
+
+
+def test_cli_without_slurm_is_warnings_not_a_traceback(tmp_path: Path) -> None:
+    """No Slurm reachable (an empty PATH for sinfo/scontrol): every cluster check says it could
+    not run (WARNING, exit 1), the slurm.conf lines are still printed."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    env = {**os.environ, "PATH": str(bin_dir), "BV_CACHE_DIR": "off"}
+    env.pop("SLURM_CONF", None)
+    p = subprocess.run([sys.executable, "-m", "bluevela", "site", "validate", "--cluster",
+                        str(REPO / "site.yaml")], capture_output=True, text=True, timeout=60,
+                       env=env, cwd=tmp_path)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr
+    assert "WARNING: node classes: sinfo did not answer" in p.stdout
+    assert "  HealthCheckNodeState=IDLE,CYCLE    # to merge" in p.stdout
+
+
+@pytest.mark.parametrize("bad", ["x", "/definitely/not/here"])
+def test_cli_bad_site_path_is_one_line(bad: str, tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "bluevela", "site", "validate", "--cluster", bad],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
