@@ -8,8 +8,10 @@ Used by the gpu check (a running job's process on a GPU is not a leftover) and b
   `.interactive`; a heterogeneous component `<job>+<n>.<step>`), which Slurm 20.11 to 24.11
   all do. A slurmstepd survives a slurmd restart, so this is right exactly when the
   healthcheck runs at slurmd start. Nodes of the dev cluster share one pid namespace: a
-  slurmstepd in another UTS namespace (`/proc/<pid>/ns/uts`) is another node's and is skipped
-  (on a real node every process shares the one UTS namespace, so nothing is skipped).
+  slurmstepd in another network namespace (`/proc/<pid>/ns/net`) is another node's and is
+  skipped (on a real node slurmd, its slurmstepds and its hooks share the host's, so nothing
+  is skipped; the UTS namespace would not do: a restarted dev slurmd gets a new one while its
+  jobs' slurmstepds keep the old).
 - **A process's job**: the first of (1) its ancestry (`stat` parents) up to a slurmstepd,
   (2) its cgroup path naming `job_<id>` (proctrack/cgroup: v1 `/slurm/uid_<u>/job_<id>/...`,
   v2 `/system.slice/slurmstepd.scope/job_<id>/...`), (3) `SLURM_JOB_ID` in its environment.
@@ -77,9 +79,9 @@ def stepd_job(proc: Path, pid: int) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _uts(proc: Path, pid: int | str) -> str | None:
+def _netns(proc: Path, pid: int | str) -> str | None:
     try:
-        return os.readlink(proc / str(pid) / "ns" / "uts")
+        return os.readlink(proc / str(pid) / "ns" / "net")
     except OSError:
         return None
 
@@ -106,7 +108,7 @@ class NodeJobs:
 def running_jobs(root: Path) -> NodeJobs:
     """Every job with a live slurmstepd on this node, read from `<root>/proc`."""
     proc = root / "proc"
-    mine = _uts(proc, "self")
+    mine = _netns(proc, "self")
     jobs: dict[int, set[int]] = {}
     for pid in _pids(proc):
         comm = _read(proc / str(pid) / "comm", 64)
@@ -115,7 +117,7 @@ def running_jobs(root: Path) -> NodeJobs:
         job = stepd_job(proc, pid)
         if job is None:
             continue
-        theirs = _uts(proc, pid)
+        theirs = _netns(proc, pid)
         if mine is not None and theirs is not None and theirs != mine:
             continue  # another (dev cluster) node's step
         jobs.setdefault(job, set()).add(pid)
