@@ -10,21 +10,27 @@ Three places touch them (docs/resilience.md, "Where the time went: goodput event
 
    (ages: how long before the send the save started and ended; `mac` as for beats, over the
    rest of the line). A dead or absent supervisor costs the loop one failed `sendto`.
-2. The supervisor (`EventLog`, as the job's user). Per launch it appends one JSON line per
-   event to `<dir>/bv-goodput.<job>.r<restart>.<random>.jsonl` (dir: ``BV_EVENTS_DIR``, else
-   /tmp; created O_EXCL|O_NOFOLLOW, mode 0600): the launch (time, attempt, nodes), the first
-   progress, each checkpoint (step, start, end), the step's end (kind, when the failure
-   happened, when it was detected, cause, lost nodes), when the aborted step was gone, the
-   requeue, the exit; once per Slurm attempt the job's submit/start time and time limit from
-   ``squeue``. A checkpoint datagram is range-checked (rank, step, ages within the
-   step's life) and the checkpoints kept per launch are bounded (`MAX_CKPTS`).
-3. The epilog (root) of the node the supervisor ran on: `collect()` reads that file as
-   hostile input (a directory fd, O_NOFOLLOW|O_NONBLOCK, a regular file owned by the job's
-   user, at most `MAX_FILE_BYTES`, every field checked, the host must be this node) and folds
-   it into one bounded dict that goes into the node's epilog report under `goodput_events`
-   (the path reports already take into the archive). A bad file is logged and left out; the
-   report is spooled all the same. The ledger (bluevela/report/goodput.py) checks the dict
-   again with `validate()` before using it.
+2. The supervisor (`EventLog`, as the job's user). Per Slurm attempt it appends one JSON line
+   per event to `<dir>/bv-goodput.<job>.r<restart>.u<uid>.<random>.jsonl` (dir:
+   ``BV_EVENTS_DIR``, else /tmp, checked by `dir_layout`; created O_EXCL|O_NOFOLLOW, mode
+   0600): the launch (time, attempt, nodes), the first progress, one line per checkpoint
+   (step, first start, last end, rank count; the ranks' datagrams folded in memory), the
+   step's end (kind, when the failure happened, when it was detected, cause, lost nodes),
+   the requeue; once per Slurm attempt the job's submit/start time and time limit from
+   ``squeue``. A checkpoint datagram is range-checked (rank, step, ages within the step's
+   life) and its sequence number must rise per (rank, pid), as for heartbeats. The file is
+   bounded as the epilog reads it (MAX_FILE_BYTES, MAX_LINES), with room kept for the lines
+   that close a launch (CLOSE_RESERVE).
+3. The epilog (root) of the node the supervisor ran on: `collect_files()` reads that file as
+   hostile input (a directory no other user can fill or replace, at most MAX_SCAN entries
+   scanned, names and owner filtered by the job's uid before the MAX_FILES cap; a directory
+   fd, O_NOFOLLOW|O_NONBLOCK, a regular file owned by the job's user, at most
+   `MAX_FILE_BYTES`, every field checked, the host must be this node) and folds it into one
+   bounded dict that goes into the node's epilog report under `goodput_events` (the path
+   reports already take into the archive); the files are removed once that report is
+   spooled. A bad file is logged and left out; the report is spooled all the same. The
+   ledger (bluevela/report/goodput.py) checks the dict again with `validate()` and clamps it
+   to the job's allocation before using it.
 
 When the supervisor's own node dies, that node's epilog never runs and the Slurm attempt's
 file is lost with it: the ledger then knows the attempt only from the other nodes' reports
