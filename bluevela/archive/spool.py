@@ -34,15 +34,17 @@ swapped for a symlink between a check and a move never sends a file outside the 
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
 import math
 import os
 import re
+import select
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,26 +120,105 @@ def report_name(job_id: int | str, node: str, phase: str, restart: int = 0) -> s
     return f"{safe_job_id(job_id)}.{safe_node_name(node)}.{phase}{_restart_part(restart)}.json"
 
 
-def write_report(spool: Path, report: dict[str, Any]) -> Path:
+def write_report(spool: Path, report: dict[str, Any], *, timeout_s: float | None = None) -> Path:
     """Write one node report into the spool atomically; return its path.
+
+    Args:
+        timeout_s: None: write here. A number (the hooks: SPOOL_WRITE_TIMEOUT_S): write in a
+            child process and wait at most this long, so a hung spool (an NFS server gone) costs
+            the prolog seconds instead of reaching PrologEpilogTimeout, where Slurm drains
+            the node itself, outside the fleet breaker.
 
     Raises:
         UnsafeValueError: job id, node or phase not safe for a file name.
+        SpoolTimeoutError: no answer from the spool within `timeout_s`.
         OSError: the write failed (ENOSPC...); nothing half-written is left behind.
     """
     restart = safe_restart(report.get("restart"))
     name = report_name(report["job_id"], report["node"], report["phase"], restart)
-    ensure_dir(spool, 0o755)
     body = {"schema": SCHEMA, "kind": "node_report", **report, "restart": restart}
     data = json.dumps(body, sort_keys=True, default=str).encode()
-    fd = open_dir(spool)
-    try:
-        atomic_write_at(fd, name, data, 0o644)
-    finally:
-        os.close(fd)
+
+    def write() -> None:
+        ensure_dir(spool, 0o755)
+        fd = open_dir(spool)
+        try:
+            atomic_write_at(fd, name, data, 0o644)
+        finally:
+            os.close(fd)
+
+    if timeout_s is None:
+        write()
+    else:
+        run_bounded(write, timeout_s, f"spool {spool}")
     path = spool / name
     logger.debug("spooled %s (%d bytes)", path, len(data))
     return path
+
+
+# The hooks' bound on one spool write (a report is a few kB: milliseconds on a live file
+# system). Part of the prolog's worst case (bluevela.hooks.budget).
+SPOOL_WRITE_TIMEOUT_S = 10.0
+
+
+class SpoolTimeoutError(TimeoutError):
+    """The spool did not answer in time (a hung file system); the writer was left behind."""
+
+
+def run_bounded(fn: Callable[[], None], timeout_s: float, what: str) -> None:
+    """Run `fn` (file system calls only) in a forked child; wait at most `timeout_s`.
+
+    A call stuck in the kernel on a hung mount cannot be interrupted from a thread, and a
+    process with such a thread cannot exit either; a child can be left behind. The child keeps
+    no descriptor of ours (not the hook lock, not slurmd's output pipe: slurmd would wait for
+    its EOF) but the pipe that reports its outcome, and its stdio is /dev/null.
+
+    Raises:
+        SpoolTimeoutError: no outcome within `timeout_s` (the child goes on alone).
+        OSError: `fn` failed in the child (its errno and message).
+    """
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child (exercised by tests/test_spool_bounded.py)
+        code = 0
+        try:
+            null = os.open(os.devnull, os.O_RDWR)
+            for target in (0, 1, 2):
+                os.dup2(null, target)
+            os.closerange(3, w)
+            os.closerange(w + 1, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 4096)
+            try:
+                fn()
+            except OSError as exc:
+                code = exc.errno or errno.EIO
+                os.write(w, (exc.strerror or str(exc)).encode()[:1000])
+            except BaseException as exc:
+                code = errno.EIO
+                os.write(w, f"{type(exc).__name__}: {exc}".encode()[:1000])
+        finally:
+            os._exit(code if 0 <= code < 256 else errno.EIO)
+    os.close(w)
+    try:
+        deadline = time.monotonic() + timeout_s
+        message = b""
+        while True:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([r], [], [], max(0.0, left))
+            if not ready:
+                raise SpoolTimeoutError(
+                    errno.ETIMEDOUT, f"{what}: no answer in {timeout_s:g} s (a hung file "
+                    f"system?); the writer, pid {pid}, is left behind")
+            chunk = os.read(r, 4096)
+            if not chunk:
+                break
+            message += chunk
+    finally:
+        os.close(r)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        err = code if code > 0 else errno.EIO
+        raise OSError(err, message.decode(errors="replace") or os.strerror(err))
 
 
 def series_name(job_id: int | str, node: str, restart: int = 0) -> str:

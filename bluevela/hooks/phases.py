@@ -254,7 +254,7 @@ def _spool(site: Site, hctx: HookContext, report: HealthReport, drain: DrainResu
            extra: dict[str, Any] | None = None) -> str | None:
     if hctx.job_id is None:
         return None
-    from bluevela.archive.spool import write_report
+    from bluevela.archive.spool import SPOOL_WRITE_TIMEOUT_S, write_report
 
     body = {
         "phase": hctx.phase, "job_id": hctx.job_id, "node": hctx.node,
@@ -268,7 +268,8 @@ def _spool(site: Site, hctx: HookContext, report: HealthReport, drain: DrainResu
         **(extra or {}),
     }
     try:
-        return str(write_report(site.path("spool"), body))
+        # Bounded: a hung spool (NFS server gone) must not hold the hook to PrologEpilogTimeout.
+        return str(write_report(site.path("spool"), body, timeout_s=SPOOL_WRITE_TIMEOUT_S))
     except (OSError, BluevelaError) as exc:
         logger.error("could not spool the %s report of job %s: %s", hctx.phase, hctx.job_id, exc)
         return None
