@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -469,7 +470,7 @@ def run_nightly(client: SlurmClient, site: Site, opts: NightlyOptions,
     """
     events = events or NoEvents()
     night = opts.night or dt.date.today().isoformat()
-    opts = _with_night(opts, night)
+    opts = with_dcgm_time(_with_night(opts, night), site)
     root = nightly_dir(site.path("archive"))
     stamp = dt.datetime.now().strftime("%H%M%S") + f"-{os.getpid()}"
     workdir = ensure_dir(root / "runs" / night / stamp)
@@ -599,6 +600,25 @@ def _short(results: Sequence[BenchResult]) -> str:
 
 def _with_night(opts: NightlyOptions, night: str) -> NightlyOptions:
     return replace(opts, night=night)
+
+
+def with_dcgm_time(opts: NightlyOptions, site: Site) -> NightlyOptions:
+    """With DCGM's diagnostic in the node jobs (health.dcgm.nightly_level), their Slurm time
+    limit and the watchdog grow by its bound (nightly_timeout_s): a level-3 run of up to an
+    hour never meets a limit sized for the benchmarks alone."""
+    dcgm = site.health.dcgm
+    if not dcgm.nightly_level:
+        return opts
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+):(\d\d):(\d\d)", opts.time_limit.strip())
+    if m is None:
+        return replace(opts, job_timeout_s=opts.job_timeout_s + dcgm.nightly_timeout_s)
+    days, hours, mins, secs = (int(g or 0) for g in m.groups())
+    total_s = ((days * 24 + hours) * 60 + mins) * 60 + secs + dcgm.nightly_timeout_s
+    d, rest = divmod(int(total_s), 86400)
+    limit = f"{rest // 3600}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    limit = f"{d}-{limit.zfill(8)}" if d else limit
+    return replace(opts, time_limit=limit,
+                   job_timeout_s=opts.job_timeout_s + dcgm.nightly_timeout_s)
 
 
 def to_record(out: NightlyOutcome, site: Site) -> NightRecord:
