@@ -326,6 +326,10 @@ class IBThresholds:
     # reading is at least `rate_min_interval_s` old (one error in 10 s is not 360/h).
     max_rate_per_h: dict[str, float] = field(default_factory=_default_max_rate_per_h)
     rate_min_interval_s: NonNegFloat = 300.0
+    # `max_increase` holds over up to this long since the last reading; over a longer interval
+    # (a days-long job between its prolog and epilog) the increase is judged as a rate per
+    # this window (CRITICAL only at allowed + 1 per window on average; else WARNING).
+    increase_window_s: Annotated[float, Gt(0)] = 3600.0
 
 
 @dataclass(frozen=True)

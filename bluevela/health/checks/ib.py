@@ -17,7 +17,14 @@ WARNING (counters accumulate since boot); an error counter that rose more than a
 the last reading (kept in the state dir) is CRITICAL (`link_downed` and
 `local_link_integrity_errors` allow +0: a link that went down or failed its integrity check
 since the last reading); a rate per hour over the interval since the last reading above
-`ib_limits.max_rate_per_h` is WARNING. The baseline is replaced by every run, so a node
+`ib_limits.max_rate_per_h` is WARNING.
+
+The increase ceilings hold over an interval up to `ib_limits.increase_window_s` (1 h) since
+the last reading. The last reading can be days old (the epilog of a long job compares with
+its prolog's): then one burst (a switch reboot: `link_downed` +1 on every attached node) says
+nothing about the link now, so the increase is judged as a rate over the real interval: it is
+CRITICAL only when it averages at least `allowed + 1` per window (`link_downed` +72 in 3 days:
+a link going down every hour), else WARNING with its rate (`link_downed +1 in 3 d, 0.0139/h`). The baseline is replaced by every run, so a node
 drained for a rising counter passes again once the counter stops rising.
 """
 
@@ -304,6 +311,29 @@ def fmt_interval(seconds: float | None) -> str:
     return f"in {duration_text(seconds)}"
 
 
+def judge_increase(port: str, name: str, before: int, cur: int, allowed: int,
+                   age_s: float | None, window_s: float) -> tuple[Status, str]:
+    """The verdict on a counter that rose more than `allowed` since the last reading,
+    `age_s` ago (None: unknown).
+
+    Over an interval up to `window_s` the increase itself is judged (CRITICAL). Over a longer
+    one, the events may have come in one burst long ago: the increase is averaged over the real
+    interval, and is CRITICAL only at `allowed + 1` or more per window (events are whole: "more
+    than `allowed` in a window", on average); under that it is a WARNING that names its rate.
+    """
+    inc = _increase(cur, before)
+    text = f"{port} {name} +{inc} {fmt_interval(age_s)} ({before} -> {cur}, allowed +{allowed}"
+    if age_s is None or window_s <= 0 or age_s <= window_s:
+        return Status.CRITICAL, text + ")"
+    per_window = inc * window_s / age_s
+    per = f"per {duration_text(window_s)}"
+    rate = f"{inc * 3600.0 / age_s:.3g}/h"
+    if per_window >= allowed + 1:
+        return Status.CRITICAL, text + f" {per}; {per_window:.3g} {per} on average, {rate})"
+    return Status.WARNING, text + (f" {per}; over {duration_text(age_s)} that is {rate}, "
+                                   f"under {allowed + 1} {per}: not a drain)")
+
+
 def evaluate_pci(links: tuple[PCILink, ...]) -> list[tuple[Status, str]]:
     """Each HCA's PCIe link at its maximum width and speed (a downtrained link halves or worse
     the HCA's bandwidth while the port still shows 400 Gb/s)."""
@@ -408,9 +438,8 @@ def evaluate_ib(facts: IBFacts, cls: NodeClass) -> CheckResult:
                 if isinstance(cur, int) and isinstance(before, int):
                     inc = _increase(cur, before)
                     if inc > allowed:
-                        problems.append((Status.CRITICAL, f"{p.port} {name} +{inc} "
-                                         f"{fmt_interval(age)} ({before} -> {cur}, "
-                                         f"allowed +{allowed})"))
+                        problems.append(judge_increase(p.port, name, before, cur, allowed, age,
+                                                       limits.increase_window_s))
             if age is not None and age >= max(limits.rate_min_interval_s, 1.0):
                 for name, rate_cap in limits.max_rate_per_h.items():
                     cur, before = both.get(name), prev.get(name)
