@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.hooks import log as hooklog
 from tests.test_hooks_isolation import (
     FIXTURES,
     REPO,
@@ -57,6 +56,18 @@ class SyslogSocket:
 
     def close(self) -> None:
         self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def repo_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An interpreter whose bluevela is this checkout's (the hooks run `-I`, so PYTHONPATH
+    cannot say which): a venv over this Python, the checkout first on its path."""
+    venv = tmp_path_factory.mktemp("repo-venv") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
+                    str(venv)], check=True, timeout=120)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "00-bluevela-checkout.pth").write_text(f"{REPO}\n")
+    return venv / "bin" / "python3"
 
 
 @pytest.fixture
@@ -160,13 +171,13 @@ def test_no_usable_interpreter_fails_open(python: Path, said: str, tmp_path: Pat
 
 
 @needs_unshare
-def test_a_crashed_interpreter_fails_open(tmp_path: Path, syslog: SyslogSocket) -> None:
+def test_a_crashed_interpreter_fails_open(tmp_path: Path, syslog: SyslogSocket,
+                                          repo_python: Path) -> None:
     """Killed by a signal mid-run (a segfault in a C extension, the OOM killer): exit 0."""
-    etc, _ = _etc(tmp_path, syslog, Path(sys.executable),
-                  BV_HOOK_LOG_LEVEL="INFO")
-    # A real interpreter that kills itself: sitecustomize is not read under -I, so wrap it.
+    etc, _ = _etc(tmp_path, syslog, repo_python)
+    # The interpreter killed by SIGSEGV (what a crash in a C extension looks like here).
     crasher = tmp_path / "python-crashes"
-    crasher.write_text(f"#!/bin/sh\nkill -SEGV $$\nexec {sys.executable} \"$@\"\n")
+    crasher.write_text(f"#!/bin/sh\nkill -SEGV $$\nexec {repo_python} \"$@\"\n")
     crasher.chmod(0o755)
     (etc / "python").write_text(f"{crasher}\n")
     p = run_shim(SHIMS / "prolog", etc, Path("/"), _slurm("prolog"))
@@ -177,8 +188,9 @@ def test_a_crashed_interpreter_fails_open(tmp_path: Path, syslog: SyslogSocket) 
 
 @needs_unshare
 @pytest.mark.parametrize("phase", HOOK_SHIMS)
-def test_every_run_leaves_one_line(phase: str, tmp_path: Path, syslog: SyslogSocket) -> None:
-    etc, real = _etc(tmp_path, syslog, Path(sys.executable))
+def test_every_run_leaves_one_line(phase: str, tmp_path: Path, syslog: SyslogSocket,
+                                   repo_python: Path) -> None:
+    etc, real = _etc(tmp_path, syslog, repo_python)
     p = run_shim(SHIMS / phase, etc, Path("/"), _slurm(phase))
     assert p.returncode == 0, p.stderr
     lines = syslog.lines()
@@ -195,10 +207,11 @@ def test_every_run_leaves_one_line(phase: str, tmp_path: Path, syslog: SyslogSoc
 
 
 @needs_unshare
-def test_audit_mode_reports_and_does_not_act(tmp_path: Path, syslog: SyslogSocket) -> None:
+def test_audit_mode_reports_and_does_not_act(tmp_path: Path, syslog: SyslogSocket,
+                                             repo_python: Path) -> None:
     """site.yaml audit: a failing node is checked and reported, nothing is drained (not even
     a call to Slurm), the prolog lets the job start, the line says what would have happened."""
-    etc, real = _etc(tmp_path, syslog, Path(sys.executable), "h100-ib-port-down")
+    etc, real = _etc(tmp_path, syslog, repo_python, "h100-ib-port-down")
     site = etc / "site.yaml"
     site.write_text(site.read_text().replace('drain_prefix: "bv:"',
                                              'drain_prefix: "bv:"\n  actions: audit'))
@@ -214,9 +227,10 @@ def test_audit_mode_reports_and_does_not_act(tmp_path: Path, syslog: SyslogSocke
 
 
 @needs_unshare
-def test_node_file_overrides_site_yaml(tmp_path: Path, syslog: SyslogSocket) -> None:
+def test_node_file_overrides_site_yaml(tmp_path: Path, syslog: SyslogSocket,
+                                       repo_python: Path) -> None:
     """/etc/bluevela/actions: `off` on this node checks nothing; a typo reads as audit."""
-    etc, real = _etc(tmp_path, syslog, Path(sys.executable), "h100-ib-port-down")
+    etc, real = _etc(tmp_path, syslog, repo_python, "h100-ib-port-down")
     (etc / "actions").write_text("off\n")
     p = run_shim(SHIMS / "prolog", etc, Path("/"), _slurm("prolog"))
     assert p.returncode == 0, p.stderr
@@ -244,6 +258,8 @@ def test_the_three_hook_shims_differ_only_in_their_phase() -> None:
 def test_syslog_never_blocks_or_fails(tmp_path: Path) -> None:
     """No /dev/log, a file in its place, a receiver that never reads (full queue): the line
     is dropped at once and the caller goes on."""
+    from bluevela.hooks import log as hooklog
+
     env = {"BV_SYSLOG_SOCKET": str(tmp_path / "missing")}
     assert hooklog.send("x", environ=env) is False
     (tmp_path / "file").write_text("")
@@ -261,6 +277,8 @@ def test_syslog_never_blocks_or_fails(tmp_path: Path) -> None:
 
 
 def test_line_is_one_bounded_line_of_fields() -> None:
+    from bluevela.hooks import log as hooklog
+
     line = hooklog.format_fields("prolog", {"job": 5, "node": "n1", "skip": None,
                                             "detail": 'a "b"\nc=d' + "x" * 5000})
     assert "\n" not in line and "skip" not in line
@@ -272,8 +290,8 @@ def test_line_is_one_bounded_line_of_fields() -> None:
 
 @needs_unshare
 @needs_system_py
-def test_epilog_slurmctld_fails_open_and_logs_each_run(tmp_path: Path,
-                                                       syslog: SyslogSocket) -> None:
+def test_epilog_slurmctld_fails_open_and_logs_each_run(tmp_path: Path, syslog: SyslogSocket,
+                                                       repo_python: Path) -> None:
     """EpilogSlurmctld: without the package, one line and exit 0 (the timer ingests later);
     with it, one line saying what was ingested."""
     from bluevela.archive.sample import sample_report
@@ -291,7 +309,7 @@ def test_epilog_slurmctld_fails_open_and_logs_each_run(tmp_path: Path,
     lines = syslog.lines()
     assert len(lines) == 1 and "epilog_slurmctld job=51 action=hook-error" in lines[0], lines
     assert "No module named 'bluevela'" in lines[0]
-    (etc / "python").write_text(f"{sys.executable}\n")
+    (etc / "python").write_text(f"{repo_python}\n")
     p = run_shim(SHIMS / "epilog_slurmctld", etc, Path("/"), {"SLURM_JOB_ID": "51"})
     assert p.returncode == 0, p.stderr
     lines = syslog.lines()

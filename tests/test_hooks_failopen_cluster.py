@@ -1,0 +1,139 @@
+"""Issue 24 on the REAL dev cluster: slurmd runs the real shims (prolog_epilog/), each node
+with its own /etc/bluevela. A broken install drains nothing, the audit mode and the kill
+switch act nowhere, and every hook run leaves one syslog line (a real datagram socket bound
+by the test, named by BV_SYSLOG_SOCKET in each node's hook.env).
+
+Before the fix (9058adc) node1/node2's prologs exited 1 (ModuleNotFoundError) and Slurm
+drained both "Prolog error". One test, three short jobs (~20 s here):
+
+    BV_DEVCLUSTER_ID=6 python -m pytest tests/test_hooks_failopen_cluster.py
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DevCluster
+from tests.fixture_trees import materialized
+from tests.test_hooks_failopen import SYSTEM_PY, SyslogSocket, half_installed, needs_system_py
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, needs_system_py]
+
+FIXTURES = materialized()
+
+
+def node_state(cluster: DevCluster, node: str) -> tuple[str, str]:
+    out = cluster.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T|%E"]).stdout.strip()
+    state, _, reason = out.splitlines()[0].partition("|")
+    return state.rstrip("*~#!%$@^-"), ("" if reason == "none" else reason)
+
+
+def run_job(cluster: DevCluster, nodes: str, tmp_path: Path, timeout: float = 90) -> int:
+    """Submit `true` on `nodes`; return once it COMPLETED. Fails early (not after a requeue's
+    two minutes) as soon as one of the nodes is drained."""
+    job = int(cluster.run(["sbatch", "--parsable", "-N", str(len(nodes.split(","))), "-w",
+                           nodes, "-o", "/dev/null", "--wrap", "true"],
+                          cwd=tmp_path).stdout.strip().split(";")[0])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        drained = {n: node_state(cluster, n) for n in nodes.split(",")}
+        bad = {n: s for n, s in drained.items() if s[0].startswith("drain")}
+        assert not bad, f"job {job}: drained {bad}"
+        out = cluster.run(["squeue", "-h", "-j", str(job), "-o", "%T"], check=False).stdout
+        if not out.strip():
+            return job
+        time.sleep(0.5)
+    raise AssertionError(f"job {job} not done after {timeout} s")
+
+
+def lines_of(syslog: SyslogSocket, want: int, timeout: float = 30) -> list[str]:
+    """Datagrams until `want` have come (the epilog runs after the job leaves squeue)."""
+    got: list[str] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        got += syslog.lines(wait_s=0.5)
+    got += syslog.lines(wait_s=1.0)  # and nothing more
+    return got
+
+
+@pytest.fixture
+def cluster(devcluster: DevCluster) -> Iterator[DevCluster]:
+    etc = {n: devcluster.hook_env(n).parent for n in devcluster.nodes}
+    saved = {n: (devcluster.hook_env(n).read_text(), (etc[n] / "python").read_text())
+             for n in devcluster.nodes}
+    devcluster.wait_idle(timeout=120)
+    devcluster.resume_all()
+    try:
+        yield devcluster
+    finally:
+        devcluster.run(["scontrol", "delete", "ReservationName=bv-actions-off"], check=False)
+        for n, (hook_env, python) in saved.items():
+            devcluster.hook_env(n).write_text(hook_env)
+            (etc[n] / "python").write_text(python)
+            (etc[n] / "actions").unlink(missing_ok=True)
+        try:
+            devcluster.wait_idle(timeout=120)
+        finally:
+            devcluster.resume_all()
+
+
+def test_broken_install_audit_and_kill_switch_act_nowhere(cluster: DevCluster,
+                                                          tmp_path: Path) -> None:
+    syslog = SyslogSocket(tmp_path / "dev-log")
+    try:
+        for n in cluster.nodes:
+            cluster.set_hook_env(n, BV_SYSLOG_SOCKET=str(syslog.path))
+        etc = {n: cluster.hook_env(n).parent for n in cluster.nodes}
+        python = {n: (etc[n] / "python").read_text() for n in cluster.nodes}
+
+        # 1. node1's interpreter has no bluevela; node2's is an upgrade half done.
+        (etc["node1"] / "python").write_text(f"{SYSTEM_PY}\n")
+        (etc["node2"] / "python").write_text(f"{half_installed(tmp_path, 'no-phases')}\n")
+        job = run_job(cluster, "node1,node2", tmp_path)
+        lines = lines_of(syslog, 4)
+        assert len(lines) == 4, lines
+        for node, error in (("node1", "No module named 'bluevela'"),
+                            ("node2", "No module named 'bluevela.hooks.phases'")):
+            for phase in ("prolog", "epilog"):
+                mine = [ln for ln in lines if f"{phase} job={job} node={node} " in ln]
+                assert len(mine) == 1 and "action=hook-error" in mine[0], (node, phase, lines)
+                assert error in mine[0], mine
+            assert node_state(cluster, node) == ("idle", "")
+        for n in ("node1", "node2"):
+            (etc[n] / "python").write_text(python[n])
+
+        # 2. Audit on node3 (its own /etc/bluevela/actions), a port down: reported, not acted on.
+        cluster.set_hook_env("node3", BV_NODE_CLASS="h100",
+                             BV_SYSFS_ROOT=str(FIXTURES / "h100-ib-port-down" / "root"),
+                             BV_NVML_SNAPSHOT=str(FIXTURES / "h100-ib-port-down" / "nvml.json"))
+        (etc["node3"] / "actions").write_text("audit\n")
+        job = run_job(cluster, "node3", tmp_path)
+        lines = lines_of(syslog, 2)
+        assert len(lines) == 2, lines
+        for ln in lines:
+            assert f"job={job} node=node3 verdict=CRITICAL action=audit-would-drain" in ln, ln
+            assert "mlx5_3/1 state DOWN" in ln and "mode=audit" in ln
+        assert node_state(cluster, "node3") == ("idle", "")
+        spool = Path(cluster.env["BV_SPOOL_DIR"])
+        assert (spool / f"{job}.node3.prolog.json").is_file()  # everything reported
+
+        # 3. Enforce on node3 again, but the kill switch is on the controller: no action.
+        (etc["node3"] / "actions").unlink()
+        cluster.run(["scontrol", "create", "reservation", "ReservationName=bv-actions-off",
+                     "StartTime=now+3650days", "Duration=1", "Nodes=ALL", "Users=root",
+                     "Flags=IGNORE_JOBS,OVERLAP"])
+        job = run_job(cluster, "node3", tmp_path)
+        lines = lines_of(syslog, 2)
+        assert len(lines) == 2, lines
+        for ln in lines:
+            assert f"job={job} node=node3 verdict=CRITICAL action=off-would-drain" in ln, ln
+            assert "reservation bv-actions-off" in ln
+        assert node_state(cluster, "node3") == ("idle", "")
+        out = cluster.run(["scontrol", "show", "reservation", "-o"], check=False).stdout
+        assert "bv-drain-" not in out  # not even a breaker slot was taken
+    finally:
+        syslog.close()
