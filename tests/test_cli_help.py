@@ -64,6 +64,17 @@ def test_help_is_light(path: list[str]) -> None:
     assert heavy == [], f"bv {' '.join(path)} --help imported {heavy}"
 
 
+@pytest.mark.parametrize(("path", "options"), [
+    (["install"], ["--root", "--dry-run", "--uninstall", "--force", "--json"]),
+    (["site", "validate"], ["--cluster", "--json"]),
+])
+def test_deploy_commands_help(path: list[str], options: list[str]) -> None:
+    """issue 24: `bv install` and `bv site validate --cluster` are listed and light."""
+    rc, out, heavy = _loaded_after([*path, "--help"])
+    assert rc == 0 and heavy == [], out
+    assert all(o in out for o in options), out
+
+
 def test_dry_run_is_light_and_needs_no_slurm() -> None:
     rc, out, heavy = _loaded_after(["submit", "--dry-run", "-N", "2", "examples/train_ddp.py"])
     assert rc == 0, out
