@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from bluevela.bench.nightly import NightlyOptions, with_dcgm_time
+from bluevela.bench import nightly
 from bluevela.site import load_site
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_limits_grow_by_the_dcgm_bound() -> None:
+    NightlyOptions, with_dcgm_time = nightly.NightlyOptions, nightly.with_dcgm_time  # noqa: N806
     site = load_site(REPO / "site.yaml")
     off = with_dcgm_time(NightlyOptions(), site)
     assert (off.time_limit, off.job_timeout_s) == ("00:30:00", 1800.0)
