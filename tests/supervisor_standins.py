@@ -178,6 +178,9 @@ class Job:
         return self.proc.poll() is None
 
     def kill(self) -> None:
+        # The torchruns sit in sessions of their own (the agent starts them so): a killed
+        # supervisor's session leaves them behind, and their workers end on `done` only.
+        self.finish()
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)

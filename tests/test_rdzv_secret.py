@@ -182,3 +182,88 @@ def test_real_torchrun_takes_the_rendezvous_from_the_environment(tmp_path: Path,
     assert seen["supervisor_seen"] and seen["hits"] == [], seen
     job.finish()
     assert job.wait(60) == 0, job.stdout() + job.stderr()
+
+
+def listening_ports(pid: int) -> set[int]:
+    """TCP ports process `pid` listens on (its socket inodes in /proc/net/tcp{,6})."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # LISTEN
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+ATTACK = r"""
+import base64, datetime, sys
+import torch.distributed as dist
+host, marker, ports = sys.argv[1], sys.argv[2], [int(p) for p in sys.argv[3:]]
+for port in ports:
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=3))
+        # The store tells anyone its keys: a random id hides the state's key from /proc only.
+        keys = [k for k in store.list_keys() if k.startswith("torch.rendezvous.") and "/" not in k]
+    except Exception:
+        continue
+    if keys:
+        break
+print(keys)
+class Payload:
+    def __reduce__(self):
+        return (exec, (f"import os; open({marker!r}, 'w').write(str(os.getpid()))",))
+import pickle
+for key in keys:
+    store.set(key, base64.b64encode(pickle.dumps(Payload())).decode())
+"""
+
+
+def test_a_pickle_written_into_the_store_runs_no_code(tmp_path: Path, jobs: list[Job]) -> None:
+    """The attack of issue 23 §1 for real: while a step trains, a stranger connects to its
+    rendezvous store (a real TCPStore started by the real torchrun), lists its keys, and
+    writes a pickle that would run code under the state's key. 9058adc: the next keep-alive
+    unpickled it in torchrun and the code ran as the job's user. Now torchrun unpickles the
+    state through an allow-list (bluevela/launch/rdzv_guard.py): nothing runs.
+
+    The stranger is another process that uses nothing but the store's TCP port; it runs as
+    root here only because no other uid can import this machine's torch (under /root, 0700).
+    """
+    pytest.importorskip("torch.distributed.run")
+    node = socket.gethostname()
+    worker = tmp_path / "worker.py"
+    worker.write_text(REAL_WORKER)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip(f"no {torchrun}")
+    job = Job(tmp_path, (node,), argv=[
+        sys.executable, "-P", "-m", "bluevela.launch.supervisor", "--nodes=1", "--",
+        str(torchrun), "--nproc-per-node=1", "--monitor-interval=0.1",
+        "--rdzv-conf=keep_alive_interval=1", str(worker), str(tmp_path)])
+    jobs.append(job)
+    job.start()
+    job.wait_for(f"real.{node}", timeout=120)
+    info = json.loads((tmp_path / f"real.{node}").read_text())
+    # The store's port: any user finds the listening ports in /proc/net/tcp and tries them;
+    # here, to be quick, only those of the job's torchrun.
+    agents = [pid for pid in descendants(job.pid)
+              if str(torchrun).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    ports = sorted({port for pid in agents for port in listening_ports(pid)})
+    assert ports, agents
+    marker = tmp_path / "pwned"
+    attack = subprocess.run([sys.executable, "-I", "-c", ATTACK, node, str(marker),
+                             *map(str, ports)],
+                            capture_output=True, text=True, timeout=60, cwd="/")
+    assert attack.returncode == 0, attack.stderr
+    assert f"torch.rendezvous.{info['TORCHELASTIC_RUN_ID']}" in attack.stdout  # it found it
+    time.sleep(4.0)  # four keep-alives: each reads the state back from the store
+    assert not marker.exists(), f"the pickle ran as the job's user in pid {marker.read_text()}"
+    job.finish()
+    job.wait(60)

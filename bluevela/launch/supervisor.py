@@ -68,6 +68,7 @@ from typing import NoReturn
 from bluevela.launch.events import EventLog, failure_time
 from bluevela.launch.grow import GrowResult
 from bluevela.launch.grow import grow as grow_job
+from bluevela.launch.rdzv_guard import guarded_argv
 from bluevela.launch.wire import (
     SECRET_ENV,
     Channel,
@@ -1187,8 +1188,10 @@ def agent_main(argv: Sequence[str]) -> int:
                 if (kind == "go" and proc is None and aborting_at is None
                         and isinstance(port, int) and 1 <= port <= 65535):
                     try:
+                        # torch's own torchrun runs with its rendezvous state unpickled
+                        # through an allow-list: the store has no authentication.
                         proc = subprocess.Popen(
-                            args, start_new_session=True,
+                            guarded_argv(args) or args, start_new_session=True,
                             env={**os.environ, **endpoint_env(rdzv_node or node, port)})
                     except OSError as exc:
                         # A missing or unrunnable torchrun is the step's failure (the shell's
