@@ -25,7 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from bluevela.errors import LaunchError
 from bluevela.launch import wire
+from bluevela.launch.request import SubmitRequest
 from bluevela.launch.wire import Channel, ChannelError, derive, new_secret
 from tests.supervisor_standins import Job
 
@@ -200,3 +202,13 @@ def test_a_peer_that_never_reads_breaks_the_channel_explicitly() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+@pytest.mark.parametrize("flag", ["--rdzv-id=77", "--rdzv_endpoint=n1:29500", "--standalone",
+                                  "--nnodes=2"])
+def test_a_torchrun_command_may_not_set_the_rendezvous(flag: str) -> None:
+    """A rendezvous flag in site.yaml's torchrun command would override the per-step one bv
+    hands over in the environment (and name the store on a world-readable command line)."""
+    with pytest.raises(LaunchError, match="must not set"):
+        SubmitRequest(script="train.py", torchrun=("torchrun", flag))
+    SubmitRequest(script="train.py", args=(flag,))  # the script's own arguments are its own

@@ -74,6 +74,10 @@ def export_lines(env: tuple[tuple[str, str], ...]) -> list[str]:
     return [f"export {key}={shlex.quote(value)}" for key, value in env]
 
 
+RDZV_FLAGS = ("--rdzv-id", "--rdzv_id", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-backend",
+              "--rdzv_backend", "--standalone", "--nnodes")
+
+
 @dataclass(frozen=True)
 class SubmitRequest:
     """A distributed PyTorch job: one srun task per node, each running torchrun."""
@@ -157,6 +161,12 @@ class SubmitRequest:
                     f"unknown sbatch option {key!r}; valid: {', '.join(sorted(SBATCH_OPTIONS))}"
                 )
             _plain(key, value)
+        for word in self.torchrun:
+            # bv hands the rendezvous to torchrun per step, in the environment; a flag here
+            # would override it (and put the store's name back on a world-readable argv).
+            if word.startswith(RDZV_FLAGS):
+                raise LaunchError(f"the torchrun command (site.yaml launch.torchrun) must not "
+                                  f"set {word.split('=', 1)[0]}: bv sets the rendezvous per step")
         self._validate_resilience()
         self._validate_resources()
         for key, value in self.sbatch_args:
