@@ -327,16 +327,30 @@ def _run(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str
     return run_cli(argv, timeout)
 
 
-def _budget_findings(site: Site, config: Mapping[str, str] | None) -> list[Finding]:
-    """The prolog's and the healthcheck's worst case against Slurm's limits."""
-    timeout = None if config is None else _seconds(config.get("PrologEpilogTimeout", ""))
-    try:
-        from bluevela.hooks import budget  # type: ignore[attr-defined]
-    except ImportError:
-        return [Finding(Status.WARNING, "timeouts",
-                        "the prolog's worst case is not computed by this version "
-                        "(bluevela.hooks.budget missing): not checked")]
-    return list(budget.findings(site, timeout))  # pragma: no cover - filled by budget
+def _budget_findings(site: Site, config: Mapping[str, str] | None,
+                     partitions: int = 1) -> list[Finding]:
+    """The prolog's and the epilog's worst case (bluevela.hooks.budget) against Slurm's
+    PrologEpilogTimeout: past it Slurm kills the hook and drains the node itself."""
+    from bluevela.hooks import budget
+
+    raw = None if config is None else config.get("PrologEpilogTimeout")
+    timeout = None if raw is None else _seconds(raw)
+    out: list[Finding] = []
+    for phase in ("prolog", "epilog"):
+        b = budget.hook_budget(site, phase, partitions=partitions)
+        if timeout is None:
+            out.append(Finding(Status.WARNING, "timeouts",
+                               f"{b.text()}; PrologEpilogTimeout unknown (running config not "
+                               "readable): not compared"))
+        elif b.total_s > timeout:
+            out.append(Finding(Status.CRITICAL, "timeouts",
+                               f"{b.text()} > PrologEpilogTimeout={timeout:g}: Slurm would kill "
+                               "the hook and drain the node outside the fleet breaker; raise "
+                               "PrologEpilogTimeout or lower the caps in site.yaml"))
+        else:
+            out.append(Finding(Status.OK, "timeouts",
+                               f"{b.text()} <= PrologEpilogTimeout={timeout:g}"))
+    return out
 
 
 def _first_line(text: str) -> str:
@@ -350,10 +364,17 @@ def gather(site: Site, *, hooks_conf: str | None = None, run: Runner = _run,
            mountinfo: str | None = None) -> SiteFacts:
     """Read every fact the checks need, once. Slurm unreachable is a fact, not an error."""
     classes = {name: nc.hostnames for name, nc in site.node_classes.items()}
-    sinfo = run(["sinfo", "-h", "-N", "-o", "%N"], 30)
+    sinfo = run(["sinfo", "-h", "-N", "-o", "%N|%P"], 30)
     nodes: tuple[str, ...] | None = None
+    partitions = 1  # the most partitions one node is in: the breaker takes a slot in each
     if sinfo.returncode == 0:
-        nodes = tuple(sorted({w for w in sinfo.stdout.split() if w}))
+        parts: dict[str, set[str]] = {}
+        for line in sinfo.stdout.splitlines():
+            name, _, part = line.strip().partition("|")
+            if name:
+                parts.setdefault(name, set()).add(part.rstrip("*"))
+        nodes = tuple(sorted(parts))
+        partitions = max((len(p) for p in parts.values()), default=1)
     cfg = run(["scontrol", "show", "config"], 30)
     config = parse_config(cfg.stdout) if cfg.returncode == 0 else None
     if hooks_conf is None:
@@ -379,7 +400,7 @@ def gather(site: Site, *, hooks_conf: str | None = None, run: Runner = _run,
         sinfo_error=_first_line(sinfo.stderr),
         config=config, config_error=_first_line(cfg.stderr),
         wanted=tuple(parse_hooks_conf(hooks_conf)), dirs=dirs, slurm_user_uid=slurm_uid,
-        budget=tuple(_budget_findings(site, config)),
+        budget=tuple(_budget_findings(site, config, partitions)),
     )
 
 

@@ -176,3 +176,47 @@ def test_cli_bad_site_path_is_one_line(bad: str, tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_the_prologs_worst_case_against_prolog_epilog_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """bluevela.hooks.budget's arithmetic (283 s with the repo's site: start 5 + lock wait 65 +
+    run 181 + jitter 2 + rpc 30) against the running PrologEpilogTimeout."""
+    from bluevela.site_checks import _budget_findings
+
+    monkeypatch.delenv("BV_HOOK_LOCK_WAIT_S", raising=False)
+    site = load_site(REPO / "site.yaml")
+    ok = _budget_findings(site, {"PrologEpilogTimeout": "300"})
+    assert [f.status for f in ok] == [Status.OK, Status.OK]
+    assert ok[0].message.startswith("prolog worst case 283 s = start 5 + lock_wait 65")
+    short = _budget_findings(site, {"PrologEpilogTimeout": "120"})
+    assert [f.status for f in short] == [Status.CRITICAL, Status.OK]
+    assert "> PrologEpilogTimeout=120: Slurm would kill the hook" in short[0].message
+    # A node in two partitions: the breaker takes a slot in each (3 more drain RPCs).
+    two = _budget_findings(site, {"PrologEpilogTimeout": "290"}, partitions=2)
+    assert two[0].status is Status.CRITICAL and "298 s" in two[0].message
+    unknown = _budget_findings(site, None)
+    assert {f.status for f in unknown} == {Status.WARNING}
+
+
+def test_gather_reads_sinfo_and_the_recorded_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gather() over the Slurm seam: node names and partitions from `sinfo -N -o %N|%P`, the
+    config from the recorded `scontrol show config` (SlurmUser root(0))."""
+    from bluevela.site_checks import gather
+
+    monkeypatch.delenv("BV_HOOK_LOCK_WAIT_S", raising=False)
+    recorded = (REPO / "tests/data/slurm/show-config-22.05.txt").read_text()
+    answers = {"sinfo": "node1|debug*\nnode2|debug*\nnode2|gpu\nnode3|debug*\n",
+               "scontrol": recorded}
+
+    def run(argv: list[str] | tuple[str, ...], timeout: float
+            ) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(list(argv), 0, answers[argv[0]], "")
+
+    site = load_site(REPO / "site.yaml")
+    facts = gather(site, run=run, mountinfo="")
+    assert facts.sinfo_nodes == ("node1", "node2", "node3")
+    assert facts.config is not None and facts.config["PrologFlags"] == "Alloc"
+    assert facts.slurm_user_uid == 0
+    assert [f.message.split(" = ")[0] for f in facts.budget] == [
+        "prolog worst case 298 s", "epilog worst case 123 s"]
