@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from bluevela import __version__
+
 REPO = Path(__file__).resolve().parent.parent
 _CACHES = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".*")
 TOP_SKIP = {"tests", "benchmarks", "examples", "docs"}
@@ -176,7 +178,7 @@ def test_install_lays_out_the_node_idempotently_and_uninstalls_clean(
         k for k, v in t.items() if not v.startswith("dir")} - {"/opt/bluevela/install-manifest.json"}
 
     second = bv(venv, "install", "--root", str(root))
-    assert second.stdout.strip() == f"bv install: nothing to change (0.1.0, root {root})"
+    assert second.stdout.strip() == f"bv install: nothing to change ({__version__}, root {root})"
     assert tree(root) == t
 
     # An edited shim is put back (the package is the source of truth); nothing else moves.

@@ -363,9 +363,24 @@ def hooks_in_slurm_conf(root: Path) -> list[str]:
     try:
         text = path.read_text(errors="replace")
     except OSError:
-        return []
-    return [line.strip() for line in text.splitlines()
-            if f"{PREFIX}/prolog_epilog/" in line and not line.lstrip().startswith("#")]
+        text = ""
+    if str(root) == "/":
+        text += "\n" + _running_config()  # configless nodes have no slurm.conf of their own
+    found = [line.strip() for line in text.splitlines()
+             if f"{PREFIX}/prolog_epilog/" in line and not line.lstrip().startswith("#")]
+    return list(dict.fromkeys(found))
+
+
+def _running_config() -> str:
+    """`scontrol show config` when it answers within 15 s (else nothing: the file decides)."""
+    import subprocess
+
+    try:
+        p = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
+                           timeout=15, check=False, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return p.stdout if p.returncode == 0 else ""
 
 
 def _write_manifest(root: Path, items: list[Item], dirs: list[str], venv: Path) -> None:
