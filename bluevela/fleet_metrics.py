@@ -21,7 +21,15 @@ Families (docs/monitoring.md)::
 `source` is `bv` (a health check's drain), `nightly` (the acceptance run's) or `operator`
 (any reason without the site's prefix). Only drained nodes have a `_drained` series, so the
 cardinality is one series per node plus one per drained node. Slurm being unreachable writes
-`bluevela_fleet_scrape_success 0` and keeps no other family (stale data would look healthy).
+`bluevela_fleet_scrape_success 0` and keeps no other family (stale data would look healthy);
+every alert that reads these families is gated on a fresh, successful file
+(prolog_epilog/prometheus/bluevela.rules.yml), and BluevelaFleetViewStale fires without one.
+
+`reason` is free text from whoever drained the node: it is made one printable line and cut to
+`REASON_MAX_BYTES` UTF-8 bytes, below any `label_value_length_limit` a site sets in its scrape
+config (a longer value fails the whole scrape, every node's series with it). Run it as a
+daemon (`prolog_epilog/bv-fleet-metrics.service`, unprivileged); one failed cycle logs one line
+and the loop goes on.
 """
 
 from __future__ import annotations
@@ -43,6 +51,25 @@ from bluevela.slurm.client import NodeInfo, ReservationInfo
 logger = logging.getLogger(__name__)
 
 FLEET_FILE = "bluevela_fleet.prom"
+# Prometheus counts `label_value_length_limit` in bytes (len() of a Go string) and fails the
+# whole scrape above it. 128 bytes keeps a reason readable in an alert summary and fits any
+# limit a site is likely to set (sites that set one choose 256 or more); Slurm's own reasons
+# and bv's `bv: <check>: <summary>` are shorter.
+REASON_MAX_BYTES = 128
+_ELLIPSIS = "\u2026"
+
+
+def reason_label(reason: str) -> str:
+    """`reason` as one printable line of at most REASON_MAX_BYTES UTF-8 bytes (cut at a
+    character, ending in an ellipsis when cut); undecodable bytes already replaced by U+FFFD
+    and lone surrogates replaced here."""
+    text = reason.encode("utf-8", "replace").decode("utf-8")
+    text = "".join(ch if ch.isprintable() else " " for ch in text).strip()
+    raw = text.encode("utf-8")
+    if len(raw) <= REASON_MAX_BYTES:
+        return text
+    cut = raw[: REASON_MAX_BYTES - len(_ELLIPSIS.encode("utf-8"))]
+    return cut.decode("utf-8", "ignore").rstrip() + _ELLIPSIS
 
 
 def _class_of(site: Site, node: str) -> str:
@@ -89,12 +116,13 @@ def render_fleet(site: Site, nodes: Sequence[NodeInfo] | None,
                           "1 while the node runs a job (allocated, mixed, completing).",
                           [({"node": n.name}, 1 if _busy(n.state) else 0) for n in ordered])
     drained = [({"node": n.name, "class": _class_of(site, n.name),
-                 "source": source_of(site, n.reason), "reason": n.reason}, 1.0)
+                 "source": source_of(site, n.reason), "reason": reason_label(n.reason)}, 1.0)
                for n in ordered if n.drained]
     if drained:
         lines += family_lines("bluevela_slurm_node_drained", "gauge",
                               "1 for each drained or draining node; source bv, nightly or "
-                              "operator; reason as Slurm shows it.", drained)
+                              "operator; reason as Slurm shows it (one line, at most "
+                              f"{REASON_MAX_BYTES} bytes).", drained)
     parts = sorted({p for n in ordered for p in n.partitions})
     if any(not n.partitions for n in ordered):
         parts.append(NO_PARTITION)
@@ -167,7 +195,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             write_fleet(site, args.out)
         except OSError as exc:
-            print(f"bluevela fleet_metrics: cannot write {args.out}: {exc}", file=sys.stderr)
+            logger.error("cannot write %s: %s", args.out, str(exc).replace("\n", " "))
+            if not args.every:
+                return 1
+        except Exception as exc:  # noqa: BLE001 - a daemon: one bad cycle must not end it
+            # Whatever Slurm's output or a site's value does to one cycle, the next one runs;
+            # the file keeps its last timestamp, so BluevelaFleetViewStale says it is old.
+            first = (str(exc).splitlines() or [""])[0]
+            logger.error("cycle failed: %s: %s", type(exc).__name__, first)
             if not args.every:
                 return 1
         if not args.every or stop:

@@ -3,6 +3,10 @@
 Every alert gets three cases: it FIRES on the fault (after its `for:`), it stays SILENT on the
 healthy series, and it stays SILENT on noise: one bad scrape among good ones for a state, a
 counter reset or a rise below the threshold for a counter, a busy node for the stale file.
+An alert that reads the fleet view (`gated`) gets a fresh, successful one with every input,
+and three more cases where its fault is there but the view is not: Slurm did not answer (the
+file holds only `scrape_success 0`), the file is old, the file is gone; it must stay SILENT in
+each (BluevelaFleetViewStale fires instead, and has cases of its own for the same three).
 The expected annotations are rendered here from the rule file's templates (a small renderer
 of the few template forms the rules use), so promtool checks the text a person reads, too.
 
@@ -31,6 +35,8 @@ N1 = {"node": "node1", "instance": "node1:9100", "job": "node"}
 FLEET = {"instance": "ctl:9100", "job": "bluevela-fleet"}
 GPU3 = {"gpu": "3", "UUID": "GPU-3", "pci_bus_id": "00000000:5D:00.0", "device": "nvidia3"}
 GPU1 = {"gpu": "1", "UUID": "GPU-1", "pci_bus_id": "00000000:1B:00.0", "device": "nvidia1"}
+# A GPU NVML no longer lists: its XID series carry the PCI address alone (checks/gpu.py).
+GONE = {"pci_bus_id": "00000000:DB:00.0"}
 PORT = {"device": "mlx5_3", "port": "1"}
 PROM = "/var/lib/node_exporter/textfile/bluevela.prom"
 
@@ -52,6 +58,40 @@ class Case:
     labels: dict[str, str]  # the firing series' labels (before the rule's own)
     value: float
     extra: list[dict[str, str]] = field(default_factory=list)  # common to all three inputs
+    variant: str = ""  # a second case of the same alert: its name's suffix
+
+
+# The gate every alert that reads the fleet view carries (bluevela.rules.yml's header).
+FLEET_GATE = "bluevela_fleet_scrape_success == 1"
+
+
+FLEET_FAMILIES = ("bluevela_slurm_", "bluevela_breaker_")
+
+
+def fleet_ok(minutes: int) -> list[dict[str, str]]:
+    """A fleet file rewritten every minute, Slurm answering."""
+    return [series("bluevela_fleet_scrape_success", FLEET, f"1x{minutes}"),
+            series("bluevela_fleet_timestamp_seconds", FLEET, f"0+60x{minutes}")]
+
+
+def _without_fleet(inputs: list[dict[str, str]]) -> list[dict[str, str]]:
+    return [i for i in inputs if not i["series"].startswith(FLEET_FAMILIES)]
+
+
+def fleet_faults(inputs: list[dict[str, str]], minutes: int
+                 ) -> list[tuple[str, list[dict[str, str]]]]:
+    """(kind, inputs) of a gated alert's fault without a fresh, successful fleet view."""
+    return [
+        # What fleet_metrics writes when sinfo fails: no node families, a fresh timestamp.
+        ("silent when Slurm does not answer", _without_fleet(inputs) + [
+            series("bluevela_fleet_scrape_success", FLEET, f"0x{minutes}"),
+            series("bluevela_fleet_timestamp_seconds", FLEET, f"0+60x{minutes}")]),
+        # The writer stopped an hour ago; node_exporter still serves its last file.
+        ("silent on an old fleet view", inputs + [
+            series("bluevela_fleet_scrape_success", FLEET, f"1x{minutes}"),
+            series("bluevela_fleet_timestamp_seconds", FLEET, f"-3600x{minutes}")]),
+        ("silent without a fleet view", _without_fleet(inputs)),
+    ]
 
 
 def _up(n: str, at: int) -> dict[str, str]:
@@ -76,11 +116,19 @@ CASES: list[Case] = [
          [series("bluevela_gpu_gpus_count", N2, "8 7 8x9")],
          "8m", N2, 7,
          extra=[series("bluevela_node_gpus_expected", N2, "8x11")]),
+    # The GPU at DB:00 fell off the bus: NVML lists 7 GPUs, the XID 79 (then 154, reboot
+    # required: the last XID is no longer 79) is on a series of its PCI address alone.
     Case("BluevelaGpuFallenOffBus",
-         [series("bluevela_gpu_xid_errors", {**N2, **GPU3}, "0 79x10")],
-         [series("bluevela_gpu_xid_errors", {**N2, **GPU3}, "0x11")],
-         [series("bluevela_gpu_xid_errors", {**N2, **GPU3}, "0 79 0x9")],
-         "8m", {**N2, **GPU3}, 79),
+         [series("bluevela_gpu_xid_fallen_off_bus", {**N2, **GONE}, "_ 1x10"),
+          series("bluevela_gpu_xid_errors", {**N2, **GONE}, "_ 154x10")],
+         [series("bluevela_gpu_xid_fallen_off_bus", {**N2, **GPU3}, "0x11")],
+         [series("bluevela_gpu_xid_fallen_off_bus", {**N2, **GPU3}, "0 1 0x9")],
+         "8m", {**N2, **GONE}, 1),
+    # A GPU NVML still lists (the XID just logged): the same alert, the same flag.
+    Case("BluevelaGpuFallenOffBus",
+         [series("bluevela_gpu_xid_fallen_off_bus", {**N2, **GPU3}, "0 1x10")],
+         [], [],
+         "8m", {**N2, **GPU3}, 1, variant="still listed"),
     Case("BluevelaGpuXidNeedsReset",
          [series("bluevela_gpu_xid_critical", {**N2, **GPU3}, "0 48x10")],
          # XID 13 (an application's graphics exception) needs no reset: the check writes 0;
@@ -134,7 +182,8 @@ CASES: list[Case] = [
           series("bluevela_infiniband_state_id", {**N2, **PORT}, "4 1x12")],
          "10m", {}, 0,
          extra=[series("bluevela_infiniband_rate_bytes_per_second",
-                       {**N2, "device": "mlx5_0", "port": "1"}, "5e10x13")]),
+                       {**N2, "device": "mlx5_0", "port": "1"}, "5e10x13")],
+         variant="port down"),
     Case("BluevelaIbLinkFlapping",
          [series("bluevela_infiniband_link_downed_total", {**N2, **PORT}, "0x10 2x50")],
          [series("bluevela_infiniband_link_downed_total", {**N2, **PORT}, "3x61")],
@@ -149,6 +198,14 @@ CASES: list[Case] = [
          extra=[series(f"bluevela_infiniband_{c}_total", {**N2, **PORT}, "0x61")
                 for c in ("link_error_recovery", "port_errors_received",
                           "local_link_integrity_errors", "excessive_buffer_overrun_errors")]),
+    Case("BluevelaIbCounterSaturated",
+         [series("bluevela_infiniband_counter_saturated",
+                 {**N2, **PORT, "counter": "link_downed"}, "0 1x12")],
+         [series("bluevela_infiniband_counter_saturated",
+                 {**N2, **PORT, "counter": "link_downed"}, "0x13")],
+         [series("bluevela_infiniband_counter_saturated",
+                 {**N2, **PORT, "counter": "link_downed"}, "0 1 0x11")],
+         "10m", {**N2, **PORT, "counter": "link_downed"}, 1),
     Case("BluevelaMetricsStale",
          [series("node_textfile_mtime_seconds", {**N2, "file": PROM}, "0x240"),
           series("bluevela_slurm_node_busy", {**FLEET, "node": "node2"}, "0x240")],
@@ -230,6 +287,21 @@ CASES: list[Case] = [
          [series("bluevela_fleet_scrape_success", FLEET, "1 0 1x19"),
           series("bluevela_fleet_timestamp_seconds", FLEET, "0+60x20")],
          "15m", FLEET, 0),
+    # No fleet file was ever scraped (the writer never started, the exporter not scraped).
+    Case("BluevelaFleetViewStale",
+         [series("bluevela_node_status", N2, "0x30")], [], [],
+         "15m", {}, 1, variant="no fleet view"),
+    # The writer stopped; node_exporter serves its last file, Slurm's answer in it.
+    Case("BluevelaFleetViewStale",
+         [series("bluevela_fleet_scrape_success", FLEET, "1x30"),
+          series("bluevela_fleet_timestamp_seconds", FLEET, "0x30")], [], [],
+         "20m", FLEET, 1200, variant="old file"),
+    # The fleet host's node_exporter (or the file) is gone after 5 minutes.
+    Case("BluevelaFleetViewStale",
+         [series("bluevela_fleet_scrape_success", FLEET, "1x5 _x25"),
+          series("bluevela_fleet_timestamp_seconds", FLEET, "0+60x5 _x25"),
+          series("bluevela_node_status", N2, "0x30")], [], [],
+         "25m", {}, 1, variant="exporter gone"),
 ]
 
 
@@ -306,7 +378,7 @@ def build() -> dict[str, Any]:
         assert math.isfinite(c.value)
         labels = {**c.labels, **rule["labels"]}
         annotations = {k: render(v, labels, c.value) for k, v in rule["annotations"].items()}
-        name = c.alert if c.fault else f"{c.alert} (port down)"
+        name = f"{c.alert} ({c.variant})" if c.variant else c.alert
         expected = [{"exp_labels": labels, "exp_annotations": annotations}]
         # Silent means silent at every evaluation up to c.at, the noisy sample's own
         # included: there an alert without its `for:` would already fire.
@@ -314,17 +386,23 @@ def build() -> dict[str, Any]:
         step = max(1, end // 40)
         quiet = [{"eval_time": f"{m}m", "alertname": c.alert, "exp_alerts": []}
                  for m in range(step, end + 1, step)]
-        for kind, inputs, checks in (
-                ("fires on the fault", c.fault,
-                 [{"eval_time": c.at, "alertname": c.alert, "exp_alerts": expected}]),
-                ("silent when healthy", c.healthy, quiet),
-                ("silent on noise", c.noisy, quiet)):
-            if not inputs and not c.fault:
-                continue  # a case of one must-not-fire input only
+        gated = FLEET_GATE in rule["expr"]
+        extra = c.extra + (fleet_ok(end + 5) if gated else [])
+        kinds: list[tuple[str, list[dict[str, str]], list[dict[str, Any]]]] = [
+            ("fires on the fault", c.fault + extra if c.fault else [],
+             [{"eval_time": c.at, "alertname": c.alert, "exp_alerts": expected}]),
+            ("silent when healthy", c.healthy + extra if c.healthy else [], quiet),
+            ("silent on noise", c.noisy + extra if c.noisy else [], quiet)]
+        if gated and c.fault:
+            kinds += [(kind, inputs, quiet)
+                      for kind, inputs in fleet_faults(c.fault + c.extra, end + 5)]
+        for kind, inputs, checks in kinds:
+            if not inputs:
+                continue  # e.g. a variant with its fault only
             tests.append({
                 "name": f"{name}: {kind}",
                 "interval": "1m",
-                "input_series": inputs + c.extra,
+                "input_series": inputs,
                 "alert_rule_test": checks,
             })
     return {"rule_files": list(RULE_FILES), "evaluation_interval": "1m", "tests": tests}

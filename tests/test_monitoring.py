@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -64,6 +65,40 @@ def test_every_alert_has_fire_healthy_and_noise_cases() -> None:
                 if kind == "silent when healthy":
                     continue  # healthy = no drained series at all: covered by "noise"
             assert want in names, want
+
+
+def _reads_fleet_view(expr: str, fleet_records: set[str]) -> bool:
+    names = _names_in(expr) | set(re.findall(r"\b(bluevela:[a-z0-9_:]+)", expr))
+    return any(n.startswith(("bluevela_slurm_", "bluevela_breaker_")) or n in fleet_records
+               for n in names)
+
+
+def test_alerts_on_the_fleet_view_are_gated_and_tested_without_it() -> None:
+    """Every alert reading the fleet file's families (or a recording rule over them) carries the
+    freshness gate, and has its fault tested with Slurm not answering, an old file, no file."""
+    records = {r["record"]: r["expr"] for g in yaml.safe_load(
+        (RULES / "bluevela.recording.yml").read_text())["groups"] for r in g["rules"]}
+    fleet_records: set[str] = set()
+    for _ in range(3):  # records over records
+        fleet_records |= {r for r, e in records.items() if _reads_fleet_view(e, fleet_records)}
+    assert "bluevela:class_drained:ratio" in fleet_records
+    gate = re.compile(r"and on \(\) \(bluevela_fleet_scrape_success == 1\s+and on \(\) "
+                      r"\(time\(\) - bluevela_fleet_timestamp_seconds\) < 300\)$")
+    names = {t["name"] for t in yaml.safe_load(monitoring_cases.TEST_FILE.read_text())["tests"]}
+    gated = []
+    for name, rule in monitoring_cases.alert_rules().items():
+        if name == "BluevelaFleetViewStale" or not _reads_fleet_view(rule["expr"], fleet_records):
+            continue
+        gated.append(name)
+        assert gate.search(rule["expr"].strip()), f"{name}: not gated on a fresh fleet view"
+        assert f"{name}: silent when Slurm does not answer" in names, name
+        assert f"{name}: silent on an old fleet view" in names, name
+    assert sorted(gated) == sorted([
+        "BluevelaMetricsStale", "BluevelaNodeDrained", "BluevelaNightlyRegression",
+        "BluevelaClassDrainedHigh", "BluevelaFleetBreakerFull",
+        "BluevelaCriticalNodeNotDrained"])
+    for variant in ("no fleet view", "old file", "exporter gone"):
+        assert f"BluevelaFleetViewStale ({variant}): fires on the fault" in names
 
 
 def test_alert_conventions_and_runbooks() -> None:
@@ -173,7 +208,8 @@ def test_fleet_file_drains_sources_busy_and_breaker() -> None:
                if n == "bluevela_slurm_node_drained"}
     assert drained == {"node2": ("bv", "bv: ib: mlx5_3/1 state DOWN"),
                        "node3": ("nightly", "bv: nightly 2026-11-26: gemm low"),
-                       "node4": ("operator", 'maint "dimm" \\ swap\nnext')}
+                       # one line: the newline becomes a space; quotes and \\ escaped
+                       "node4": ("operator", 'maint "dimm" \\ swap next')}
     busy = {lab["node"]: v for n, lab, v in got if n == "bluevela_slurm_node_busy"}
     assert busy == {"node1": 1, "node2": 0, "node3": 1, "node4": 0, "node5": 0}
     classes = {lab["node"]: lab["class"] for n, lab, _ in got if n == "bluevela_slurm_node_info"}
@@ -191,6 +227,126 @@ def test_fleet_file_when_slurm_does_not_answer() -> None:
     assert {n for n, _, _ in got} == {"bluevela_fleet_scrape_success",
                                       "bluevela_fleet_timestamp_seconds"}
     assert next(v for n, _, v in got if n == "bluevela_fleet_scrape_success") == 0
+
+
+# -- from a real hook run's file to promtool's verdict --------------------------------------------
+
+
+def _hook_file(tmp: Path, root: Path, nvml: Path, kmsg: Path | None = None) -> str:
+    """bluevela.prom as a real epilog run writes it (actions: audit, so no drain is tried)."""
+    site = tmp / "site.yaml"
+    text = (REPO / "site.yaml").read_text()
+    text, n = re.subn(r"(?m)^health:\n", "health:\n  actions: audit\n", text)
+    assert n == 1
+    site.write_text(text)
+    env = {**os.environ, "BV_SITE": str(site), "BV_NODE_CLASS": "h100",
+           "BV_SYSFS_ROOT": str(root), "BV_NVML_SNAPSHOT": str(nvml),
+           "BV_STATE_DIR": str(tmp / "state"), "BV_METRICS_DIR": str(tmp / "metrics"),
+           "BV_SPOOL_DIR": str(tmp / "spool"), "SLURM_CONF": "/nonexistent",
+           "SLURMD_NODENAME": "node2", "SLURM_JOB_ID": "1", "BV_HOOK_LOG_LEVEL": "ERROR"}
+    if kmsg is not None:
+        env["BV_KMSG"] = str(kmsg)
+    subprocess.run([sys.executable, "-m", "bluevela.hooks", "epilog"], env=env,
+                   capture_output=True, text=True, timeout=120, check=False)
+    return (tmp / "metrics" / "bluevela.prom").read_text()
+
+
+def _series_text(v: float) -> str:
+    text = str(int(v)) if float(v).is_integer() else repr(float(v))
+    assert "e" not in text, text  # promtool's a+bxN notation has no exponent form
+    return text
+
+
+def _promtool_alerts(tmp: Path, text: str, minutes: int,
+                     expect: dict[str, list[tuple[dict[str, str], float]]]
+                     ) -> subprocess.CompletedProcess[str]:
+    """promtool over `text` scraped from node2 every minute for `minutes`: at the end, each
+    alert of `expect` fires with exactly the given (label set, value)s, the rule's own labels
+    added and its annotations rendered as a person reads them."""
+    node = {"node": "node2", "instance": "node2:9100", "job": "node"}
+    inputs = []
+    for name, lab, v in _fleet_samples(text):
+        if v != v:  # NaN
+            continue
+        body = ",".join(f'{k}="{val}"' for k, val in {**node, **lab}.items())
+        inputs.append({"series": f"{name}{{{body}}}", "values": f"{_series_text(v)}x{minutes}"})
+    rules = monitoring_cases.alert_rules()
+    def expected(alert: str, labels: dict[str, str], value: float) -> dict[str, Any]:
+        full = {**node, **labels, **rules[alert]["labels"]}
+        return {"exp_labels": full,
+                "exp_annotations": {k: monitoring_cases.render(v, full, value)
+                                    for k, v in rules[alert]["annotations"].items()}}
+
+    checks = [{"eval_time": f"{minutes}m", "alertname": alert,
+               "exp_alerts": [expected(alert, labels, value) for labels, value in want]}
+              for alert, want in expect.items()]
+    (tmp / "case.yml").write_text(yaml.safe_dump({
+        "rule_files": [str(RULES / "bluevela.rules.yml"), str(RULES / "bluevela.recording.yml")],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": inputs, "alert_rule_test": checks}]}))
+    return subprocess.run([PROMTOOL or "promtool", "test", "rules", str(tmp / "case.yml")],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def _out(p: subprocess.CompletedProcess[str]) -> str:
+    return p.stdout[-3000:] + p.stderr[-1000:]
+
+
+@needs_promtool
+def test_xid79_for_a_gpu_nvml_no_longer_lists_reaches_its_alert(tmp_path: Path) -> None:
+    fx = materialized()
+    # h100-gpu-missing: NVML lists 7 GPUs, the one at DB:00 is gone; the kernel logged, in its
+    # own format (tests/data/health/h100-gpu-xid79), XID 79 for that address, then 154.
+    kmsg = tmp_path / "kmsg"
+    kmsg.write_text(
+        "NVRM: Xid (PCI:0000:db:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off "
+        "the bus.\n"
+        "NVRM: Xid (PCI:0000:db:00): 154, GPU recovery action changed from 0x0 (None) to 0x2 "
+        "(Node Reboot Required)\n")
+    text = _hook_file(tmp_path, fx / "h100-gpu-missing" / "root",
+                      fx / "h100-gpu-missing" / "nvml.json", kmsg)
+    got = {(n, tuple(sorted(lab.items()))): v for n, lab, v in _fleet_samples(text)}
+    gone = (("Hostname", os.uname().nodename), ("pci_bus_id", "00000000:DB:00.0"))
+    assert got[("bluevela_gpu_xid_fallen_off_bus", gone)] == 1
+    assert got[("bluevela_gpu_xid_errors", gone)] == 154  # the last code is no longer 79
+    p = _promtool_alerts(tmp_path, text, 5, {
+        "BluevelaGpuFallenOffBus": [({"pci_bus_id": "00000000:DB:00.0",
+                                      "Hostname": os.uname().nodename}, 1)],
+        "BluevelaGpuMissing": [({}, 7)]})
+    assert p.returncode == 0, _out(p)
+    # The same node without the kernel lines: the GPU is missing, nothing fell off a bus.
+    (tmp_path / "h").mkdir()
+    (tmp_path / "empty").write_text("")
+    healthy = _hook_file(tmp_path / "h", fx / "h100-gpu-missing" / "root",
+                         fx / "h100-gpu-missing" / "nvml.json", tmp_path / "empty")
+    p = _promtool_alerts(tmp_path, healthy, 5, {"BluevelaGpuFallenOffBus": [],
+                                                 "BluevelaGpuMissing": [({}, 7)]})
+    assert p.returncode == 0, _out(p)
+
+
+@needs_promtool
+def test_saturated_ib_counters_reach_their_alert(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(materialized() / "h100-healthy" / "root", root, symlinks=True)
+    counters = root / "sys" / "class" / "infiniband" / "mlx5_3" / "ports" / "1" / "counters"
+    (counters / "link_downed").write_text("255\n")  # 8 bits: stuck at 255
+    (counters / "local_link_integrity_errors").write_text("15\n")  # 4 bits
+    (counters / "symbol_error").write_text("65534\n")  # 16 bits, one below: not saturated
+    (tmp_path / "empty").write_text("")
+    text = _hook_file(tmp_path, root, materialized() / "h100-healthy" / "nvml.json",
+                      tmp_path / "empty")
+    sat = {(lab["device"], lab["counter"]): v for n, lab, v in _fleet_samples(text)
+           if n == "bluevela_infiniband_counter_saturated"}
+    assert len(sat) == 12 * 8  # every PMA error counter of the 8 ports
+    assert {k for k, v in sat.items() if v == 1} == {("mlx5_3", "link_downed"),
+                                                      ("mlx5_3", "local_link_integrity_errors")}
+    port = {"device": "mlx5_3", "port": "1"}
+    p = _promtool_alerts(tmp_path, text, 30, {
+        "BluevelaIbCounterSaturated": [({**port, "counter": "link_downed"}, 1),
+                                       ({**port, "counter": "local_link_integrity_errors"}, 1)],
+        # why the alert exists: a counter stuck at its maximum never rises
+        "BluevelaIbLinkFlapping": [], "BluevelaIbErrorsRising": []})
+    assert p.returncode == 0, _out(p)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -171,6 +171,9 @@ GPU_FAMILIES: tuple[Family, ...] = (
            "Last XID on the GPU within gpu.xid_window_s that bv drains for (0: none).", "-"),
     Family("bluevela_gpu_xid_window_errors", "gauge", "xid_count",
            "XIDs on the GPU within gpu.xid_window_s.", "-"),
+    Family("bluevela_gpu_xid_fallen_off_bus", "gauge", "xid_fallen_off_bus",
+           "1 when the GPU's PCI address logged XID 79 (fallen off the bus) within "
+           "gpu.xid_window_s; also for an address NVML no longer lists.", "-"),
     Family("bluevela_gpu_foreign_processes", "gauge", "processes_count",
            "Compute processes on the GPU that are not the job's.", "-"),
     Family("bluevela_gpu_nvlink_down", "gauge", "nvlink_down_count",
@@ -217,13 +220,37 @@ _IB_GAUGES: dict[str, tuple[str, float, str]] = {
     "rate_gbps": ("rate_bytes_per_second", 1e9 / 8, "IB port link rate."),
 }
 _HW_NOT_COUNTERS = frozenset({"lifespan"})  # a refresh period (ms), not a count
+# The PMA PortCounters error fields and their widths, as the kernel reads them into sysfs
+# (drivers/infiniband/core/sysfs.c, PORT_PMA_ATTR): 4, 8 or 16 bits. The IBA spec has them
+# stop at all ones, not wrap, so a saturated counter never rises again and `increase()` reads
+# 0 on the worst ports: `bluevela_infiniband_counter_saturated` says so instead. (The data and
+# packet counters are 64-bit through PortCountersExtended; port_xmit_wait is a 32-bit congestion
+# count, not an error.)
+IB_COUNTER_MAX: dict[str, int] = {
+    "symbol_error": 0xFFFF,
+    "link_error_recovery": 0xFF,
+    "link_downed": 0xFF,
+    "port_rcv_errors": 0xFFFF,
+    "port_rcv_remote_physical_errors": 0xFFFF,
+    "port_rcv_switch_relay_errors": 0xFFFF,
+    "port_xmit_discards": 0xFFFF,
+    "port_xmit_constraint_errors": 0xFF,
+    "port_rcv_constraint_errors": 0xFF,
+    "local_link_integrity_errors": 0xF,
+    "excessive_buffer_overrun_errors": 0xF,
+    "VL15_dropped": 0xFFFF,
+}
+IB_SATURATED = "bluevela_infiniband_counter_saturated"
 
 
 def _gpu_labels(labels: Mapping[str, str], hostname: str) -> dict[str, str]:
     """dcgm-exporter's label set: gpu, UUID, pci_bus_id, device, modelName, Hostname."""
-    out = {"gpu": labels.get("gpu", ""), "UUID": labels.get("uuid", ""),
+    gpu = labels.get("gpu", "")
+    # A GPU NVML no longer lists (fallen off the bus) has only its PCI address: no index,
+    # UUID or device node.
+    out = {"gpu": gpu, "UUID": labels.get("uuid", ""),
            "pci_bus_id": labels.get("pci_bus_id", ""),
-           "device": f"nvidia{labels.get('gpu', '')}", "modelName": labels.get("model", ""),
+           "device": f"nvidia{gpu}" if gpu else "", "modelName": labels.get("model", ""),
            "Hostname": hostname}
     return {k: v for k, v in out.items() if v}
 
@@ -245,14 +272,21 @@ def _component_samples(results: list[CheckResult], hostname: str
                     if f.key in values:
                         add(f.name, f.type, f.help, lab, values[f.key] * f.factor)
             elif comp["kind"] == "ib_port":
-                lab = _labels({"device": comp["labels"].get("device", ""),
-                               "port": comp["labels"].get("port", "")})
+                port = {"device": comp["labels"].get("device", ""),
+                        "port": comp["labels"].get("port", "")}
+                lab = _labels(port)
                 for key, v in values.items():
                     if key.startswith("counter_"):
                         raw = key[len("counter_"):]
                         name, factor = _IB_COUNTERS.get(raw, (f"{_name(raw)}_total", 1.0))
                         add(f"bluevela_infiniband_{name}", "counter",
                             f"InfiniBand port counter {raw}.", lab, v * factor)
+                        if raw in IB_COUNTER_MAX:
+                            add(IB_SATURATED, "gauge",
+                                "1 when the port's error counter stopped at its maximum (PMA "
+                                "widths: 4, 8 or 16 bits); increase() no longer sees it rise.",
+                                _labels({**port, "counter": raw}),
+                                1.0 if v >= IB_COUNTER_MAX[raw] else 0.0)
                     elif key.startswith("hw_counter_"):
                         raw = key[len("hw_counter_"):]
                         if raw not in _HW_NOT_COUNTERS:
