@@ -35,6 +35,16 @@ _UNITS = {"util_pct": ("GPU utilisation", "%", 0.0, 100.0),
           "sm_clock_mhz": ("SM clock", " MHz", None, None)}
 
 
+def _range(lo: float, hi: float, unit: str, *, from_zero: bool = False) -> tuple[float, float]:
+    """An axis or colour range over `lo`..`hi` read at a glance: at least 10 points of a
+    percentage (0-100) or 10 % of a power or clock, so the noise of a flat job looks as small
+    as it is; a share of throttled time from 0."""
+    if unit.strip() == "%":
+        return page.readable_range(lo, hi, 10.0, lower=0.0, upper=100.0, from_zero=from_zero)
+    return page.readable_range(lo, hi, 0.1 * max(abs(lo), abs(hi)), lower=0.0,
+                               from_zero=from_zero)
+
+
 def _time_axis(ax: Any, span: float) -> None:
     """x: time since the first sample, as durations."""
     from matplotlib.ticker import FixedLocator, FuncFormatter
@@ -88,9 +98,10 @@ def _heatmap(values: np.ndarray, title: str, lo: float, hi: float, nodes: Sequen
 
 
 def _histogram(values: np.ndarray, names: Sequence[str], title: str, unit: str,
-               marked: dict[str, str]) -> str:
-    """Distribution of per-unit values (log-scaled counts); bars holding a straggler red,
-    stragglers named below."""
+               marked: dict[str, str], *, from_zero: bool = False) -> str:
+    """Distribution of per-unit values (log-scaled counts) on an axis read at a glance
+    (`_range`; "all equal" when they are); bars holding a straggler red, stragglers named
+    below."""
     import numpy as np
     from matplotlib.ticker import NullLocator
 
@@ -98,15 +109,16 @@ def _histogram(values: np.ndarray, names: Sequence[str], title: str, unit: str,
     if not ok.any():
         return ""
     v = values[ok]
-    lo, hi = float(v.min()), float(v.max())
-    if hi - lo < 1e-9:
-        lo, hi = lo - 1, hi + 1
+    equal = float(v.max()) - float(v.min()) < 1e-9
+    lo, hi = _range(float(v.min()), float(v.max()), unit, from_zero=from_zero)
     bins = 40
     counts, edges = np.histogram(v, bins=bins, range=(lo, hi))
     which = np.clip(((np.nan_to_num(values, nan=lo) - lo) / (hi - lo) * bins).astype(int),
                     0, bins - 1)
     red = {int(which[i]) for i, nm in enumerate(names) if nm in marked and ok[i]}
     nd = 0 if hi - lo >= 10 else 1 if hi - lo >= 1 else 2
+    spread = (f"all equal: {v[0]:.{nd + 1}f}{unit}" if equal else
+              f"{float(v.min()):.{nd + 1}f}–{float(v.max()):.{nd + 1}f}{unit}")
     seen: dict[str, float] = {}  # one label per straggler (a whole node: its first GPU)
     for i, nm in enumerate(names):
         if nm in marked and ok[i] and marked[nm] not in seen:
@@ -126,7 +138,8 @@ def _histogram(values: np.ndarray, names: Sequence[str], title: str, unit: str,
     ax.yaxis.set_major_formatter("{x:g}")  # 1, 10, 100: plain text, no mathtext
     ax.set_xlim(lo, hi)
     ax.set_title(title)
-    ax.set_title(f"{len(v)} values, log-scaled counts", loc="right", color="#666")
+    ax.set_title(f"{len(v)} values, {spread}; log-scaled counts", loc="right",
+                 color="#666")
     ax.xaxis.set_major_formatter(f"{{x:.{nd}f}}{unit}")
     for j, (x, nm) in enumerate(labels):
         ax.annotate(f"{nm} {x:.{nd}f}{unit}", xy=(x, 0), xycoords=("data", "axes fraction"),
@@ -145,10 +158,8 @@ def _line_chart(line: dict[str, Any], times: np.ndarray, steady: np.ndarray) -> 
     allv = np.concatenate([series[np.isfinite(series)], band[np.isfinite(band)]])
     if not len(allv):
         return ""
-    lo = float(allv.min()) if lo is None else lo
-    hi = float(allv.max()) if hi is None else hi
-    if hi - lo < 1e-9:
-        hi = lo + 1
+    if lo is None or hi is None:
+        lo, hi = _range(float(allv.min()), float(allv.max()), unit)
     b = len(series)
     span = float(times[-1] - times[0]) if len(times) > 1 else float(max(b - 1, 1))
     x = np.linspace(0, span, b)
@@ -207,7 +218,9 @@ def _ledger_timeline(led: dict[str, Any]) -> str:
         ax.axvline(x, color="#d62728", linewidth=1, linestyle=":")
         ax.annotate(intr["cause"][:60], (x, y - 0.34), fontsize=8, color="#d62728",
                     ha="left", va="bottom", xytext=(3, 0), textcoords="offset points")
-    ax.set_yticks(range(len(rows)), [f"attempt {r}" for r in rows])
+    # the ledger's attempt 0 holds only the wait before the first start (attempts count from
+    # 1): it is the queue, not an attempt
+    ax.set_yticks(range(len(rows)), ["queued" if r == 0 else f"attempt {r}" for r in rows])
     ax.set_ylim(len(rows) - 0.5, -0.8)  # top to bottom, room above the first row
     _time_axis(ax, span)
     ax.set_xlim(0, span)
@@ -295,8 +308,8 @@ def render_html(eff: Efficiency, goodput: dict[str, Any] | None = None) -> str:
         if metric != "cpu_throttled_pct":  # colours over the steady state's own range
             fin = values[:, steady] if steady.any() else values
             fin = fin[np.isfinite(fin)]
-            lo, hi = (float(np.percentile(fin, 0.05)), float(np.percentile(fin, 99.95))) \
-                if len(fin) else (0.0, 1.0)
+            lo, hi = _range(float(np.percentile(fin, 0.05)), float(np.percentile(fin, 99.95)),
+                            unit) if len(fin) else (0.0, 1.0)
         over = " (its lowest GPU in each bin)" if metric in ("util_pct", "power_w") else ""
         out.append(f"<h2>{esc(title)} per node over time</h2><p class='note'>One row per node"
                    f"{over}, one column per {_dur(bins['bin_s'])}; colours {lo:.0f}–{hi:.0f}"
@@ -328,7 +341,8 @@ def render_html(eff: Efficiency, goodput: dict[str, Any] | None = None) -> str:
         if np.isfinite(vals).any():
             marks = {s.node: s.node for s in eff.stragglers
                      if any(m in s.metrics for m in metrics)}
-            out.append(_histogram(vals, names, title, unit, marks))
+            out.append(_histogram(vals, names, title, unit, marks,
+                                  from_zero=key == "cpu_throttled_pct"))
 
     if bins.get("lines"):
         out.append("<h2>Stragglers over time</h2>")

@@ -50,7 +50,8 @@ padding:3px 8px;text-align:left;vertical-align:top}th{background:#f5f5f5}
 border-radius:6px;padding:8px 12px;min-width:140px}.tile b{display:block;font-size:20px}
 .tile>span{color:#666;font-size:12px}
 .badge{display:inline-block;padding:2px 8px;border-radius:4px;color:#fff;font-weight:bold}
-svg{max-width:100%;height:auto}
+svg{max-width:100%;height:auto}svg *{stroke-linejoin:round;stroke-linecap:butt}
+svg text{font-family:"DejaVu Sans",sans-serif}
 """
 
 
@@ -139,36 +140,181 @@ def mpl() -> Any:
 
 
 def figure(width_px: float, height_px: float) -> Figure:
-    """A new figure of this size in CSS pixels (no pyplot state: nothing to close)."""
+    """A new figure of this size in CSS pixels (no pyplot state: nothing to close), drawn
+    without a background of its own: the page's is white."""
     mpl()
     from matplotlib.figure import Figure
 
-    return Figure(figsize=(width_px / 72, height_px / 72), dpi=72)
+    fig = Figure(figsize=(width_px / 72, height_px / 72), dpi=72)
+    fig.patch.set_visible(False)
+    return fig
 
 
-def svg(fig: Figure, label: str, cls: str = "", tight: bool = False) -> str:
+def dot() -> Any:
+    """A round marker (`marker=page.dot()`) drawn with 4 curves: matplotlib's "o" has 8, and
+    a page of small trend charts repeats its definition in each."""
+    mpl()
+    from matplotlib.path import Path as MPath
+
+    k = 0.5523  # a cubic Bezier's control distance for a quarter circle
+    v = [(1, 0), (1, k), (k, 1), (0, 1), (-k, 1), (-1, k), (-1, 0), (-1, -k), (-k, -1), (0, -1),
+         (k, -1), (1, -k), (1, 0), (0, 0)]
+    return MPath(v, [MPath.MOVETO, *[MPath.CURVE4] * 12, MPath.CLOSEPOLY])
+
+
+def readable_range(lo: float, hi: float, min_span: float, *, lower: float | None = None,
+                   upper: float | None = None, from_zero: bool = False) -> tuple[float, float]:
+    """An axis (or colour) range over the values `lo`..`hi` that a person reads at a glance:
+    at least `min_span` wide, centred on the values (a spread of 0.2 points on a 10-point
+    axis looks as small as it is), shifted inside `lower`..`upper`, from 0 with `from_zero`,
+    and widened to round numbers."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return (0.0, 1.0)
+    lo, hi = min(lo, hi), max(lo, hi)
+    min_span = min_span if min_span > 0 else (max(abs(lo), abs(hi)) or 1.0)
+    if from_zero:
+        lo = min(lo, 0.0)
+    span = max(hi - lo, min_span)
+    # round numbers at about a twentieth of the span: the values keep most of it
+    step = 10 ** math.floor(math.log10(span / 20))
+    step *= next(m for m in (1, 2, 2.5, 5, 10) if step * m >= span / 20)
+    if hi - lo < min_span:
+        if from_zero:
+            hi = lo + min_span
+        else:
+            mid = round((lo + hi) / 2 / step) * step
+            lo, hi = mid - min_span / 2, mid + min_span / 2
+    if lower is not None and lo < lower:
+        lo, hi = lower, hi + (lower - lo)
+    if upper is not None and hi > upper:
+        lo, hi = lo - (hi - upper), upper
+    lo, hi = math.floor(lo / step + 1e-9) * step, math.ceil(hi / step - 1e-9) * step
+    if lower is not None:
+        lo = max(lo, lower)
+    if upper is not None:
+        hi = min(hi, upper)
+    return (float(lo), float(hi))
+
+
+_SVG = "http://www.w3.org/2000/svg"
+_XLINK = "{http://www.w3.org/1999/xlink}href"
+# matplotlib's own ids ("figure_1", "xtick_3", "matplotlib.axis_2"): none is referenced; the
+# ids a page gives (gid="series", "cell-1-2") and the defs' hashed ids are kept
+_AUTO_ID = re.compile(r"^[A-Za-z][A-Za-z0-9.]*_\d+$")
+_NUMERIC = ("x", "y", "width", "height", "x1", "x2", "y1", "y2", "cx", "cy", "r")
+_FRACTION = re.compile(r"(\.\d)\d+")
+
+
+def svg(fig: Figure, label: str, cls: str = "", tight: bool = False,
+        titles: dict[str, list[str]] | None = None) -> str:
     """`fig` as an inline `<svg>` element with an accessible label (and a class for the
-    page's layout and its tests)."""
+    page's layout and its tests).
+
+    Args:
+        titles: gid -> texts: the k-th marker (`<use>`) drawn by the artist with that gid
+            gets the k-th text as its `<title>`, which a browser shows on hover; an artist
+            without markers (a patch) gets the first text.
+    """
+    import xml.etree.ElementTree as ET
+
     buf = io.StringIO()
     fig.savefig(buf, format="svg", metadata={"Date": None},
                 bbox_inches="tight" if tight else None)
     text = buf.getvalue()
     text = text[text.index("<svg"):]
-    text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)
     text = re.sub(r"data:image/png;base64,\s*([A-Za-z0-9+/=\s]+)", _palette_png, text)
-    # path coordinates to 0.1 px on one line (matplotlib writes 6 decimals and a newline per
-    # point: half the bytes of a long line), and no indentation between elements
-    text = re.sub(r' d="([^"]*)"', lambda m: ' d="' + " ".join(
-        re.sub(r"(\.\d)\d+", r"\1", m.group(1)).split()) + '"', text)
-    text = re.sub(r">\s+<", "><", text)
-    # the figure was sized in CSS pixels (72 dpi: one point is one pixel), not in points
-    text = re.sub(r'^(<svg [^>]*?width=")([\d.]+)pt(" height=")([\d.]+)pt"', r'\1\2\3\4"', text,
-                  count=1)
-    # inline in HTML, SVG 2's plain `href` needs no xlink namespace
-    text = text.replace(' xmlns:xlink="http://www.w3.org/1999/xlink"', "", 1)
-    text = text.replace("xlink:href=", "href=")
-    attrs = f'role="img" aria-label="{esc(label)}" ' + (f'class="{esc(cls)}" ' if cls else "")
-    return text.replace("<svg ", f"<svg {attrs}", 1)
+    root = ET.fromstring(text)
+    for el in root.iter():
+        _tidy(el)
+    _unwrap(root)
+    _share_marker_styles(root)
+    if titles:
+        for group in [el for el in root.iter() if el.get("id") in titles]:
+            texts = titles[group.get("id", "")]
+            marks = list(group.iter(f"{{{_SVG}}}use")) or [group]
+            for el, t in zip(marks, texts, strict=False):
+                ET.SubElement(el, f"{{{_SVG}}}title").text = t
+    attrs = {"role": "img", "aria-label": label, **({"class": cls} if cls else {})}
+    for k in ("version",):
+        root.attrib.pop(k, None)
+    for k in ("width", "height"):
+        # the figure was sized in CSS pixels (72 dpi: one point is one pixel), not in points
+        root.set(k, root.get(k, "").removesuffix("pt"))
+    root.attrib = {**attrs, **root.attrib}
+    ET.register_namespace("", _SVG)
+    # inline in HTML an <svg> is in the SVG namespace without saying so
+    return ET.tostring(root, encoding="unicode").replace(" />", "/>").replace(
+        f' xmlns="{_SVG}"', "", 1)
+
+
+def _tidy(el: Any) -> None:
+    """One element of matplotlib's SVG, smaller and the same to the eye: no automatic id, no
+    identity rotation, coordinates to 0.1 px, compact styles (the page's CSS names the font
+    and the line joins once), SVG 2's plain `href`."""
+    a = el.attrib
+    tag = el.tag.rpartition("}")[2]
+    el.tail = None  # matplotlib's indentation
+    if el.text is not None and not el.text.strip() and tag != "text":
+        el.text = None
+    if tag == "metadata" or (tag == "style" and "stroke-linejoin" in (el.text or "")):
+        el.text, el.tag = None, "_drop"
+        return
+    if _AUTO_ID.match(a.get("id", "")):
+        del a["id"]
+    if re.fullmatch(r"rotate\(-?0 [^)]*\)", a.get("transform", "")):
+        del a["transform"]
+    for k in _NUMERIC:
+        if k in a:
+            a[k] = _FRACTION.sub(r"\1", a[k]).removesuffix(".0")
+    if "d" in a:  # "M 1.25 2 L 3 -4" -> "M1.2 2L3-4"
+        d = " ".join(_FRACTION.sub(r"\1", a["d"]).split())
+        a["d"] = re.sub(r" ?([A-Za-z]) ?", r"\1", d).replace(" -", "-")
+    if "style" in a:
+        style = re.sub(r"\s*([:;])\s*", r"\1", a["style"].strip())
+        style = re.sub(r"#([0-9a-f])\1([0-9a-f])\2([0-9a-f])\3\b", r"#\1\2\3", style)
+        style = re.sub(r"font-family:'DejaVu Sans', ?sans-serif;?", "", style)
+        if style.rstrip(";"):
+            a["style"] = style.rstrip(";")
+        else:
+            del a["style"]
+    if _XLINK in a:
+        a["href"] = a.pop(_XLINK)
+
+
+def _share_marker_styles(root: Any) -> None:
+    """matplotlib styles each marker (`<use>`) alike: where every use of a definition has the
+    same style, it moves onto the definition, said once (a property a use sets is inherited
+    by its copy of the definition, whose own properties win: the same pixels)."""
+    defs = {el.get("id"): el for el in root.iter() if el.get("id")}
+    uses: dict[str, list[Any]] = {}
+    for el in root.iter(f"{{{_SVG}}}use"):
+        uses.setdefault(el.get("href", "").removeprefix("#"), []).append(el)
+    for ref, group in uses.items():
+        styles = {el.get("style") for el in group}
+        target = defs.get(ref)
+        if target is None or len(styles) != 1 or None in styles:
+            continue
+        props = dict(kv.split(":", 1) for kv in f"{styles.pop()};{target.get('style', '')}"
+                     .split(";") if ":" in kv)
+        target.set("style", ";".join(f"{k}:{v}" for k, v in props.items()))
+        for el in group:
+            del el.attrib["style"]
+
+
+def _unwrap(el: Any) -> None:
+    """Hoist the children of attribute-less `<g>` groups and drop emptied `<defs>` (what
+    is left of matplotlib's nesting once its ids are gone)."""
+    out: list[Any] = []
+    for child in list(el):
+        _unwrap(child)
+        tag = child.tag.rpartition("}")[2]
+        if tag == "_drop":
+            continue
+        if (tag == "g" and not child.attrib) or (tag == "defs" and not len(child)):
+            out.extend(child)
+        else:
+            out.append(child)
+    el[:] = out
 
 
 def _palette_png(m: re.Match[str]) -> str:
