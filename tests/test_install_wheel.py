@@ -205,6 +205,11 @@ def test_install_lays_out_the_node_idempotently_and_uninstalls_clean(
     # Uninstall: everything it laid out, the directories it made, nothing else.
     keep = root / "etc/bluevela/site.yaml"
     keep.write_text("cluster: x\n")
+    before = tree(root)
+    dry_un = bv(venv, "install", "--root", str(root), "--uninstall", "--dry-run")
+    assert "remove  /opt/bluevela/prolog_epilog/prolog" in dry_un.stdout
+    assert "remove  /opt/bluevela/" in dry_un.stdout.splitlines()  # it would be empty then
+    assert "dry run, nothing written" in dry_un.stdout and tree(root) == before
     un = bv(venv, "install", "--root", str(root), "--uninstall")
     assert "kept /etc/bluevela/: not empty" in un.stdout
     assert tree(root) == {"/etc": "dir 0755", "/etc/bluevela": "dir 0755",
