@@ -91,6 +91,13 @@ def test_guarded_argv_only_for_torchs_torchrun_of_this_python(tmp_path: Path) ->
     _script(wrap / "torchrun", f"#!{bindir}/python\nimport os\n")
     assert guarded_argv(argv, python, path=str(wrap)) is None
     assert guarded_argv(["no-such-torchrun"], python, path=str(bindir)) is None
+    # A pyenv shim runs the same name of the current version: the torchrun beside `python`.
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    _script(shims / "torchrun", '#!/usr/bin/env bash\nprogram="${0##*/}"\n'
+            'exec "/root/.pyenv/libexec/pyenv" exec "$program" "$@"\n')
+    assert guarded_argv(argv, python, path=str(shims)) == [
+        python, "-P", "-m", "bluevela.launch.rdzv_guard", str(torchrun), *argv[1:]]
     assert guarded_argv([], python) is None
 
 

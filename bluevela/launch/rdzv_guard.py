@@ -39,6 +39,7 @@ ALLOWED = frozenset({
     ("datetime", "timedelta"),
 })
 TORCHRUN_MARK = b"from torch.distributed.run import main"
+PYENV_SHIM_MARK = b'pyenv" exec "$program"'  # a pyenv shim: runs the same name of the current version
 
 
 class StateUnpickler(pickle.Unpickler):
@@ -88,11 +89,11 @@ def guarded_argv(argv: Sequence[str], python: str = sys.executable,
     found = shutil.which(argv[0], path=path if path is not None else os.environ.get("PATH"))
     if found is None:
         return None
-    try:
-        with open(found, "rb") as fh:
-            head = fh.read(4096)
-    except OSError:
-        return None
+    head = _head(found)
+    if PYENV_SHIM_MARK in head:
+        # The shim would run this name from the current pyenv version: the one `python` is.
+        found = os.path.join(os.path.dirname(python), os.path.basename(found))
+        head = _head(found)
     first = head.split(b"\n", 1)[0]
     if not first.startswith(b"#!") or TORCHRUN_MARK not in head:
         return None
@@ -100,6 +101,14 @@ def guarded_argv(argv: Sequence[str], python: str = sys.executable,
     if os.path.dirname(interpreter) != os.path.dirname(python):
         return None
     return [python, "-P", "-m", "bluevela.launch.rdzv_guard", found, *argv[1:]]
+
+
+def _head(path: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4096)
+    except OSError:
+        return b""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
