@@ -314,3 +314,23 @@ def test_epilog_slurmctld_fails_open_and_logs_each_run(tmp_path: Path, syslog: S
     assert p.returncode == 0, p.stderr
     lines = syslog.lines()
     assert len(lines) == 1 and "epilog_slurmctld job=51 action=ingested" in lines[0], lines
+
+
+def test_an_error_inside_the_hook_leaves_one_line(tmp_path: Path, syslog: SyslogSocket,
+                                                  repo_python: Path) -> None:
+    """A site.yaml that does not load (caught by run_hook itself): exit 0, one hook-error
+    line naming the problem; the same through `python -m bluevela.hooks` as through a shim."""
+    hook_env = tmp_path / "hook.env"
+    hook_env.write_text(f"BV_SITE={tmp_path / 'missing' / 'site.yaml'}\n"
+                        f"BV_SYSLOG_SOCKET={syslog.path}\nBV_SYSLOG_FACILITY=local3\n")
+    hook_env.chmod(0o644)
+    p = subprocess.run([str(repo_python), "-I", "-m", "bluevela.hooks", "prolog"],
+                       env={"BV_HOOK_ENV": str(hook_env), "SLURMD_NODENAME": "gpu001",
+                            "SLURM_JOB_ID": "9"},
+                       cwd="/", capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 0, p.stderr
+    lines = syslog.lines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("<155>")  # local3.err
+    assert "prolog job=9 node=gpu001 verdict=none action=hook-error" in lines[0]
+    assert "SiteConfigError" in lines[0] and "cannot read site file" in lines[0]

@@ -4,7 +4,7 @@ switch act nowhere, and every hook run leaves one syslog line (a real datagram s
 by the test, named by BV_SYSLOG_SOCKET in each node's hook.env).
 
 Before the fix (9058adc) node1/node2's prologs exited 1 (ModuleNotFoundError) and Slurm
-drained both "Prolog error". One test, three short jobs (~20 s here):
+drained both "Prolog error". One test, three short jobs and a healthcheck (~15 s here):
 
     BV_DEVCLUSTER_ID=6 python -m pytest tests/test_hooks_failopen_cluster.py
 """
@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import DevCluster
 from tests.fixture_trees import materialized
+from tests.test_hooks_cluster import run_in_node
 from tests.test_hooks_failopen import SYSTEM_PY, SyslogSocket, half_installed, needs_system_py
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, needs_system_py]
@@ -135,5 +136,18 @@ def test_broken_install_audit_and_kill_switch_act_nowhere(cluster: DevCluster,
         assert node_state(cluster, "node3") == ("idle", "")
         out = cluster.run(["scontrol", "show", "reservation", "-o"], check=False).stdout
         assert "bv-drain-" not in out  # not even a breaker slot was taken
+
+        # 4. ... nor a resume: node3 passes again, drained by bv, and its healthcheck leaves it.
+        cluster.set_hook_env("node3",
+                             BV_SYSFS_ROOT=str(FIXTURES / "h100-healthy" / "root"),
+                             BV_NVML_SNAPSHOT=str(FIXTURES / "h100-healthy" / "nvml.json"))
+        cluster.run(["scontrol", "update", "NodeName=node3", "State=DRAIN",
+                     "Reason=bv: ib: mlx5_3/1 state DOWN"])
+        hc = run_in_node(cluster, "node3", "healthcheck")
+        assert hc.returncode == 0, hc.stderr
+        lines = lines_of(syslog, 1)
+        assert len(lines) == 1 and "healthcheck node=node3 " in lines[0], lines
+        assert "action=off-would-resume" in lines[0] and "reservation bv-actions-off" in lines[0]
+        assert node_state(cluster, "node3") == ("drained", "bv: ib: mlx5_3/1 state DOWN")
     finally:
         syslog.close()

@@ -1,8 +1,12 @@
 """The Slurm Prolog / Epilog / HealthCheckProgram entry points.
 
-`prolog_epilog/{prolog,epilog,healthcheck}` are thin shell shims that exec
-`python -m bluevela.hooks <phase>`; `bv hook <phase>` is the same entry. This package stays
-light (no click, no torch, no pynvml at import): the prolog's quick path is timed.
+`prolog_epilog/{prolog,epilog,healthcheck}` are thin shell shims that run
+`bluevela.hooks.phases.run_hook(<phase>)` with `python -I -c` and fail open: only run_hook's
+deliberate exit 1 (the prolog keeping a job off a failing node) reaches Slurm, as 100 -> 1;
+a package that does not import, a crash or a missing interpreter exits 0 with one syslog line
+(docs/health.md, "A broken install cannot drain the fleet"). `python -m bluevela.hooks
+<phase>` and `bv hook <phase>` are the same entry, with run_hook's own exit code. This package
+stays light (no click, no torch, no pynvml at import): the prolog's quick path is timed.
 """
 
 from __future__ import annotations
