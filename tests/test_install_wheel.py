@@ -279,6 +279,12 @@ def test_refusals_are_one_line(built: tuple[Path, Path], tmp_path: Path) -> None
     assert "group/other-writable" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert not (root / "opt/bluevela/current").exists()
     (root / "opt/bluevela").chmod(0o755)
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "etc").write_text("a file where a directory belongs")
+    p = bv(venv, "install", "--root", str(blocked), check=False)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith("bv: error: ") and len(p.stderr.strip().splitlines()) == 1
     p = bv(venv, "install", "--root", "relative/dir", check=False)
     assert p.returncode != 0 and "not an existing absolute directory" in p.stderr
     # Uninstall while slurm.conf still runs the shims: Slurm would drain every node.

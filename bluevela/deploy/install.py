@@ -404,7 +404,20 @@ def install(root: str | os.PathLike[str] = "/", *, dry_run: bool = False,
         root: `/` on a node; a staging directory for an image or a test.
         dry_run: report what would change, write nothing.
         venv: the venv `current` names (default: the one this interpreter runs in).
+
+    Raises:
+        InstallError: a refusal, or a file system error (one line: the path and why). Files
+            written before it are whole (each replaced by a rename), the manifest is written
+            last: run bv install again once the cause is fixed.
     """
+    try:
+        return _install(root, dry_run=dry_run, venv=venv)
+    except OSError as exc:
+        where = exc.filename or root
+        raise InstallError(f"{where}: {exc.strerror or exc}") from exc
+
+
+def _install(root: str | os.PathLike[str], *, dry_run: bool, venv: Path | None) -> Result:
     base = Path(root)
     if not base.is_absolute() or not base.is_dir():
         raise InstallError(f"--root {root}: not an existing absolute directory")
@@ -450,6 +463,13 @@ def uninstall(root: str | os.PathLike[str] = "/", *, dry_run: bool = False,
 
     Refused while slurm.conf still names a shim (unless `force`): take the hooks out of
     slurm.conf first (docs/install.md 8)."""
+    try:
+        return _uninstall(root, dry_run=dry_run, force=force)
+    except OSError as exc:
+        raise InstallError(f"{exc.filename or root}: {exc.strerror or exc}") from exc
+
+
+def _uninstall(root: str | os.PathLike[str], *, dry_run: bool, force: bool) -> Result:
     base = Path(root)
     if not base.is_absolute() or not base.is_dir():
         raise InstallError(f"--root {root}: not an existing absolute directory")
