@@ -19,13 +19,14 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import hostlist
 import pytest
 import yaml
 
-from tests.conftest import DEVCLUSTER, REPO, DevCluster
+from tests.conftest import DEVCLUSTER, HOSTILE, REPO, DevCluster
 from tests.test_recovery_cluster import BANNER, END, _finish, _output, _wait_for
 
 pytestmark = pytest.mark.cluster
@@ -40,13 +41,14 @@ def _site_with_grow(tmp_path: Path, deadline_s: float) -> Path:
 
 
 def _run_crash(cluster: DevCluster, workdir: Path, site: Path,
-               before_crash: list[str] | None = None) -> tuple[str, str, str]:
-    """Submit, crash the second node at step 9, wait for the end. (output, crashed node, job
-    id). `before_crash`: a command run just before the crash."""
+               before_crash: list[str] | None = None,
+               options: Sequence[str] = ()) -> tuple[str, str, str]:
+    """Submit (with `options`), crash the second node at step 9, wait for the end. (output,
+    crashed node, job id). `before_crash`: a command run just before the crash."""
     workdir.mkdir()
     proc = subprocess.Popen(
         [sys.executable, "-m", "bluevela", "submit", "--wait", "-N", "2", "--procs-per-node",
-         "1", str(REPO / "examples" / "train_ddp.py"), "--ckpt-dir", str(workdir / "ckpt"),
+         "1", *options, str(REPO / "examples" / "train_ddp.py"), "--ckpt-dir", str(workdir / "ckpt"),
          "--steps", "24", "--step-s", "0.4", "--ckpt-every", "4"],
         cwd=workdir, env=cluster.environ(BV_SITE=str(site)), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
@@ -100,8 +102,11 @@ def test_lost_node_without_spare_grows_the_job_else_requeues(devcluster: DevClus
     devcluster.wait_idle(timeout=120)
     site = _site_with_grow(tmp_path, 15)
 
-    # 1. grow: node3 is free.
-    text, crashed, job = _run_crash(devcluster, tmp_path / "grow", site)
+    # 1. grow: node3 is free. The job's name and comment look like `scontrol show job` fields
+    #    (and a config line): the grow reads none of them as one (issue 23).
+    text, crashed, job = _run_crash(devcluster, tmp_path / "grow", site, options=[
+        "-J", f"lr = 0.1 Partition=evil NodeList=node9 NumNodes=7 {HOSTILE[0]}",
+        "--comment", "x OverSubscribe=YES TimeLimit=1 Features=gpu"])
     second = _check_resumed(devcluster, text, job, crashed)
     end1 = END.search(text)
     assert end1 is not None and end1.group(1) == "1"
@@ -111,7 +116,11 @@ def test_lost_node_without_spare_grows_the_job_else_requeues(devcluster: DevClus
     assert grown not in (crashed, "node1") and grown in second, (grown, second)
     assert float(m.group(2)) < 15
     show = devcluster.run(["scontrol", "show", "job", job]).stdout
-    assert "Restarts=0" in show, show
+    assert "Restarts=0" in show and "JobName=lr = 0.1 Partition=evil" in show, show
+    # No helper job left (bluevela/launch/grow.py: release_helpers).
+    assert devcluster.run(["squeue", "-h", "-t", "all", "-n", f"bv-grow-{job}", "-o",
+                           "%i %T"]).stdout.split()[1::2] in ([], ["COMPLETED"],
+                                                              ["CANCELLED"]), job
     status = json.loads(devcluster.bv("status", job, "--json").stdout)
     assert status["state"] == "COMPLETED" and status["restarts"] == 0, status
     # bv's attempts: the same job, no Slurm restart, attempt 2 on the grown node, the time.
