@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from bluevela.launch.events import EventLog, failure_time
-from bluevela.launch.grow import GrowResult
+from bluevela.launch.grow import GrowResult, release_helpers
 from bluevela.launch.grow import grow as grow_job
 from bluevela.launch.rdzv_guard import guarded_argv
 from bluevela.launch.wire import (
@@ -499,6 +499,10 @@ class Supervisor:
         attempt = (history.attempts if history else int(self.env.get("SLURM_RESTART_COUNT") or 0))
         cause = previous_cause(history) if history else (
             "none" if attempt == 0 else "requeued by Slurm")
+        if self.opts.grow_deadline > 0 and attempt > 0:
+            # An earlier run of this job (same id) killed mid-grow may have left a helper job
+            # (bv-grow-JOB) pending on `expand:` this job: cancel it before it gets a node.
+            release_helpers(self.job, (), time.monotonic() + 5)
         want = self.opts.nodes
         min_nodes = self.opts.min_nodes if self.opts.min_nodes is not None else want
         launch = 0
