@@ -2,7 +2,11 @@
 namespaces reads the node's bluevela.prom, Debian's prometheus scrapes them and the
 controller's fleet file, and evaluates bv's rules; a real fault on one node fires the matching
 alerts for that node only (Prometheus's own /api/v1/alerts), and they resolve after the repair
-and `bv health resume`.
+and `bv health resume`. With it, a GPU falls off the bus on a second node (NVML lists 7 GPUs,
+the kernel logged XID 79 for the missing address): its alert fires, named by PCI address, and
+the breaker (full) keeps the node in service, so BluevelaCriticalNodeNotDrained fires; then
+the fleet view goes (its writer stopped, its file removed): the alerts on it go silent and
+BluevelaFleetViewStale fires instead, until the writer is back.
 
 The rules are a TEST COPY of prolog_epilog/prometheus/ with every `for:` shortened to
 FOR_S and the recording group's interval to the scrape interval (the shipped values are
@@ -14,8 +18,10 @@ minutes); the expressions are the shipped ones, byte for byte.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -143,8 +149,22 @@ def monitored(devcluster: DevCluster, tmp_path: Path) -> Iterator[tuple[DevClust
         devcluster.run([sys.executable, str(DEVCLUSTER), "monitoring", "down"], timeout=120)
 
 
+XID79 = ("NVRM: Xid (PCI:0000:db:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off "
+         "the bus.\n")  # the driver's line (tests/data/health/h100-gpu-xid79)
+
+
+def stop_fleet_writer(cluster: DevCluster) -> None:
+    """Stop the fleet writer that `monitoring up` started (by its pid file) and remove its file."""
+    pid = int((cluster.state_dir / "run" / "monitor.fleet.pid").read_text().split()[0])
+    assert b"bluevela.fleet_metrics" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    os.kill(pid, signal.SIGTERM)
+    wait_for("fleet writer stopped", lambda: not Path(f"/proc/{pid}").exists()
+             or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], 30)
+    (cluster.state_dir / "fleet-metrics" / "bluevela_fleet.prom").unlink()
+
+
 def test_fault_on_one_node_fires_its_alerts_only_and_resolves(
-        monitored: tuple[DevCluster, Prom]) -> None:
+        monitored: tuple[DevCluster, Prom], tmp_path: Path) -> None:
     cluster, prom = monitored
     nodes = cluster.nodes
     t_start = time.monotonic()
@@ -169,11 +189,21 @@ def test_fault_on_one_node_fires_its_alerts_only_and_resolves(
     hc = healthcheck(cluster, "node2")
     t_fault = time.monotonic()
     assert "drained node2" in hc.stderr or "drain" in hc.stderr, hc.stderr
-    expected = {("BluevelaCheckCritical", "node2"), ("BluevelaIbPortDown", "node2"),
-                ("BluevelaNodeDrained", "node2"),
-                # 1 of 3 nodes is the breaker's whole budget at 15 %, and 33 % > 10 % of the
-                # class is drained: the fleet alerts fire too, naming the partition and class.
-                ("BluevelaFleetBreakerFull", "debug"), ("BluevelaClassDrainedHigh", "cpu")}
+    # node3's GPU at DB:00 falls off the bus: NVML no longer lists it, the kernel logged XID 79.
+    (tmp_path / "kmsg").write_text(XID79)
+    point_at(cluster, "node3", "h100-gpu-missing")
+    cluster.set_hook_env("node3", BV_KMSG=str(tmp_path / "kmsg"))
+    healthcheck(cluster, "node3")
+    gpu_gone = {("BluevelaCheckCritical", "node3"), ("BluevelaGpuMissing", "node3"),
+                ("BluevelaGpuFallenOffBus", "node3")}
+    node_level = {("BluevelaCheckCritical", "node2"), ("BluevelaIbPortDown", "node2")} | gpu_gone
+    on_fleet_view = {("BluevelaNodeDrained", "node2"),
+                     # 1 of 3 nodes is the breaker's whole budget at 15 %, and 33 % > 10 % of
+                     # the class is drained: the fleet alerts fire too, naming the partition
+                     # and class; the full breaker keeps node3 in service.
+                     ("BluevelaFleetBreakerFull", "debug"), ("BluevelaClassDrainedHigh", "cpu"),
+                     ("BluevelaCriticalNodeNotDrained", "node3")}
+    expected = node_level | on_fleet_view
     fired = wait_for("alerts firing", lambda: expected <= prom.firing() and prom.firing(),
                      FOR_S + 2 * SCRAPE_S + 20)
     took = time.monotonic() - t_fault
@@ -184,6 +214,10 @@ def test_fault_on_one_node_fires_its_alerts_only_and_resolves(
     assert alerts["BluevelaNodeDrained"]["labels"]["reason"].startswith(
         "bv: ib: mlx5_3/1 state DOWN")
     assert "node2" in alerts["BluevelaNodeDrained"]["annotations"]["summary"]
+    fell = [a for a in prom.get("/api/v1/alerts")["alerts"]
+            if a["labels"]["alertname"] == "BluevelaGpuFallenOffBus"]
+    assert [a["labels"]["pci_bus_id"] for a in fell] == ["00000000:DB:00.0"], fell
+    assert "gpu" not in fell[0]["labels"] and "00000000:DB:00.0" in fell[0]["annotations"]["summary"]
     # for: + two scrape intervals (+ one evaluation), + the fleet file's own 1 s period and
     # sinfo's time; slack for a loaded 2-core CI machine (measured 4.9-6.5 s here)
     assert took <= FOR_S + 3 * SCRAPE_S + 5, f"alerts fired {took:.1f} s after the fault"
@@ -202,8 +236,28 @@ def test_fault_on_one_node_fires_its_alerts_only_and_resolves(
     assert sorted(empty) == sorted(p["title"] for p in dash["panels"]
                                    if p["title"].startswith("Nightly")), empty
 
+    # The fleet view goes: what only Slurm knows is no longer known. The alerts on it go silent
+    # (node3 is still CRITICAL and not drained: no page from an unknown view), the node-level
+    # ones stay, and BluevelaFleetViewStale says why.
+    stop_fleet_writer(cluster)
+    t_gone = time.monotonic()
+    want = node_level | {("BluevelaFleetViewStale", "")}
+    got = wait_for("fleet view stale", lambda: prom.firing() == want or None,
+                   FOR_S + 2 * SCRAPE_S + 20)
+    print(f"\nfleet view gone: stale alert after {time.monotonic() - t_gone:.1f} s")
+    assert got
+    # ... and back: `monitoring up` starts what is not running (the writer).
+    cluster.run([sys.executable, str(DEVCLUSTER), "monitoring", "up", "--scrape-interval",
+                 f"{SCRAPE_S}s", "--rules", str(tmp_path / "rules")], timeout=120)
+    wait_for("fleet view back", lambda: prom.firing() == expected or None,
+             FOR_S + 2 * SCRAPE_S + 20)
+
     # Repair: the port is back; `bv health resume node2` from this login node, then node2's
-    # next healthcheck (slurmd runs it every HealthCheckInterval) rewrites its file.
+    # next healthcheck (slurmd runs it every HealthCheckInterval) rewrites its file; node3's
+    # GPU is back after its reboot (no XID in the new boot's log).
+    point_at(cluster, "node3", "h100-healthy")
+    cluster.set_hook_env("node3", BV_KMSG="")
+    assert healthcheck(cluster, "node3").returncode == 0
     point_at(cluster, "node2", "h100-healthy")
     p = cluster.bv("health", "resume", "node2")
     assert "node2: resumed" in p.stdout, p.stdout
