@@ -93,11 +93,12 @@ def test_bound_record_by_hand() -> None:
     lo, hi = T + 100 - G.CLOCK_SLACK_S, T + 200 + G.CLOCK_SLACK_S
     assert out["slurm"]["submit"] == lo - G.MAX_QUEUE_S and out["opened"] == lo
     one, two = out["launches"]
-    assert (one["n_nodes"], one["spares"], one["nodes"]) == (2, 2, ["node1", "node2"])
+    # Slurm's 2 nodes are both training: no room left for a spare
+    assert (one["n_nodes"], one["spares"], one["nodes"]) == (2, 0, ["node1", "node2"])
     assert one["ckpts"] == [[1, lo, hi]] and one["end"]["gone"] == hi
     assert one["end"]["nodes"] == [] and two["n_nodes"] == 2
     assert {n.split("(")[1].split(" outside")[0] for n in notes} == \
-        {"cause nodes", "node count", "node names", "submit time", "times"}
+        {"cause nodes", "node count", "node names", "spare count", "submit time", "times"}
     # A record the archive has no time for is not used.
     with pytest.raises(ValueError, match="no prolog/epilog time"):
         G.bound_record(rec, G.Allocation(2, frozenset(), None, None), None, None)

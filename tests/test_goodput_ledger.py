@@ -185,8 +185,11 @@ def test_the_fleet_report_uses_the_ledger_where_events_exist() -> None:
     assert led["jobs"] == 1 and led["basis"] == "gpu_hours"
     # 2 training nodes x 8 GPUs: productive 43 s -> 43 * 16 / 3600 GPU hours.
     assert led["hours_by_phase"]["productive"] == pytest.approx(round(43 * 16 / 3600, 4))
-    assert led["ettr_pct"] == pytest.approx(100 * 43 / 80, abs=0.01)
-    assert led["by_size"] == [{"nodes": "2", "jobs": 1, "ettr_pct": pytest.approx(53.75)}]
+    # ETTR over every hour paid for: the 2 nodes' 80 s and the 1 idle spare's 70 s (its
+    # allocation, 10 -> 80) at 8 GPUs each.
+    assert led["ettr_pct"] == pytest.approx(100 * 43 * 16 / (80 * 16 + 70 * 8), abs=0.01)
+    assert led["hours_by_phase"]["idle_spare"] == pytest.approx(round(70 * 8 / 3600, 4))
+    assert led["by_size"] == [{"nodes": "2", "jobs": 1, "ettr_pct": pytest.approx(37.39)}]
     assert list(led["hours_lost_by_cause"]) == ["node failure: node2"]
     (row,) = led["per_job"]
     assert row["advice"]["verdict"].startswith("no advice")  # no failure in the fleet yet

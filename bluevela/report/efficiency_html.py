@@ -235,15 +235,24 @@ def _ledger_section(led: dict[str, Any]) -> list[str]:
     wall = led["wall_s"] or 1.0
     rows = "".join(
         f"<tr><td>{esc(_PHASE_STYLE[k][1])}</td><td>{esc(_dur(v))}</td>"
-        f"<td>{100 * v / wall:.1f} %</td><td>{_fmt(led['gpu_hours'][k], '', 2)}</td></tr>"
+        f"<td>{100 * v / wall:.1f} %</td><td>{_fmt(led['node_hours'][k], '', 3)}</td>"
+        f"<td>{_fmt(led['gpu_hours'][k], '', 2)}</td></tr>"
         for k, v in led["phases_s"].items())
+    if "idle_spare" in led["node_hours"]:  # the hot spares' own line (report/goodput.py)
+        rows += (f"<tr><td>idle spare</td><td>{led.get('spares', 0)} spare(s)</td><td></td>"
+                 f"<td>{_fmt(led['node_hours']['idle_spare'], '', 3)}</td>"
+                 f"<td>{_fmt(led['gpu_hours']['idle_spare'], '', 2)}</td></tr>"
+                 f"<tr><td>in all</td><td>{esc(_dur(led['wall_s']))}</td><td></td>"
+                 f"<td>{_fmt(led.get('total_node_hours'), '', 3)}</td>"
+                 f"<td>{_fmt(sum(led['gpu_hours'].values()), '', 2)}</td></tr>")
     causes = "".join(
         f"<li>attempt {i['attempt']}: {esc(i['cause'])}, re-done {esc(_dur(i['redone_s']))}, "
         f"lost in all {esc(_dur(i['lost_s']))}"
         + "".join(f" · <code>{esc(e['history'])}</code>" for e in i["evidence"]) + "</li>"
         for i in led["interruptions"])
     return ["<h2>Goodput ledger</h2>", _ledger_timeline(led),
-            "<table><thead><tr><th>phase</th><th>time</th><th>share</th><th>GPU hours</th>"
+            "<table><thead><tr><th>phase</th><th>time</th><th>share</th><th>node hours</th>"
+            "<th>GPU hours</th>"
             f"</tr></thead><tbody>{rows}</tbody></table>",
             f"<ul>{causes}</ul>" if causes else "<p>No interruption.</p>",
             "<p class='note'>Phases: docs/resilience.md, \"Where the time went\".</p>"]

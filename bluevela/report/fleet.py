@@ -758,7 +758,7 @@ def _ledgers(jobs: list[JobFacts], gpus_of: Mapping[str, int], class_of: Mapping
     mtbf = {r["class"]: (r["mtbf_h"], r["incidents"]) for r in classes_out}
     rows: list[dict[str, Any]] = []
     by_size: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
-    phase_h: dict[str, float] = dict.fromkeys(G.PHASES, 0.0)
+    phase_h: dict[str, float] = dict.fromkeys((*G.PHASES, G.IDLE_SPARE), 0.0)
     cause_h: defaultdict[str, float] = defaultdict(float)
     hours: dict[int, tuple[float, float]] = {}  # job -> (productive s, allocated s)
     basis_gpu = False
@@ -783,6 +783,8 @@ def _ledgers(jobs: list[JobFacts], gpus_of: Mapping[str, int], class_of: Mapping
         unit = led.nodes * (gpus if gpus > 0 else 1) / 3600.0  # GPU (or node) hours per s
         for k, v in led.phases.items():
             phase_h[k] += v * unit
+        spare_h = led.spare_node_s * (gpus if gpus > 0 else 1) / 3600.0
+        phase_h[G.IDLE_SPARE] += spare_h
         for intr in led.interruptions:
             cause_h[intr.cause.split(" (")[0]] += intr.lost_s * unit
         cls = class_of.get(j.nodes[0], UNKNOWN_CLASS) if j.nodes else UNKNOWN_CLASS
@@ -791,12 +793,13 @@ def _ledgers(jobs: list[JobFacts], gpus_of: Mapping[str, int], class_of: Mapping
         size = _size_bucket(led.nodes)
         b = by_size[size]
         b[0] += led.phases["productive"] * unit
-        b[1] += led.wall_s * unit
+        b[1] += led.wall_s * unit + spare_h
         b[2] += 1
         rows.append({"job_id": j.job_id, "nodes": led.nodes, "class": cls,
                      "wall_h": round(led.wall_s / 3600.0, 4),
                      "ettr_pct": _pct(led.phases["productive"], led.wall_s),
                      "phases_h": {k: round(v / 3600.0, 4) for k, v in led.phases.items()},
+                     "spares": led.spares, "idle_spare_h": round(spare_h, 4),
                      "interruptions": [{"attempt": i.attempt, "cause": i.cause,
                                         "nodes": i.nodes, "redone_s": round(i.redone_s, 2),
                                         "lost_s": round(i.lost_s, 2)}

@@ -39,11 +39,12 @@ OUTCOME_LABELS = {"completed": "completed", "signalled": "ended by a signal",
 # The ledger's phases, in report/goodput.py's order, and their colours on the page.
 PHASE_COLORS = {"productive": "#2ca02c", "redone": "#d62728", "checkpoint": "#1f77b4",
                 "detection": "#ff7f0e", "teardown_relaunch": "#9467bd", "startup": "#bcbd22",
-                "queue_hold": "#7f7f7f", "unattributed": "#c7c7c7"}
+                "queue_hold": "#7f7f7f", "unattributed": "#c7c7c7", "idle_spare": "#17becf"}
 PHASE_LABELS = {"productive": "productive", "redone": "re-done work",
                 "checkpoint": "checkpoint saving", "detection": "detection",
                 "teardown_relaunch": "teardown + relaunch", "startup": "start-up",
-                "queue_hold": "queue wait + requeue hold", "unattributed": "unattributed"}
+                "queue_hold": "queue wait + requeue hold", "unattributed": "unattributed",
+                "idle_spare": "idle spare"}
 MAX_LEDGER_JOBS = 30  # rows of the per-job ledger table (the worst ETTR first)
 MAX_OUT_LISTED = 50
 TIME_CAUSES = 6  # causes drawn separately over time; the rest are "other"
@@ -231,18 +232,21 @@ def _ledger_section(rep: dict[str, Any]) -> list[str]:
     if not led.get("jobs"):
         return []
     worst = sorted(led["per_job"], key=lambda r: (r["ettr_pct"] or 0.0, r["job_id"]))
+    unit = "GPU-h" if led["basis"] == "gpu_hours" else "node-h"
     causes = list(led["hours_lost_by_cause"].items())
     return [
         "<h2 id=\"ledger\">Where the time went (goodput ledger)</h2>",
         f"<p>{led['jobs']} job(s) with supervisor events: ETTR {_num(led['ettr_pct'])} % "
-        "(productive / wall time). Phases: docs/resilience.md.</p>",
+        "(productive / all their hours, the idle hot spares' included). Phases: "
+        "docs/resilience.md.</p>",
         _ledger_chart(led),
         _table(["job size (nodes)", "jobs", "ETTR %"],
                [[b["nodes"], b["jobs"], _num(b["ettr_pct"])] for b in led["by_size"]]),
         _table(["cause", "hours lost"], [[c, _num(h, 3)] for c, h in causes]),
-        _table(["job", "nodes", "ETTR %", "interruptions", "checkpoint cost s",
-                "interval used s", "advice", "spares"],
+        _table(["job", "nodes", "ETTR %", "idle spare " + unit, "interruptions",
+                "checkpoint cost s", "interval used s", "advice", "spares"],
                [[r["job_id"], r["nodes"], _num(r["ettr_pct"]),
+                 f"{_num(r.get('idle_spare_h'), 3)} ({r.get('spares', 0)} spare(s))",
                  "; ".join(i["cause"] for i in r["interruptions"]) or "none",
                  _num(r["checkpoint_cost_s"], 2), _num(r["checkpoint_interval_s"], 0),
                  f"{r['advice'].get('verdict', '')} [{inputs_text(r['advice'])}]",

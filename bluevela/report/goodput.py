@@ -22,6 +22,13 @@ consecutive pieces, each given one phase, so the phases add up to the wall time 
 - teardown + relaunch: acting -> the next launch in the same allocation, or -> the requeue;
 - unattributed: whatever no event explains (an attempt whose supervisor's node died with
   its events, clock disorder).
+
+Beside the phases, which are the training nodes' time, the ledger counts the hot spares'
+(`idle_spare`): each launch's spare count (the allocation's nodes that are neither training
+nor excluded) over every piece of the time line that launch owns, except the queue and the
+requeue hold (no node is allocated then). The node-hours of the phases plus the idle spares'
+are what the ledger accounts for; less the queue's they are the allocation's node-hours
+(training nodes + spares, over the time the job held them).
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ PHASE_LABELS = {
     "startup": "start-up to first step", "queue_hold": "queue wait + requeue hold",
     "unattributed": "unattributed",
 }
+IDLE_SPARE = "idle_spare"  # the spares' line beside the phases (never one of PHASES)
+IDLE_SPARE_LABEL = "idle spare"
 TIME_LIMIT_WINDOW_S = 300.0  # a SIGUSR1 this close to the limit is the time limit's signal
 # The events are the job owner's own words: every record is clamped to what the archive
 # (root's hooks) saw of the job before it is used (`bound_record`). The slack covers the
@@ -71,7 +80,7 @@ def bound_record(rec: dict[str, Any], alloc: Allocation, lo: float | None, hi: f
     """A validated record clamped to the job's allocation: every time within the attempt's
     first prolog (`lo`) and last epilog (`hi`) +- CLOCK_SLACK_S (the submission at most
     MAX_QUEUE_S before), node counts at most Slurm's, node names only the job's (a cause may
-    name no other node). Returns the clamped copy and a note per change.
+    name no other node), spares at most Slurm's count less the training nodes. Returns the clamped copy and a note per change.
 
     Raises:
         ValueError: the archive has no time of the attempt to hold the record to.
@@ -117,7 +126,10 @@ def bound_record(rec: dict[str, Any], alloc: Allocation, lo: float | None, hi: f
         if la["n_nodes"] > cap:
             changed.add("node count")
         la["n_nodes"] = min(la["n_nodes"], cap)
-        la["spares"] = min(la["spares"], cap)
+        spares = min(la["spares"], max(0, cap - la["n_nodes"]))  # spares + training <= Slurm's
+        if spares != la["spares"]:
+            changed.add("spare count")
+        la["spares"] = spares
         la["nodes"] = names(la["nodes"], "node names")
         la["ckpts"] = [[s, t(a, "times"), t(b, "times")] for s, a, b in la["ckpts"]]
         la["ckpt_more"] = [la["ckpt_more"][0], min(la["ckpt_more"][1], hi - lo)]
@@ -191,6 +203,9 @@ class Ledger:
     checkpoint_interval_s: float | None  # mean time from one save's end to the next's start
     notes: list[str] = field(default_factory=list)
     advice: dict[str, Any] = field(default_factory=dict)
+    #: node-seconds of hot spares allocated and idle (not in `phases`: its own line)
+    spare_node_s: float = 0.0
+    spares: int = 0  # the most spares any launch had
 
     @property
     def wall_s(self) -> float:
@@ -200,16 +215,29 @@ class Ledger:
     def ettr(self) -> float | None:
         return self.phases["productive"] / self.wall_s if self.wall_s > 0 else None
 
+    def node_hours(self) -> dict[str, float]:
+        """Node-hours by phase (training nodes), and the idle spares' as `idle_spare`."""
+        out = {k: v * self.nodes / 3600.0 for k, v in self.phases.items()}
+        out[IDLE_SPARE] = self.spare_node_s / 3600.0
+        return out
+
     def gpu_hours(self) -> dict[str, float]:
-        g = self.nodes * self.gpus_per_node
-        return {k: v * g / 3600.0 for k, v in self.phases.items()}
+        """GPU-hours by phase, and the idle spares' as `idle_spare`."""
+        return {k: v * self.gpus_per_node for k, v in self.node_hours().items()}
+
+    def allocated_node_hours(self) -> float:
+        """The node-hours the job's allocations held: every line but the queue's."""
+        return sum(v for k, v in self.node_hours().items() if k != "queue_hold")
 
     def to_dict(self) -> dict[str, Any]:
+        nh = self.node_hours()
         return {
             "job_id": self.job_id, "start_unix_s": self.start, "end_unix_s": self.end,
             "wall_s": self.wall_s, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
             "ettr": self.ettr, "phases_s": dict(self.phases), "gpu_hours": self.gpu_hours(),
-            "node_hours": {k: v * self.nodes / 3600.0 for k, v in self.phases.items()},
+            "node_hours": nh, "spares": self.spares, "spare_node_s": self.spare_node_s,
+            "total_node_hours": sum(nh.values()),
+            "allocated_node_hours": self.allocated_node_hours(),
             "checkpoints": self.checkpoints, "checkpoint_mean_s": self.checkpoint_mean_s,
             "checkpoint_interval_s": self.checkpoint_interval_s,
             "interruptions": [asdict(i) for i in self.interruptions],
@@ -306,6 +334,7 @@ def build_ledger(job_id: int, records: Sequence[dict[str, Any]],
     ckpt_gaps: list[float] = []
     bv_attempt = 0
     cut: list[int] = []  # per interruption: where its pieces start in line.pieces
+    spares_of: dict[tuple[int, int], int] = {}  # (restart, attempt) -> its launch's spares
     if submit is None and first is not None:
         notes.append("no submit time (scontrol was not answered): the queue wait is unknown")
     for i, k in enumerate(restarts):
@@ -328,6 +357,7 @@ def build_ledger(job_id: int, records: Sequence[dict[str, Any]],
         for la in rec["launches"]:
             bv_attempt = la["attempt"]
             n_train = max(n_train, la["n_nodes"])
+            spares_of[(k, bv_attempt)] = la["spares"]
             phase = "startup" if la is rec["launches"][0] else "teardown_relaunch"
             line.to(phase, la["start"], bv_attempt, k)
             p = la["first_progress"]
@@ -393,12 +423,16 @@ def build_ledger(job_id: int, records: Sequence[dict[str, Any]],
                 break
             intr.lost_s += piece.seconds
     phases = dict.fromkeys(PHASES, 0.0)
+    spare_s = 0.0
     for piece in line.pieces:
         phases[piece.phase] += piece.seconds
+        if piece.phase != "queue_hold":  # no node is allocated in the queue or the hold
+            spare_s += piece.seconds * spares_of.get((piece.restart, piece.attempt), 0)
     return Ledger(job_id, origin, line.cursor, n_train, gpus_per_node, phases, line.pieces,
                   interruptions, len(ckpt_durations),
                   sum(ckpt_durations) / len(ckpt_durations) if ckpt_durations else None,
-                  sum(ckpt_gaps) / len(ckpt_gaps) if ckpt_gaps else None, notes)
+                  sum(ckpt_gaps) / len(ckpt_gaps) if ckpt_gaps else None, notes,
+                  spare_node_s=spare_s, spares=max(spares_of.values(), default=0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -680,11 +714,17 @@ def fmt_s(s: float | None) -> str:
 def summary_lines(ledger: Ledger) -> list[str]:
     out = [f"job {ledger.job_id}: wall {fmt_s(ledger.wall_s)}, {ledger.nodes} node(s) x "
            f"{ledger.gpus_per_node} GPU(s), ETTR {100 * (ledger.ettr or 0):.1f}%"]
-    gh = ledger.gpu_hours()
+    gh, nh = ledger.gpu_hours(), ledger.node_hours()
+    total_nh = sum(nh.values())
     for k in PHASES:
         share = 100 * ledger.phases[k] / ledger.wall_s if ledger.wall_s > 0 else 0.0
         out.append(f"  {PHASE_LABELS[k]:<26} {fmt_s(ledger.phases[k]):>10} {share:5.1f}%  "
-                   f"{gh[k]:.2f} GPU-h")
+                   f"{gh[k]:.2f} GPU-h  {nh[k]:.3f} node-h")
+    out.append(f"  {IDLE_SPARE_LABEL:<26} {ledger.spares:>5} spare(s)       "
+               f"{gh[IDLE_SPARE]:.2f} GPU-h  {nh[IDLE_SPARE]:.3f} node-h")
+    share_sp = 100 * nh[IDLE_SPARE] / total_nh if total_nh > 0 else 0.0
+    out.append(f"  in all: {total_nh:.3f} node-h ({ledger.allocated_node_hours():.3f} allocated, "
+               f"the queue's aside); idle spares {share_sp:.1f}% of them")
     out.append(f"  checkpoints: {ledger.checkpoints}, mean cost "
                f"{fmt_s(ledger.checkpoint_mean_s)}, mean interval "
                f"{fmt_s(ledger.checkpoint_interval_s)}")
