@@ -48,17 +48,17 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from bluevela.errors import SlurmError
 from bluevela.site import Site
 from bluevela.slurm.client import NodeInfo, ReservationInfo, SlurmClient
+from bluevela.util.actions import Actions
+from bluevela.util.actions import local_actions as _local_actions
 
 logger = logging.getLogger(__name__)
 MAX_REASON = 200
@@ -76,8 +76,6 @@ MAX_CREATE_TRIES = 3  # create attempts per partition (random free slots) before
 HOOK_JITTER_S = 2.0  # hooks wait up to this long before their first Slurm call
 NO_PARTITION = "_none"  # slots of nodes in no partition (counted over all nodes)
 _SLOT = re.compile(r"^bv-drain-([A-Za-z0-9_]{1,64})-([0-9]{1,6})$")
-ACTION_MODES = ("enforce", "audit", "off")
-ACTIONS_FILE = Path("/etc/bluevela/actions")
 KILL_SWITCH = "bv-actions-off"  # a reservation of this name on slurmctld stops every action
 
 
@@ -113,52 +111,10 @@ class DrainOutcome:
 # -- the action gate ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Actions:
-    """What bluevela may do on this host, and which setting said so."""
-
-    mode: str  # enforce | audit | off
-    source: str  # "site.yaml", the node file's path, "reservation bv-actions-off"
-
-    @property
-    def enforce(self) -> bool:
-        return self.mode == "enforce"
-
-    def why(self, what: str) -> str:
-        return f"actions {self.mode} ({self.source}): would {what}"
-
-
-def node_actions(environ: Mapping[str, str] | None = None) -> Actions | None:
-    """The node's own setting (`$BV_ACTIONS_FILE`, else /etc/bluevela/actions), or None when
-    there is none. Anything but enforce/audit/off (or an unreadable file) is audit."""
-    env = os.environ if environ is None else environ
-    path = env.get("BV_ACTIONS_FILE") or str(ACTIONS_FILE)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        logger.warning("%s unreadable (%s): actions audit", path, exc.strerror or exc)
-        return Actions("audit", f"{path} unreadable")
-    try:
-        raw = os.read(fd, 256)
-    except OSError as exc:
-        logger.warning("%s unreadable (%s): actions audit", path, exc.strerror or exc)
-        return Actions("audit", f"{path} unreadable")
-    finally:
-        os.close(fd)
-    words = raw.decode("ascii", "replace").split()
-    word = words[0].lower() if words else ""
-    if word not in ACTION_MODES:
-        logger.warning("%s says %r, not one of %s: actions audit", path, word[:20],
-                       "/".join(ACTION_MODES))
-        return Actions("audit", f"{path} (not enforce/audit/off)")
-    return Actions(word, path)
-
-
 def local_actions(site: Site, environ: Mapping[str, str] | None = None) -> Actions:
-    """This host's mode: the node file when there is one, else site.yaml's `health.actions`."""
-    return node_actions(environ) or Actions(site.health.actions, "site.yaml")
+    """This host's mode: the node file when there is one, else site.yaml's `health.actions`
+    (bluevela.util.actions)."""
+    return _local_actions(site.health.actions, environ)
 
 
 def cluster_actions(local: Actions, reservations: Sequence[ReservationInfo]) -> Actions:

@@ -123,12 +123,12 @@ def run_hook(phase: str) -> int:
             logger.warning("%s", fixtures)
         hctx = HookContext.from_env(phase)
         who = {"job": hctx.job_id, "node": hctx.node}
-        from bluevela.fleet.nodestate import local_actions
         from bluevela.hooks.lock import hook_lock
         from bluevela.site import load_site
+        from bluevela.util.actions import local_actions
 
         site = load_site(cwd=False)  # $BV_SITE (hook.env) or /etc/bluevela: never ./site.yaml
-        actions = local_actions(site)
+        actions = local_actions(site.health.actions)
         if actions.mode == "off":
             logger.info("actions off (%s): nothing checked", actions.source)
             hooklog.run_line(phase, who, started, "off", detail=f"actions off ({actions.source})")
