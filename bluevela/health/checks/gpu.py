@@ -15,7 +15,8 @@ XID stays CRITICAL past `gpu.xid_window_s` until the driver is loaded again afte
 WARNING: more GPUs than expected, aggregate (lifetime) uncorrected ECC over the ceiling,
 retired pages pending, software thermal slowdown, a hardware slowdown gone at the second
 reading, a PCIe link whose maximum generation is below the GPU's, persistence mode off, any
-other XID in the window (the catalog's RESTART_APP and IGNORE among them).
+other XID in the window (the catalog's RESTART_APP and IGNORE among them). A running job's
+processes are counted (`job_processes_count`), never drained for.
 NVLink and fabric state, ECC by location, the row remapper histogram, throttle shares from the
 violation counters, expected power limit and application clocks, and NVSwitch SXids: see
 checks/gpu_fabric.py (their rates compare with the previous reading in the state dir,
