@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -163,6 +164,51 @@ def stop_fleet_writer(cluster: DevCluster) -> None:
     (cluster.state_dir / "fleet-metrics" / "bluevela_fleet.prom").unlink()
 
 
+# The fleet writer as nobody, as bv-fleet-metrics.service runs it as bvfleet: setuid after the
+# interpreter and its modules are loaded (this Python lives under root's 0700 home).
+AS_NOBODY = """
+import os, sys
+os.environ["BV_CACHE_DIR"] = "off"  # parse site.yaml in both loads: yaml imported before setuid
+from bluevela import fleet_metrics
+from bluevela.fleet import nodestate
+from bluevela.site import load_site
+from bluevela.slurm import cli_client
+load_site(sys.argv[1], cwd=False)
+import time; time.strptime("2026", "%Y")  # loads _strptime (reservation start times)
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+sys.exit(fleet_metrics.main(sys.argv[2:]))
+"""
+
+
+def fleet_as_nobody(cluster: DevCluster) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """One run of the fleet writer as nobody into a root:nogroup 1775 directory (the unit's
+    layout); its families as {name: [(labels, value)]}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base = Path(tempfile.mkdtemp(prefix="bv-fleet-nobody-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        out = base / "textfile"
+        out.mkdir()
+        os.chown(out, 0, 65534)
+        out.chmod(0o1775)
+        site = cluster.env["BV_SITE"]
+        p = cluster.run([sys.executable, "-c", AS_NOBODY, site, "--out", str(out),
+                         "--site", site], cwd=Path("/"), timeout=120)
+        assert "Traceback" not in p.stderr, p.stderr
+        text = (out / "bluevela_fleet.prom").read_text()
+        assert (out / "bluevela_fleet.prom").stat().st_uid == 65534
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    fams: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for f in text_string_to_metric_families(text):
+        for smp in f.samples:
+            fams.setdefault(smp.name, []).append((dict(smp.labels), smp.value))
+    return fams
+
+
 def test_fault_on_one_node_fires_its_alerts_only_and_resolves(
         monitored: tuple[DevCluster, Prom], tmp_path: Path) -> None:
     cluster, prom = monitored
@@ -235,6 +281,12 @@ def test_fault_on_one_node_fires_its_alerts_only_and_resolves(
                 empty.append(panel["title"])
     assert sorted(empty) == sorted(p["title"] for p in dash["panels"]
                                    if p["title"].startswith("Nightly")), empty
+
+    # Unprivileged, the writer reads the same: sinfo and the breaker's reservation as nobody.
+    fams = fleet_as_nobody(cluster)
+    assert fams["bluevela_fleet_scrape_success"] == [({}, 1.0)]
+    assert [lab["node"] for lab, _ in fams["bluevela_slurm_node_drained"]] == ["node2"]
+    assert fams["bluevela_breaker_drained_nodes"] == [({"partition": "debug"}, 1.0)]
 
     # The fleet view goes: what only Slurm knows is no longer known. The alerts on it go silent
     # (node3 is still CRITICAL and not drained: no page from an unknown view), the node-level
