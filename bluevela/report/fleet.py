@@ -38,6 +38,7 @@ from bluevela.errors import ArchiveError
 if TYPE_CHECKING:
     import numpy as np
 
+    from bluevela.report.goodput import Ledger
     from bluevela.site import Site
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ SCHEMA_VERSION = 1
 CRITICAL = 2
 UNKNOWN_CLASS = "(no class)"
 NODE_LOST = "node lost"
+LEDGER_FAILURE = "node failure"  # a lost node only a job's goodput ledger saw
 REQUEUE = "requeue"
 SIGNAL_NAMES = {9: "SIGKILL", 15: "SIGTERM", 10: "SIGUSR1", 6: "SIGABRT", 11: "SIGSEGV"}
 
@@ -634,7 +636,11 @@ def compute(facts: FleetFacts, *, since: float, now: float,
             class_of[n] = name
     gpus_of = {n: classes[c].gpus for n, c in class_of.items()}
     job_events, requeues = _job_events(facts.jobs, since, now)
-    events = sorted([*facts.events, *job_events], key=lambda e: (e.time, e.node, e.source))
+    events = [*facts.events, *job_events]
+    built = _build_ledgers(facts.jobs, gpus_of)
+    # The ledgers' node failures count in the MTBF the advice uses, once each.
+    events += ledger_failures(built, events, facts.passing_prologs, since, now)
+    events.sort(key=lambda e: (e.time, e.node, e.source))
     incidents = _incidents(events, facts.passing_prologs)
     fleet = set(class_of) | facts.nodes_seen | {e.node for e in events if e.node}
 
@@ -700,7 +706,7 @@ def compute(facts: FleetFacts, *, since: float, now: float,
     total_inc = sum(r["incidents"] for r in classes_out)
 
     causes = Counter((e.cause, e.source) for e in events)
-    ledger = _ledgers(facts.jobs, gpus_of, class_of, classes_out)
+    ledger = _ledgers(built, class_of, classes_out)
     by_day = Counter((datetime.fromtimestamp(e.time, tz=UTC).strftime("%Y-%m-%d"), e.cause)
                      for e in events)
     return {
@@ -748,20 +754,13 @@ def _size_bucket(n: int) -> str:
     return f">{SIZE_BUCKETS[-1]}"
 
 
-def _ledgers(jobs: list[JobFacts], gpus_of: Mapping[str, int], class_of: Mapping[str, str],
-             classes_out: list[dict[str, Any]]) -> dict[str, Any]:
-    """The goodput ledger (bluevela/report/goodput.py) of every job with supervisor events:
-    ETTR per job and by job size, hours lost by phase and by cause, and the checkpoint
-    interval / spare advice from the fleet's MTBF of the job's node class."""
+def _build_ledgers(jobs: list[JobFacts], gpus_of: Mapping[str, int]
+                   ) -> list[tuple[JobFacts, Ledger, int]]:
+    """The goodput ledger (bluevela/report/goodput.py) of every job with supervisor events,
+    with its GPUs per node."""
     from bluevela.report import goodput as G
 
-    mtbf = {r["class"]: (r["mtbf_h"], r["incidents"]) for r in classes_out}
-    rows: list[dict[str, Any]] = []
-    by_size: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
-    phase_h: dict[str, float] = dict.fromkeys((*G.PHASES, G.IDLE_SPARE), 0.0)
-    cause_h: defaultdict[str, float] = defaultdict(float)
-    hours: dict[int, tuple[float, float]] = {}  # job -> (productive s, allocated s)
-    basis_gpu = False
+    out: list[tuple[JobFacts, Ledger, int]] = []
     for j in jobs:
         if not j.goodput:
             continue
@@ -778,6 +777,67 @@ def _ledgers(jobs: list[JobFacts], gpus_of: Mapping[str, int], class_of: Mapping
         except ValueError as exc:
             logger.warning("no ledger for job %d: %s", j.job_id, exc)
             continue
+        out.append((j, led, gpus))
+    return out
+
+
+SAME_FAILURE_S = 3600.0  # a ledger's node failure this close to another event of the node is it
+
+
+def ledger_failures(built: list[tuple[JobFacts, Ledger, int]], events: list[Event],
+                    passing: Mapping[str, list[float]], since: float, now: float
+                    ) -> list[Event]:
+    """The node failures the jobs' ledgers saw (a lost node: `node failure: <node>`) that no
+    other event already counts, as events of source `ledger` (pure).
+
+    One failure is counted once: a ledger's failure of a node is the same as an event of that
+    node (a drain, a CRITICAL report, the job's "node lost", another ledger's) of the same
+    job's lost node, within SAME_FAILURE_S of it, or in the same incident (no passing prolog
+    of the node between them).
+    """
+    import bisect
+
+    by_node: dict[str, list[Event]] = defaultdict(list)
+    for e in events:
+        if e.node:
+            by_node[e.node].append(e)
+    out: list[Event] = []
+    for j, led, _ in built:
+        for intr in led.interruptions:
+            if intr.kind != "lost":
+                continue
+            t = intr.at if intr.at is not None else (j.end if not math.isnan(j.end) else j.start)
+            if math.isnan(t) or not since <= t <= now:
+                continue
+            for node in intr.nodes:
+                times = passing.get(node, [])
+                ret = bisect.bisect_right(times, t)
+                if any((e.job_id == j.job_id and e.cause in (NODE_LOST, LEDGER_FAILURE))
+                       or abs(e.time - t) <= SAME_FAILURE_S
+                       or bisect.bisect_right(times, e.time) == ret for e in by_node[node]):
+                    continue
+                ev = Event(t, node, "ledger", LEDGER_FAILURE, False, j.job_id,
+                           f"the goodput ledger of job {j.job_id}: {intr.cause}")
+                by_node[node].append(ev)
+                out.append(ev)
+    return out
+
+
+def _ledgers(built: list[tuple[JobFacts, Ledger, int]], class_of: Mapping[str, str],
+             classes_out: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ledgers' figures: ETTR per job and by job size, hours lost by phase and by cause,
+    and the checkpoint interval / spare advice from the fleet's MTBF of the job's node class
+    (which counts the ledgers' own node failures)."""
+    from bluevela.report import goodput as G
+
+    mtbf = {r["class"]: (r["mtbf_h"], r["incidents"]) for r in classes_out}
+    rows: list[dict[str, Any]] = []
+    by_size: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    phase_h: dict[str, float] = dict.fromkeys((*G.PHASES, G.IDLE_SPARE), 0.0)
+    cause_h: defaultdict[str, float] = defaultdict(float)
+    hours: dict[int, tuple[float, float]] = {}  # job -> (productive s, allocated s)
+    basis_gpu = False
+    for j, led, gpus in built:
         basis_gpu |= gpus > 0
         hours[j.job_id] = (led.phases["productive"], led.wall_s - led.phases["queue_hold"])
         unit = led.nodes * (gpus if gpus > 0 else 1) / 3600.0  # GPU (or node) hours per s

@@ -29,7 +29,7 @@ __all__ = ["ReportError", "render_html", "write_html"]
 logger = logging.getLogger(__name__)
 
 SOURCE_COLORS = {"prolog": "#d62728", "epilog": "#ff7f0e", "job": "#9467bd",
-                 "nightly": "#1f77b4"}
+                 "nightly": "#1f77b4", "ledger": "#8c564b"}
 OUTCOME_COLORS = {"completed": "#2ca02c", "signalled": "#98df8a", "failed": "#ff9896",
                   "lost_node": "#d62728", "unknown": "#c7c7c7", "lost_ledger": "#8c564b"}
 OUTCOME_LABELS = {"completed": "completed", "signalled": "ended by a signal",
