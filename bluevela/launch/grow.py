@@ -224,6 +224,7 @@ class GrowResult:
     seconds: float
     why: str = ""  # the reason when `added` is empty
     left: list[str] = field(default_factory=list)  # helper jobs not confirmed gone
+    released: list[str] = field(default_factory=list)  # lost nodes the job already let go of
 
     @property
     def ok(self) -> bool:
@@ -325,12 +326,14 @@ def grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
     path ends with `release_helpers`: no helper job is left behind that squeue can see."""
     start = time.monotonic()
     helpers: list[str] = []
+    released: list[str] = []
     # Slurm writes slurm_job_<id>_resize.{sh,csh} into the working directory of the
     # `scontrol update` that resizes: a private directory, not the job's.
     with tempfile.TemporaryDirectory(prefix="bv-grow-") as tmp, _stop_on_signal() as guard:
         try:
             try:
-                res = _grow(job, keep, lost, deadline_s, run, tmp, count, helpers, start)
+                res = _grow(job, keep, lost, deadline_s, run, tmp, count, helpers, released,
+                            start)
             finally:
                 guard.armed = False
         except _Ending as exc:
@@ -338,7 +341,7 @@ def grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
                              f"the job is ending ({exc}): grow stopped")
         left = release_helpers(job, helpers, max(start + deadline_s,
                                                  time.monotonic() + RELEASE_S), run)
-    res.left = left
+    res.left, res.released = left, released
     if left and not res.ok:
         res.why += f"; helper job(s) {','.join(left)} may be left (slurmctld did not answer)"
     return res
@@ -351,7 +354,8 @@ def _fields(run: Runner, job: str) -> tuple[dict[str, str], str]:
 
 
 def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
-          run: Runner, tmp: str, count: int, helpers: list[str], start: float) -> GrowResult:
+          run: Runner, tmp: str, count: int, helpers: list[str], released: list[str],
+          start: float) -> GrowResult:
 
     def fail(why: str) -> GrowResult:
         return GrowResult([], {}, time.monotonic() - start, why)
@@ -374,6 +378,9 @@ def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
                      start + deadline_s, cwd=tmp)
         if upd.returncode != 0:
             return fail(f"letting go of {','.join(lost)}: {_one_line(upd.stderr)}")
+        # A second `update NodeList=` of this job is refused for good on 22.05 without
+        # accounting ("the DB index is being set"): the requeue path must not repeat it.
+        released.extend(lost)
     left = deadline_s - (time.monotonic() - start)
     if left < 1:
         return fail(f"no time left of the {deadline_s:g} s deadline")

@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
-from bluevela.launch.events import EventLog, failure_time
+from bluevela.launch.events import CopyWriter, EventLog, failure_time, keeper_of
 from bluevela.launch.grow import GrowResult, release_helpers
 from bluevela.launch.grow import grow as grow_job
 from bluevela.launch.rdzv_guard import guarded_argv
@@ -83,6 +83,7 @@ from bluevela.launch.wire import (
 )
 from bluevela.runtime.heartbeat import ENV_ADDR as HEARTBEAT_ENV
 from bluevela.runtime.heartbeat import beat_key, parse_beat
+from bluevela.runtime.world import STEP_NODELIST_ENV, STEP_NUM_NODES_ENV, training_env
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,9 @@ PING_S = 1.0
 # An aborted step is broken (a peer is gone, or it hangs): no checkpoint can complete, so
 # torchrun's SIGTERM is followed by SIGKILL to everything under it soon after.
 ABORT_KILL_S = 0.5
-USR1_UNCAUGHT_S = 30.0  # then a worker without a SIGUSR1 handler gets it anyway (and dies)
+# Then a node with a worker that never installed a SIGUSR1 handler gets torchrun's own stop
+# (SIGTERM to torchrun: forwarded to the workers, SIGKILL 30 s later), never SIGUSR1's kill.
+USR1_UNCAUGHT_S = 30.0
 TICK_S = 0.2
 UNSET_ON_RESIZE = ("SLURM_NPROCS", "SLURM_NTASKS", "SLURM_TASKS_PER_NODE")
 # torchrun's rendezvous, in the environment only (/proc/PID/environ: the owner and root).
@@ -342,6 +345,7 @@ class Conn:
         self.last_seen = now
         self.exit_rc: int | None = None
         self.signalled = 0  # workers this agent sent SIGUSR1 to (from its exit message)
+        self.termed = 0  # workers without a SIGUSR1 handler, stopped with SIGTERM instead
         self.why = ""  # the agent's own reason with a failed exit (e.g. no torchrun)
         self.go_sent = False
         self.closed = False
@@ -559,9 +563,12 @@ class Supervisor:
                 why = "no spare node (--spare-nodes) and no shrink (--min-nodes)"
                 if grown is not None and grown.why:
                     why += f"; no node grown ({grown.why})"
+                # Let go of the lost nodes unless the grow already did (a second `update
+                # NodeList=` is refused for good on 22.05 without accounting).
+                done = set(grown.released) if grown is not None else set()
                 return self.requeue(attempt, f"{result.cause}; {why}: the job lets go of "
                                     f"{compress(sorted(result.lost))} and is requeued by bv",
-                                    lost=sorted(result.lost))
+                                    lost=sorted(set(result.lost) - done))
             spare = [n for n in nxt if n not in nodes]
             if grown is not None and grown.ok:
                 how = (f"relaunching on {compress(nxt)} (grown {compress(grown.added)} in "
@@ -720,6 +727,9 @@ class Supervisor:
         env[SUPERVISOR_ENV] = f"{self.advertised}:{self.listen.getsockname()[1]}"
         env[HEARTBEAT_ENV] = f"{self.advertised}:{self.udp.getsockname()[1]}"
         env[ATTEMPT_ENV] = str(attempt)
+        # The training world (bluevela/runtime/world.py): each agent hands it to torchrun.
+        env[STEP_NODELIST_ENV] = compress(nodes)
+        env[STEP_NUM_NODES_ENV] = str(len(nodes))
         env[SECRET_ENV] = secret  # the environment only: argv is world-readable in /proc
         # Whoever knows the store's key can write torchrun's pickled state, which every agent
         # unpickles: code execution as the job's user. So the id is random, and like the
@@ -812,6 +822,7 @@ class Supervisor:
                         and st.first_failure is None and conn.node is not None):
                     st.first_failure = (conn.node, conn.exit_rc or 1)
                     st.failure_why = conn.why
+        self.events.pump()  # the goodput events' copy, a bounded part a tick
         for conn in [c for c in st.conns if not c.closed and (c.chan.out or c.chan.broken)]:
             conn.chan.flush()  # what a slow reader left pending: whole lines only
             if conn.chan.broken is not None:
@@ -866,6 +877,14 @@ class Supervisor:
     def _signal_result(self, exits: dict[str, int], srun_rc: int | None) -> StepResult:
         codes = sorted(set(exits.values())) or [srun_rc if srun_rc is not None else -1]
         name = signal.Signals(self.signal_seen or signal.SIGUSR1).name
+        termed = sum(c.termed for c in self.conns)
+        if self.signal_seen == signal.SIGUSR1 and termed:
+            # A script with no handler for bv's signal: torchrun's SIGTERM stop, not a kill.
+            return StepResult("signal", 0, f"checkpoint signal {name} from Slurm; {termed} "
+                              f"worker(s) had no handler for it after {USR1_UNCAUGHT_S:.0f} s "
+                              "and were stopped with SIGTERM through torchrun (its grace "
+                              f"period), no checkpoint from them; exited "
+                              f"{','.join(map(str, codes))}, requeued by bv")
         if self.signal_seen == signal.SIGUSR1:
             return StepResult("signal", 0, f"checkpoint signal {name} from Slurm, workers "
                               f"exited {','.join(map(str, codes))}, requeued by bv")
@@ -983,6 +1002,10 @@ class Supervisor:
                     return f"hello from the rendezvous node {node} without a port"
                 st.rdzv_port = port
             conn.node = node
+            if node == keeper_of(st.nodes, self.host):
+                # a copy of the goodput events on a second node (events.CopyWriter): the
+                # record of this attempt outlives this (the batch) node
+                self.events.attach(conn.chan)
             if st.rdzv_port is not None:
                 for c in st.conns:
                     if c.node is not None and not c.go_sent and not c.closed:
@@ -994,6 +1017,8 @@ class Supervisor:
             rc, signalled = msg.get("rc"), msg.get("signalled")
             conn.exit_rc = rc if isinstance(rc, int) and 0 <= rc <= 255 else 1
             conn.signalled = signalled if isinstance(signalled, int) else 0
+            termed = msg.get("termed")
+            conn.termed = termed if isinstance(termed, int) else 0
             why = msg.get("why")
             conn.why = printable(why) if isinstance(why, str) else ""
         return None
@@ -1162,7 +1187,9 @@ def agent_main(argv: Sequence[str]) -> int:
     sel.register(sock, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
     proc: subprocess.Popen[bytes] | None = None  # torchrun, once the supervisor says go
+    copy = CopyWriter(os.environ, node)  # the goodput events, when this node keeps them
     signalled: set[int] = set()
+    termed = 0  # workers that had no SIGUSR1 handler: torchrun was sent SIGTERM for them
     want_usr1 = False
     usr1_at: float | None = None
     aborting_at: float | None = None
@@ -1182,6 +1209,7 @@ def agent_main(argv: Sequence[str]) -> int:
         if chan.broken is not None or sock in ready:
             msgs = None if chan.broken is not None else _agent_read(chan)
             if msgs is None:  # the supervisor is gone: do not leave training running
+                copy.gone()
                 if proc is not None:
                     _kill_tree(proc)
                     proc.wait()
@@ -1196,7 +1224,8 @@ def agent_main(argv: Sequence[str]) -> int:
                         # through an allow-list: the store has no authentication.
                         proc = subprocess.Popen(
                             guarded_argv(args) or args, start_new_session=True,
-                            env={**os.environ, **endpoint_env(rdzv_node or node, port)})
+                            env={**training_env(os.environ, args),
+                                 **endpoint_env(rdzv_node or node, port)})
                     except OSError as exc:
                         # A missing or unrunnable torchrun is the step's failure (the shell's
                         # 127/126), not a lost node: no relaunch or requeue would mend it.
@@ -1208,6 +1237,8 @@ def agent_main(argv: Sequence[str]) -> int:
                                    "why": why})
                         chan.close(linger_s=5.0)
                         return code
+                elif kind in ("ev", "ev_synced"):
+                    copy.feed(msg)
                 elif kind == "usr1":
                     want_usr1 = True
                 elif kind == "abort" and aborting_at is None:
@@ -1227,21 +1258,38 @@ def agent_main(argv: Sequence[str]) -> int:
             if usr1_at is None:
                 usr1_at = time.monotonic()
             # A worker still importing has no handler yet and SIGUSR1 would kill it: wait for
-            # its handler (bluevela.runtime), or USR1_UNCAUGHT_S for one that never installs it.
+            # its handler (bluevela.runtime, or bv's framework integration), USR1_UNCAUGHT_S at
+            # most; a worker that never installs one is not killed by a signal it did not ask
+            # for: torchrun gets SIGTERM, the stop torchrun users expect (docs/byos.md).
             late = time.monotonic() - usr1_at > USR1_UNCAUGHT_S
+            uncaught = 0
             for pid in worker_pids(proc.pid):
-                if pid not in signalled and (late or catches(pid, signal.SIGUSR1)):
+                if pid in signalled:
+                    continue
+                if catches(pid, signal.SIGUSR1):
                     try:
                         os.kill(pid, signal.SIGUSR1)
                         signalled.add(pid)
                     except ProcessLookupError:
                         pass
+                elif late:
+                    uncaught += 1
+            if uncaught and not termed:
+                termed = uncaught
+                _log(f"agent on {safe_name(node)}: {uncaught} worker(s) without a SIGUSR1 "
+                     f"handler after {USR1_UNCAUGHT_S:.0f} s: SIGTERM to torchrun (it stops its "
+                     "workers, SIGKILL 30 s later)")
+                try:
+                    os.kill(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
         if aborting_at is not None and time.monotonic() - aborting_at > ABORT_KILL_S:
             _kill_tree(proc)
         rc = proc.poll()
         if rc is not None:
             code = rc if rc >= 0 else 128 - rc
-            chan.send({"t": "exit", "rc": code, "node": node, "signalled": len(signalled)})
+            chan.send({"t": "exit", "rc": code, "node": node, "signalled": len(signalled),
+                       "termed": termed})
             chan.close(linger_s=5.0)
             return code
         if time.monotonic() - last_ping >= PING_S:
