@@ -149,41 +149,6 @@ while not os.path.exists(os.path.join(out, "done")):
 """
 
 
-def test_real_torchrun_takes_the_rendezvous_from_the_environment(tmp_path: Path,
-                                                                 jobs: list[Job]) -> None:
-    """The REAL torchrun (torch's c10d rendezvous, a real TCPStore) started by the real
-    supervisor and agent: it rendezvouses with the id and endpoint from PET_RDZV_ID and
-    PET_RDZV_ENDPOINT (no flag names them), and another uid finds neither in /proc."""
-    pytest.importorskip("torch.distributed.run")
-    user = other_user()
-    node = socket.gethostname()
-    worker = tmp_path / "worker.py"
-    worker.write_text(REAL_WORKER)
-    torchrun = Path(sys.executable).parent / "torchrun"
-    if not torchrun.exists():
-        pytest.skip(f"no {torchrun}")
-    job = Job(tmp_path, (node,), argv=[
-        sys.executable, "-P", "-m", "bluevela.launch.supervisor", "--nodes=1", "--",
-        str(torchrun), "--nproc-per-node=1", "--monitor-interval=0.1", str(worker),
-        str(tmp_path)])
-    jobs.append(job)
-    job.start()
-    job.wait_for(f"real.{node}", timeout=120)
-    info = json.loads((tmp_path / f"real.{node}").read_text())
-    rdzv_id = info["TORCHELASTIC_RUN_ID"]
-    assert re.fullmatch(r"[0-9a-f]{32}", rdzv_id), info
-    host, _, port = info["PET_RDZV_ENDPOINT"].rpartition(":")
-    assert host == node and port.isdigit(), info
-    # The rendezvous store really is there: a TCP listener on that port.
-    with socket.create_connection((host, int(port)), timeout=5):
-        pass
-    seen = scan_as(user, [rdzv_id, f"{host}:{port}", "--rdzv-id", "--rdzv_id",
-                          "--rdzv-endpoint", "--rdzv_endpoint"])
-    assert seen["supervisor_seen"] and seen["hits"] == [], seen
-    job.finish()
-    assert job.wait(60) == 0, job.stdout() + job.stderr()
-
-
 def listening_ports(pid: int) -> set[int]:
     """TCP ports process `pid` listens on (its socket inodes in /proc/net/tcp{,6})."""
     inodes = set()
@@ -226,17 +191,22 @@ for key in keys:
 """
 
 
-def test_a_pickle_written_into_the_store_runs_no_code(tmp_path: Path, jobs: list[Job]) -> None:
-    """The attack of issue 23 §1 for real: while a step trains, a stranger connects to its
-    rendezvous store (a real TCPStore started by the real torchrun), lists its keys, and
-    writes a pickle that would run code under the state's key. 9058adc: the next keep-alive
-    unpickled it in torchrun and the code ran as the job's user. Now torchrun unpickles the
-    state through an allow-list (bluevela/launch/rdzv_guard.py): nothing runs.
+def test_real_torchrun_store_is_unnamed_and_runs_no_pickle(tmp_path: Path,
+                                                           jobs: list[Job]) -> None:
+    """The REAL torchrun (torch's c10d rendezvous, a real TCPStore) started by the real
+    supervisor and agent. First: it rendezvouses with the id and endpoint from PET_RDZV_ID and
+    PET_RDZV_ENDPOINT (no flag names them), and another uid finds neither in /proc. Then the
+    attack of issue 23 §1 for real: while the step trains, a stranger connects to its
+    rendezvous store, lists its keys, and writes a pickle that would run code under the
+    state's key. 9058adc: the next keep-alive unpickled it in torchrun and the code ran as the
+    job's user. Now torchrun unpickles the state through an allow-list
+    (bluevela/launch/rdzv_guard.py): nothing runs.
 
     The stranger is another process that uses nothing but the store's TCP port; it runs as
     root here only because no other uid can import this machine's torch (under /root, 0700).
     """
     pytest.importorskip("torch.distributed.run")
+    user = other_user()
     node = socket.gethostname()
     worker = tmp_path / "worker.py"
     worker.write_text(REAL_WORKER)
@@ -251,18 +221,26 @@ def test_a_pickle_written_into_the_store_runs_no_code(tmp_path: Path, jobs: list
     job.start()
     job.wait_for(f"real.{node}", timeout=120)
     info = json.loads((tmp_path / f"real.{node}").read_text())
+    rdzv_id = info["TORCHELASTIC_RUN_ID"]
+    assert re.fullmatch(r"[0-9a-f]{32}", rdzv_id), info
+    host, _, port = info["PET_RDZV_ENDPOINT"].rpartition(":")
+    assert host == node and port.isdigit(), info
+    seen = scan_as(user, [rdzv_id, f"{host}:{port}", "--rdzv-id", "--rdzv_id",
+                          "--rdzv-endpoint", "--rdzv_endpoint"])
+    assert seen["supervisor_seen"] and seen["hits"] == [], seen
+
     # The store's port: any user finds the listening ports in /proc/net/tcp and tries them;
     # here, to be quick, only those of the job's torchrun.
     agents = [pid for pid in descendants(job.pid)
               if str(torchrun).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
     ports = sorted({port for pid in agents for port in listening_ports(pid)})
-    assert ports, agents
+    assert int(port) in ports, (port, ports)
     marker = tmp_path / "pwned"
     attack = subprocess.run([sys.executable, "-I", "-c", ATTACK, node, str(marker),
                              *map(str, ports)],
                             capture_output=True, text=True, timeout=60, cwd="/")
     assert attack.returncode == 0, attack.stderr
-    assert f"torch.rendezvous.{info['TORCHELASTIC_RUN_ID']}" in attack.stdout  # it found it
+    assert f"torch.rendezvous.{rdzv_id}" in attack.stdout  # the store told it the key
     time.sleep(4.0)  # four keep-alives: each reads the state back from the store
     assert not marker.exists(), f"the pickle ran as the job's user in pid {marker.read_text()}"
     job.finish()
