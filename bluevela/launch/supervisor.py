@@ -99,6 +99,7 @@ ABORT_KILL_S = 0.5
 # Then a node with a worker that never installed a SIGUSR1 handler gets torchrun's own stop
 # (SIGTERM to torchrun: forwarded to the workers, SIGKILL 30 s later), never SIGUSR1's kill.
 USR1_UNCAUGHT_S = 30.0
+USR1_WAIT_ENV = "BV_USR1_WAIT_S"  # the job's own value for it (bv submit --env), 0-600 s
 TICK_S = 0.2
 UNSET_ON_RESIZE = ("SLURM_NPROCS", "SLURM_NTASKS", "SLURM_TASKS_PER_NODE")
 # torchrun's rendezvous, in the environment only (/proc/PID/environ: the owner and root).
@@ -1190,6 +1191,7 @@ def agent_main(argv: Sequence[str]) -> int:
     copy = CopyWriter(os.environ, node)  # the goodput events, when this node keeps them
     signalled: set[int] = set()
     termed = 0  # workers that had no SIGUSR1 handler: torchrun was sent SIGTERM for them
+    usr1_wait = _seconds(os.environ.get(USR1_WAIT_ENV), USR1_UNCAUGHT_S)
     want_usr1 = False
     usr1_at: float | None = None
     aborting_at: float | None = None
@@ -1261,7 +1263,7 @@ def agent_main(argv: Sequence[str]) -> int:
             # its handler (bluevela.runtime, or bv's framework integration), USR1_UNCAUGHT_S at
             # most; a worker that never installs one is not killed by a signal it did not ask
             # for: torchrun gets SIGTERM, the stop torchrun users expect (docs/byos.md).
-            late = time.monotonic() - usr1_at > USR1_UNCAUGHT_S
+            late = time.monotonic() - usr1_at > usr1_wait
             uncaught = 0
             for pid in worker_pids(proc.pid):
                 if pid in signalled:
@@ -1277,7 +1279,7 @@ def agent_main(argv: Sequence[str]) -> int:
             if uncaught and not termed:
                 termed = uncaught
                 _log(f"agent on {safe_name(node)}: {uncaught} worker(s) without a SIGUSR1 "
-                     f"handler after {USR1_UNCAUGHT_S:.0f} s: SIGTERM to torchrun (it stops its "
+                     f"handler after {usr1_wait:.0f} s: SIGTERM to torchrun (it stops its "
                      "workers, SIGKILL 30 s later)")
                 try:
                     os.kill(proc.pid, signal.SIGTERM)
@@ -1295,6 +1297,14 @@ def agent_main(argv: Sequence[str]) -> int:
         if time.monotonic() - last_ping >= PING_S:
             chan.send({"t": "ping"})
             last_ping = time.monotonic()
+
+
+def _seconds(text: str | None, default: float) -> float:
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        return default
+    return value if 0 <= value <= 600 else default
 
 
 def _kill_tree(proc: subprocess.Popen[bytes]) -> None:

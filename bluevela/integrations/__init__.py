@@ -1,0 +1,63 @@
+"""bv's integrations with the training frameworks: no line of the user's code.
+
+Armed only in the training processes of a `bv submit` job (the node agent sets
+``BV_INTEGRATIONS=1`` and puts bv's start-up hook on torchrun's PYTHONPATH:
+bluevela/runtime/world.py, bluevela/integrations/boot.py):
+
+- Lightning (`lightning.py`): a callback through Lightning's own entry point group
+  (``lightning.pytorch.callbacks_factory``, ``pytorch_lightning.callbacks_factory``).
+- Hugging Face Trainer (`hf.py`): a `TrainerCallback` added to every Trainer (Transformers has
+  no plugin entry point: the start-up hook wraps `Trainer.__init__` when `transformers.trainer`
+  is imported).
+- Accelerate: one documented line in the loop (docs/byos.md).
+
+Each one: bv's checkpoint signal (SIGUSR1 from the node agent) sets bluevela.runtime's flag; at
+the next step boundary the ranks agree (one all-reduce of one number: any rank asked), save in
+the framework's own format where its own resume finds it, stop, and exit 0; bv requeues.
+
+A framework version outside the tested range gets no integration and one warning
+(`supported()`). Tested: see TESTED.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+logger = logging.getLogger(__name__)
+
+# Tested versions (docs/byos.md); the ranges they stand for: same major version, not older.
+TESTED = {"lightning": "2.6.6", "pytorch_lightning": "2.6.6", "transformers": "5.24.0",
+          "accelerate": "1.15.0"}
+RANGES = {"lightning": ((2, 0), (3, 0)), "pytorch_lightning": ((2, 0), (3, 0)),
+          "transformers": ((4, 40), (6, 0)), "accelerate": ((0, 30), (2, 0))}
+_warned: set[str] = set()
+
+
+def armed() -> bool:
+    """Whether this process is a training process bv launched (and integrations are on)."""
+    return os.environ.get("BV_INTEGRATIONS") == "1" and "LOCAL_RANK" in os.environ
+
+
+def _major_minor(version: str) -> tuple[int, int] | None:
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or "0")
+    except (IndexError, ValueError):
+        return None
+
+
+def supported(framework: str, version: str) -> bool:
+    """True for a version in the tested range; else one warning per framework and False."""
+    low, high = RANGES[framework]
+    got = _major_minor(version)
+    if got is not None and low <= got < high:
+        return True
+    if framework not in _warned:
+        _warned.add(framework)
+        warnings.warn(f"bv: {framework} {version} is not a version bv's integration knows "
+                      f"(tested {TESTED[framework]}, range {low[0]}.{low[1]} to before "
+                      f"{high[0]}.{high[1]}): no checkpoint at bv's signal from it; the job "
+                      "gets torchrun's SIGTERM stop instead", stacklevel=2)
+    return False

@@ -1,0 +1,1 @@
+"""Holds bv's `sitecustomize.py` for the training processes (bluevela/integrations/boot.py)."""

@@ -1,0 +1,80 @@
+"""What bv's start-up hook (`_boot/sitecustomize.py`) does in each training process.
+
+- The per-rank Slurm names (`bluevela.runtime.world.rank_env`) into `os.environ`.
+- Post-import hooks (a `sys.meta_path` finder that runs a function after a module's own code):
+  when `transformers.trainer` is imported, every `Trainer` gets bv's callback (hf.py); when
+  Lightning is imported, the checkpoint handler for SIGUSR1 is installed at once (its callback
+  comes through Lightning's entry point; the handler must be there before the Trainer is, as
+  importing Lightning takes seconds). Nothing else is imported here: a process that never
+  imports a framework pays a dict lookup per import.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+from bluevela.runtime.world import rank_env
+
+logger = logging.getLogger(__name__)
+
+
+def _install_usr1(_: ModuleType) -> None:
+    from bluevela import runtime
+
+    if threading.current_thread() is threading.main_thread():
+        runtime.install_signal_handler(signal.SIGUSR1)
+
+
+def _hf(module: ModuleType) -> None:
+    from bluevela.integrations import hf
+
+    hf.patch(module)
+
+
+HOOKS: dict[str, Callable[[ModuleType], None]] = {
+    "transformers.trainer": _hf,
+    "lightning.pytorch": _install_usr1,
+    "pytorch_lightning": _install_usr1,
+}
+
+
+class AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `hooks[name](module)` right after module `name` is first executed."""
+
+    def __init__(self, hooks: dict[str, Callable[[ModuleType], None]]) -> None:
+        self.hooks = dict(hooks)
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        hook = self.hooks.pop(fullname, None)
+        if hook is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        loader = spec.loader if spec is not None else None
+        if spec is None or loader is None or not hasattr(loader, "exec_module"):
+            return None
+        run = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            try:
+                hook(module)
+            except Exception as exc:  # noqa: BLE001 - never break the user's import
+                sys.stderr.write(f"bv: integration for {fullname} off "
+                                 f"({type(exc).__name__}: {exc})\n")
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def start() -> None:
+    os.environ.update(rank_env(os.environ))
+    sys.meta_path.insert(0, AfterImport(HOOKS))
