@@ -1,10 +1,11 @@
 """The prolog as slurmd runs it, old checkout vs this one (issue 24: the fail-open shim).
 
     python benchmarks/ab_shims.py --old <checkout of 9058adc> [--runs 20] [--rounds 3]
+                                  [--shim-only]
 
 Each side is its own checkout's `prolog_epilog/prolog` with an interpreter whose bluevela is
 that checkout (a venv over this Python with the checkout first on its path: the hook runs
-`-I`), /etc/bluevela bind-mounted in a private mount namespace (root and unshare needed), no
+`-I`; with --shim-only both sides run this checkout's package, so only the shims differ), /etc/bluevela bind-mounted in a private mount namespace (root and unshare needed), no
 PATH, the healthy H100 fixture and a fresh nccl mark (quick tier only), syslog to a socket
 nobody reads. Rounds alternate the order; the figures are each round's new/old ratio of the
 median wall time and of the median CPU time (user + system of the shim and everything it
@@ -27,13 +28,13 @@ REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "data" / "health" / "h100-healthy"
 
 
-def side(tmp: Path, name: str, checkout: Path) -> tuple[Path, Path]:
-    """(etc dir, shim) of one side."""
+def side(tmp: Path, name: str, checkout: Path, package: Path) -> tuple[Path, Path]:
+    """(etc dir, shim) of one side: `checkout`'s shim, `package`'s bluevela."""
     venv = tmp / f"venv-{name}"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
                     str(venv)], check=True)
     site = next((venv / "lib").glob("python3*/site-packages"))
-    (site / "00-checkout.pth").write_text(f"{checkout}\n")
+    (site / "00-checkout.pth").write_text(f"{package}\n")
     node = tmp / f"node-{name}"
     for d in ("state", "spool", "metrics"):
         (node / d).mkdir(parents=True)
@@ -71,11 +72,15 @@ def main() -> None:
     ap.add_argument("--old", type=Path, required=True, help="a checkout of the old version")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shim-only", action="store_true",
+                    help="both sides run this checkout's package: only the shims differ")
     args = ap.parse_args()
     Path("/etc/bluevela").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bv-ab-shims-") as d:
         tmp = Path(d)
-        sides = {"old": side(tmp, "old", args.old.resolve()), "new": side(tmp, "new", REPO)}
+        old = args.old.resolve()
+        sides = {"old": side(tmp, "old", old, REPO if args.shim_only else old),
+                 "new": side(tmp, "new", REPO, REPO)}
         job = 1
         for name in ("old", "new"):  # warm the page cache and bytecode
             run_once(*sides[name], job)
