@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bluevela.errors import LaunchError, SlurmError
 from bluevela.launch.request import (
@@ -15,8 +16,9 @@ from bluevela.launch.request import (
     time_limit_seconds,
 )
 from bluevela.site import Site
-from bluevela.slurm.client import JobInfo, SlurmClient
-from bluevela.slurm.states import JobState
+
+if TYPE_CHECKING:  # `bv submit --dry-run` never talks to Slurm: it does not import its client
+    from bluevela.slurm.client import JobInfo, SlurmClient
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +153,8 @@ def follow(
     polled for `requeue_grace_s` more before it counts as final. A job briefly unknown right
     after submit is polled again. Raises SlurmError on timeout.
     """
+    from bluevela.slurm.states import JobState
+
     start = clock()
     unknown_since: float | None = None
     maybe_final_since: float | None = None
@@ -192,6 +196,8 @@ def requeue_with_checkpoint(client: SlurmClient, job_id: int) -> JobInfo:
     (bv's supervisor), which asks every worker to checkpoint, waits for them, and requeues the
     job itself. (`scontrol requeue` instead sends SIGTERM to every process and SIGKILL after
     KillWait.) Raises SlurmError for a job that is not running or may not be requeued."""
+    from bluevela.slurm.states import JobState
+
     info = client.job(job_id)
     if info.state is not JobState.RUNNING:
         raise SlurmError(f"job {job_id} is {info.state_name}, not RUNNING: nothing to "
@@ -206,6 +212,8 @@ def requeue_with_checkpoint(client: SlurmClient, job_id: int) -> JobInfo:
 def exit_status_for(info: JobInfo) -> int:
     """The `--wait` exit code: 0 completed; the job's own code when it failed with one;
     124 timeout; 130 cancelled; 1 otherwise."""
+    from bluevela.slurm.states import JobState
+
     if info.state is JobState.COMPLETED:
         return 0
     if info.state is JobState.TIMEOUT:
