@@ -340,7 +340,8 @@ class _Counted:
 def release_own_slots(client: SlurmClient | _Counted, site: Site, node: str, *,
                       only_stale: bool = True,
                       slots: Sequence[Slot] | None = None,
-                      nodes: Sequence[NodeInfo] | None = None) -> list[str]:
+                      nodes: Sequence[NodeInfo] | None = None,
+                      gated: bool = True) -> list[str]:
     """Free the breaker slots `node` holds (only stale ones unless `only_stale` is False).
 
     Only the holder's own hooks, `bv health resume` and the nightly call this for a node:
@@ -349,8 +350,8 @@ def release_own_slots(client: SlurmClient | _Counted, site: Site, node: str, *,
     c = client if isinstance(client, _Counted) else _Counted(client, site.health.drain_timeout_s)
     if slots is None:
         reservations = c.reservations()
-        if not cluster_actions(Actions("enforce", ""), reservations).enforce:
-            return []  # the kill switch: not even a stale slot is freed
+        if gated and not cluster_actions(Actions("enforce", ""), reservations).enforce:
+            return []  # the kill switch: not even a stale slot is freed (but see resume_node)
         slots = parse_slots(reservations)
     held = [s for s in slots if s.node == node]
     if not held:
@@ -370,8 +371,13 @@ def release_own_slots(client: SlurmClient | _Counted, site: Site, node: str, *,
 
 def release_stale_slots(client: SlurmClient, site: Site) -> list[str]:
     """Free every stale slot (the nightly's and an operator's clean-up; one process at once)."""
+    if not local_actions(site).enforce:
+        return []
     c = _Counted(client, site.health.drain_timeout_s)
-    slots = c.slots()
+    reservations = c.reservations()
+    if not cluster_actions(Actions("enforce", ""), reservations).enforce:
+        return []  # the kill switch
+    slots = parse_slots(reservations)
     if not slots:
         return []
     by_name = {n.name: n for n in c.nodes()}
@@ -490,7 +496,7 @@ def resume_node(client: SlurmClient, site: Site, node: str) -> DrainOutcome:
         raise SlurmError(f"node {node} is not known to Slurm")
     info = found[0]
     if not info.drained:
-        freed = release_own_slots(c, site, node, nodes=found)
+        freed = release_own_slots(c, site, node, nodes=found, gated=False)
         note = f"; freed stale breaker slot(s) {', '.join(freed)}" if freed else ""
         return DrainOutcome(node, False, info.reason, f"not drained{note}", rpcs=c.calls)
     if not is_ours(site, info.reason):
@@ -498,8 +504,8 @@ def resume_node(client: SlurmClient, site: Site, node: str) -> DrainOutcome:
                             rpcs=c.calls)
     c.resume(node)
     # Resumed first, freed after: the slot never goes to another node while this one is
-    # still drained.
-    freed = release_own_slots(c, site, node, only_stale=False)
+    # still drained. An operator's resume (not gated) frees its slot even under the kill switch.
+    freed = release_own_slots(c, site, node, only_stale=False, gated=False)
     return DrainOutcome(node, True, info.reason, slots=tuple(freed), rpcs=c.calls)
 
 
