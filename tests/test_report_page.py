@@ -71,3 +71,16 @@ def test_formatters() -> None:
     assert fmt_num(1234.56, 1, " W") == "1,234.6 W" and fmt_num(float("inf"), 1) == "–"
     assert [fmt_duration(x) for x in (12, 420, 12600, None)] == ["12 s", "7 min", "3.5 h", "–"]
     assert esc("<a href='x'>&\"") == "&lt;a href=&#x27;x&#x27;&gt;&amp;&quot;"
+
+
+def test_readable_range() -> None:
+    from bluevela.report.page import readable_range as r
+
+    # the issue's 0.2-point spread: a 10-point axis around it, on round numbers
+    assert r(40.98, 41.01, 10, lower=0, upper=100) == (36.0, 46.0)
+    assert r(35, 35, 10, lower=0, upper=100) == (30.0, 40.0)  # all equal
+    assert r(0, 0, 10, lower=0, upper=100, from_zero=True) == (0.0, 10.0)  # never -1..1
+    assert r(98, 99.9, 10, lower=0, upper=100) == (90.0, 100.0)  # shifted inside 0..100
+    assert r(85.3, 99.9, 10, lower=0, upper=100) == (85.0, 100.0)  # a real spread kept
+    assert r(87, 710, 71, lower=0) == (50.0, 750.0)
+    assert r(float("nan"), 1, 10) == (0.0, 1.0)
