@@ -17,8 +17,9 @@ Sent as an RFC 3164 datagram to `$BV_SYSLOG_SOCKET` (hook.env; default `/dev/log
 journald and rsyslog serve; `off` sends nothing) with facility `$BV_SYSLOG_FACILITY` (daemon
 by default, or local0..local7, user). The socket is non-blocking: a missing `/dev/log`, a
 stalled journald or a full receive queue drops the line, never the hook (libc's syslog(3)
-blocks when the receiver's queue is full, which is why this is not the `syslog` module).
-Standard library only, so the shims' fallback and the hook share one format.
+blocks when the receiver's queue is full, which is why this is not the `syslog` module); a
+stream socket in its place gets one try bounded at 0.2 s. When Python cannot run at all, the
+shims write a line of the same fields through /usr/bin/logger (prolog_epilog/prolog).
 """
 
 from __future__ import annotations
