@@ -20,7 +20,7 @@ No path leaves a helper job (named ``bv-grow-JOB``) behind (issue 23):
   command under way and runs that cleanup before the supervisor goes on (KillWait);
 - what no process of ours can clean up any more (the supervisor SIGKILLed) Slurm ends by
   itself: a granted helper's time limit is cut to minutes before anything else, and a pending
-  one carries a ``--deadline`` by which it must have started (slurmctld removes it after);
+  one whose job has ended is started and failed by slurmctld within seconds (22.05, seen);
 - a job that runs again (requeued, same id) sweeps what a previous run left
   (`release_helpers`, from the supervisor).
 
@@ -189,14 +189,12 @@ def salloc_argv(job: str, shape: JobShape, exclude: Sequence[str], deadline_s: f
     if shape.gres:
         argv.append(f"--gres={shape.gres.removeprefix('gres:').replace('gres:', '')}")
     if shape.minutes_left is not None:
-        # Placed as for the job's whole remaining time (never on a node that a reservation
-        # or a planned job needs sooner); and a request that cannot start within the grow's
-        # wait (+60 s) is removed by slurmctld itself, even when no process of ours is left
-        # to cancel it (its `expand:` job ended: it would pend for ever, and run if the job
-        # is requeued under the same id).
+        # Placed as for the job's whole remaining time (never on a node that a reservation or
+        # a planned job needs sooner). No --deadline: slurmctld then leaves the request to its
+        # next scheduling cycle instead of placing it at once (+1.7 s a grow here, up to
+        # sched_interval elsewhere); an orphaned pending helper ends by itself anyway
+        # (docs/resilience.md, "Grow").
         argv.append(f"--time={shape.minutes_left}")
-        bound = shape.minutes_left * 60 + max(1, int(deadline_s)) + 60
-        argv.append(f"--deadline=now+{bound}seconds")
     if exclude:
         argv.append(f"--exclude={','.join(sorted(set(exclude)))}")
     return argv
