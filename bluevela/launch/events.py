@@ -32,9 +32,24 @@ Three places touch them (docs/resilience.md, "Where the time went: goodput event
    ledger (bluevela/report/goodput.py) checks the dict again with `validate()` and clamps it
    to the job's allocation before using it.
 
-When the supervisor's own node dies, that node's epilog never runs and the Slurm attempt's
-file is lost with it: the ledger then knows the attempt only from the other nodes' reports
-(prolog/epilog times) and counts its time as unattributed, its cause "the batch node died".
+4. The copy (issue 28): the supervisor's node is the batch node, and when it dies its epilog
+   never runs and its file is lost with it. So the supervisor also streams every line it
+   writes, in order, to the agent of a second node of the step (`keeper_of`: the step's first
+   node that is not its own) over the step's signed channel (bluevela/launch/wire.py: the
+   step's secret, an HMAC per line, bounded lines: `copy_messages` cuts an event line into
+   parts of COPY_CHUNK characters), the lines written so far first, at most COPY_OUT_MAX
+   bytes ahead of the socket (`CopySender`, pumped each tick). The agent (`CopyWriter`, as
+   the job's user) appends them to ``bv-goodput.<job>.r<restart>.u<uid>.<random>.copy.jsonl``
+   in ITS node's events directory, with the same directory rules, flags, mode and bounds;
+   each line once and in order; and when the supervisor's connection ends without the step's
+   end, one `gone` line with the time. A later step's keeper gets the whole backlog and, once
+   caught up, removes the older copies on its node. That node's epilog reads the copy as it
+   reads a record (`collect_files`: a ``.copy`` file may name another node as its host; the
+   node it lies on is root's word, `copy_on`), and every reader merges the copies and the
+   batch node's own file with `merge_records` (same event twice = once). The ledger then
+   names the batch node as the lost node when its prolog came and its epilog never did.
+   Without a second node (a one-node step) there is no copy: the attempt is then known only
+   from the other reports and its time is unattributed ("no supervisor record").
 
 Standard library only: the supervisor and the hooks import it.
 """
@@ -87,7 +102,10 @@ MAX_FILES = 8  # files of one attempt (owned by the job's user) the epilog reads
 T_MIN, T_MAX = 1e9, 1e10
 KINDS = ("ok", "failed", "lost", "hang", "signal", "terminated")
 _NAME_RE = re.compile(
-    r"^bv-goodput\.([0-9]{1,12})\.r([0-9]{1,5})\.u([0-9]{1,10})\.[0-9a-f]{16}\.jsonl$")
+    r"^bv-goodput\.([0-9]{1,12})\.r([0-9]{1,5})\.u([0-9]{1,10})\.[0-9a-f]{16}(\.copy)?"
+    r"\.jsonl$")
+COPY_CHUNK = 1200  # characters of an event line per channel message (wire.MAX_LINE: 4096)
+COPY_OUT_MAX = 64 * 1024  # bytes the copy's sender queues at once (the channel's MAX_OUT: 256 KB)
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,6 +342,10 @@ class EventLog:
         self.open_launch = False  # a launch line is written and its end not yet
         self.skipping = False  # this launch's line did not fit: its events are left out
         self.full_logged = False
+        # The copy on a second node (`CopySender`): every line written, in order, and the
+        # current step's keeper agent's channel.
+        self.written: list[bytes] = []
+        self.copy: CopySender | None = None
 
     @classmethod
     def open(cls, env: Mapping[str, str], host: str, *, query: bool = True) -> EventLog:
@@ -372,7 +394,25 @@ class EventLog:
             return False
         self.lines += 1
         self.bytes += len(data)
+        self.written.append(data)
+        if self.copy is not None:
+            self.copy.pump(self.written)
         return True
+
+    def attach(self, chan: Any) -> None:
+        """Stream every line, the ones written so far first, to this step's keeper agent
+        over its signed channel (`wire.Channel`): the copy its node's epilog reads when the
+        supervisor's own node dies (`CopyWriter`). A later step's keeper replaces it."""
+        if self.fd is None:
+            return
+        self.copy = CopySender(chan)
+        self.copy.pump(self.written)
+
+    def pump(self) -> None:
+        """Send more of the copy's backlog (the supervisor's tick): the channel is fed at most
+        COPY_OUT_MAX bytes ahead of what the socket took, so a long backlog never breaks it."""
+        if self.copy is not None:
+            self.copy.pump(self.written)
 
     def close(self) -> None:
         self._flush_ckpts()
@@ -488,6 +528,192 @@ def failure_time(lost: Mapping[str, str], last_seen: Mapping[str, float], starte
 
 
 # --------------------------------------------------------------------------------------------
+# The copy on a second node: a record the batch node's death cannot take
+
+
+def keeper_of(nodes: list[str], host: str) -> str | None:
+    """The node of a step that keeps the copy of the supervisor's events: the step's first
+    node other than the supervisor's (None for a step on the supervisor's node alone)."""
+    return next((n for n in nodes if n != host), None)
+
+
+def copy_messages(n: int, line: bytes) -> list[dict[str, Any]]:
+    """Line `n` of the events file as signed-channel messages (`ev`: part `i` of `k`)."""
+    text = line.decode("utf-8", "replace").rstrip("\n")
+    parts = [text[i:i + COPY_CHUNK] for i in range(0, len(text), COPY_CHUNK)] or [""]
+    return [{"t": "ev", "n": n, "i": i, "k": len(parts), "d": d} for i, d in enumerate(parts)]
+
+
+class CopySender:
+    """The supervisor's side of one keeper's copy: sends line after line, in order, and no
+    more than COPY_OUT_MAX bytes ahead of the socket; then `ev_synced` once caught up."""
+
+    def __init__(self, chan: Any) -> None:
+        self.chan = chan
+        self.next = 0
+        self.synced = -1
+
+    def pump(self, written: list[bytes]) -> None:
+        chan = self.chan
+        if chan.broken is not None:
+            return
+        while self.next < len(written) and len(chan.out) < COPY_OUT_MAX:
+            for msg in copy_messages(self.next, written[self.next]):
+                chan.send(msg)
+            self.next += 1
+        if self.next == len(written) and self.synced != self.next:
+            self.synced = self.next
+            chan.send({"t": "ev_synced", "n": self.next})
+
+
+class CopyWriter:
+    """The keeper agent's side (as the job's user, on its own node): appends the lines of
+    the supervisor's events file it is sent to ``<dir>/bv-goodput.<job>.r<restart>.u<uid>.
+    <random>.copy.jsonl`` in its node's events directory, with the supervisor's rules
+    (`open_user_dir`, O_EXCL|O_NOFOLLOW, mode 0600) and bounds (MAX_FILE_BYTES, MAX_LINES,
+    a line at most END_LINE_MAX). Lines are taken in order, each once: a repeated or
+    out-of-order one changes nothing. When the supervisor vanishes (its connection ends
+    without the step's end), `gone()` appends when the keeper saw it go. Once caught up
+    (`ev_synced`), the copies an earlier step's keeper left on this node are removed: this
+    one holds every line of them. Never raises."""
+
+    def __init__(self, env: Mapping[str, str], node: str) -> None:
+        self.env = env
+        self.node = node
+        self.fd: int | None = None
+        self.name = ""
+        self.prefix = ""
+        self.failed = False
+        self.next = 0  # the next line number wanted
+        self.parts: list[str] = []
+        self.lines = 0
+        self.bytes = 0
+
+    def feed(self, msg: Mapping[str, Any]) -> None:
+        try:
+            if msg.get("t") == "ev_synced":
+                if msg.get("n") == self.next and self.fd is not None:
+                    self._remove_older()
+                return
+            n, i, k, d = msg.get("n"), msg.get("i"), msg.get("k"), msg.get("d")
+            if not (isinstance(n, int) and isinstance(i, int) and isinstance(k, int)
+                    and isinstance(d, str)) or n != self.next or i != len(self.parts) \
+                    or not 0 <= i < k <= END_LINE_MAX // COPY_CHUNK + 1:
+                return
+            self.parts.append(d)
+            if len(self.parts) < k:
+                return
+            line, self.parts = "".join(self.parts), []
+            self.next += 1
+            self._append(line.encode() + b"\n")
+        except (TypeError, ValueError, UnicodeError):
+            self.parts = []
+
+    def gone(self) -> None:
+        """The supervisor's connection ended: when, in the keeper's words."""
+        if self.fd is not None:
+            self._append(json.dumps({"e": "gone", "t": time.time(), "on": self.node},
+                                    separators=(",", ":")).encode() + b"\n")
+
+    def _open(self, first: bytes) -> None:
+        self.failed = True  # one try
+        try:
+            head = json.loads(first)
+            job, restart = int(head["job"]), int(head["restart"])
+        except (ValueError, KeyError, TypeError):
+            return
+        if head.get("e") != "job" or not (0 <= job < 10**12 and 0 <= restart < 10**5):
+            return
+        uid = os.getuid()
+        name = f"bv-goodput.{job}.r{restart}.u{uid}.{secrets.token_hex(8)}.copy.jsonl"
+        try:
+            dfd = open_user_dir(self.env, uid)
+            try:
+                self.fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                                  | os.O_APPEND | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            logger.warning("no copy of the goodput events: cannot create %s in %s: %s", name,
+                           events_dir(self.env), exc.strerror or exc)
+            return
+        self.name, self.failed = name, False
+        self.prefix = f"bv-goodput.{job}.r{restart}.u{uid}."
+
+    def _append(self, data: bytes) -> None:
+        if self.fd is None and not self.failed:
+            self._open(data)
+        if self.fd is None:
+            return
+        if (len(data) > END_LINE_MAX or self.bytes + len(data) > MAX_FILE_BYTES
+                or self.lines + 1 > MAX_LINES):
+            return
+        try:
+            os.write(self.fd, data)
+        except OSError as exc:
+            logger.warning("copy of the goodput events stopped: %s", exc.strerror or exc)
+            os.close(self.fd)
+            self.fd, self.failed = None, True
+            return
+        self.lines += 1
+        self.bytes += len(data)
+
+    def _remove_older(self) -> None:
+        uid = os.getuid()
+        try:
+            dfd = open_user_dir(self.env, uid)
+        except OSError:
+            return
+        try:
+            with os.scandir(dfd) as entries:
+                old = [e.name for n, e in zip(range(MAX_SCAN), entries, strict=False)
+                       if e.name.startswith(self.prefix) and e.name.endswith(".copy.jsonl")
+                       and e.name != self.name and _NAME_RE.match(e.name)]
+            for name in old:
+                _unlink(dfd, name, uid)
+        except OSError:
+            pass
+        finally:
+            os.close(dfd)
+
+
+def merge_records(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
+    """Two validated records of the same Slurm attempt (the supervisor's file and a copy, or
+    two copies) as one: every event once. Both are the same line sequence, one maybe cut
+    short, so a launch is the one that knows more (its end, more saves), saves are united by
+    step, times that only one knows are kept. Idempotent: merge(a, a) == a."""
+    if a is None:
+        return b
+    out = dict(a)
+    out["slurm"] = {k: a["slurm"].get(k) if a["slurm"].get(k) is not None
+                    else b["slurm"].get(k) for k in a["slurm"]}
+    out["requeue"] = a["requeue"] if a["requeue"] is not None else b["requeue"]
+    for key in ("gone", "copy_on"):
+        if out.get(key) is None and b.get(key) is not None:
+            out[key] = b[key]
+    mine = {la["launch"]: la for la in a["launches"]}
+    merged = []
+    for la in b["launches"]:
+        have = mine.pop(la["launch"], None)
+        if have is None:
+            merged.append(la)
+            continue
+        best = dict(have if have["end"] is not None or la["end"] is None else la)
+        steps = {c[0]: c for c in have["ckpts"]}
+        for c in la["ckpts"]:
+            h = steps.get(c[0])
+            steps[c[0]] = c if h is None else [c[0], min(h[1], c[1]), max(h[2], c[2])]
+        best["ckpts"] = sorted(steps.values(), key=lambda c: (c[2], c[0]))[:MAX_CKPTS]
+        fp = [x for x in (have["first_progress"], la["first_progress"]) if x is not None]
+        best["first_progress"] = min(fp) if fp else None
+        best["ckpt_more"] = max(have["ckpt_more"], la["ckpt_more"])
+        merged.append(best)
+    merged.extend(mine.values())
+    out["launches"] = sorted(merged, key=lambda la: la["launch"])[:MAX_LAUNCHES]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # Reading the record (the epilog, as root; the ledger again)
 
 
@@ -545,6 +771,9 @@ def fold(lines: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         if kind == "requeue":
             rec["requeue"] = ev.get("t")
+            continue
+        if kind == "gone":  # a copy's keeper saw the supervisor's connection end
+            rec["gone"] = ev.get("t")
             continue
         n = ev.get("launch")
         if kind == "launch":
@@ -610,6 +839,13 @@ def validate(rec: Any) -> dict[str, Any]:
                   "start": _opt_t(slurm.get("start"), "slurm.start"),
                   "time_limit_s": None if limit is None else float(limit)},
         "requeue": _opt_t(rec.get("requeue"), "requeue"), "launches": []}
+    if rec.get("gone") is not None:
+        out["gone"] = _t(rec["gone"], "gone")
+    if rec.get("copy_on") is not None:
+        on = rec["copy_on"]
+        if not isinstance(on, str) or safe_name(on) != on:
+            raise EventsError("copy_on is not a node name")
+        out["copy_on"] = on
     launches = rec.get("launches")
     if not isinstance(launches, list) or len(launches) > MAX_LAUNCHES:
         raise EventsError(f"launches is not a list of at most {MAX_LAUNCHES}")
@@ -737,6 +973,7 @@ def collect_files(job_id: int, restart: int, node: str, uid: int | None,
             logger.warning("goodput events not read: %s", exc)
         return None
     found: dict[str, Any] | None = None
+    by_host: dict[str, dict[str, Any]] = {}
     read: list[str] = []
     try:
         names = []
@@ -755,17 +992,24 @@ def collect_files(job_id: int, restart: int, node: str, uid: int | None,
                 if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
                     names.append(entry.name)
         for name in sorted(names)[:MAX_FILES]:
+            # A copy (a keeper agent's, of another node's supervisor) names that node as its
+            # host; where it lies is root's word.
+            copy = name.endswith(".copy.jsonl")
             try:
                 rec = _read_one(dfd, name, uid)
-                if rec["host"] != node or rec["job"] != job_id or rec["restart"] != restart:
+                if (rec["host"] != node and not copy) or rec["job"] != job_id \
+                        or rec["restart"] != restart:
                     raise EventsError(f"written for job {rec['job']}.r{rec['restart']} on "
                                       f"{rec['host']}, not this node's attempt")
             except (OSError, EventsError) as exc:
                 logger.warning("goodput events %s left out: %s", name, exc)
                 continue
             read.append(name)
-            if found is None or len(rec["launches"]) > len(found["launches"]):
-                found = rec
+            if copy:
+                rec["copy_on"] = node
+            by_host[rec["host"]] = merge_records(by_host.get(rec["host"]), rec)
+        # this node's own supervisor's record first (with any copy of it merged), else a copy
+        found = by_host.get(node) or next(iter(by_host.values()), None)
     except OSError as exc:
         logger.warning("goodput events not read: %s", exc.strerror or exc)
     finally:

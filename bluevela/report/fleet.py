@@ -275,7 +275,7 @@ def _gather_goodput(out: dict[int, dict[int, dict[str, Any]]], f: Any, rep: np.n
     import numpy as np
 
     from bluevela.archive import schema as S
-    from bluevela.launch.events import EventsError, validate
+    from bluevela.launch.events import EventsError, merge_records, validate
 
     if "extra_json" not in (f["reports"].dtype.names or ()):
         return
@@ -293,11 +293,14 @@ def _gather_goodput(out: dict[int, dict[int, dict[str, Any]]], f: Any, rep: np.n
             logger.warning("job %s on %s: goodput events left out: %s",
                            int(rep[row]["job_id"]), names[node_of[row]], exc)
             continue
-        if rec["host"] != names[node_of[row]] or rec["job"] != int(rep[row]["job_id"]):
+        node = names[node_of[row]]
+        # a copy: another node's (the batch node's) supervisor's events, kept on this one
+        if (rec["host"] != node and rec.get("copy_on") != node) \
+                or rec["job"] != int(rep[row]["job_id"]):
             continue
         have = out[rec["job"]].get(rec["restart"])
-        if have is None or len(rec["launches"]) > len(have["launches"]):
-            out[rec["job"]][rec["restart"]] = rec
+        if have is None or have["host"] == rec["host"]:  # every event once
+            out[rec["job"]][rec["restart"]] = merge_records(have, rec)
 
 
 def _first_critical_check(f: Any, first: int, count: int) -> str:
@@ -771,9 +774,13 @@ def _build_ledgers(jobs: list[JobFacts], gpus_of: Mapping[str, int]
         alloc = G.Allocation(j.num_nodes, frozenset(j.nodes),
                              None if math.isnan(j.start) else j.start,
                              None if math.isnan(j.end) else j.end)
+        # restart -> nodes whose prolog came and epilog never did (a batch node among them:
+        # its loss, from the copy of its events another node kept)
+        lost = ({k: a.prolog_nodes - a.epilog_nodes for k, a in j.attempts.items()}
+                if j.attempts else {0: set(j.lost)})
         try:
             led = G.build_ledger(j.job_id, j.goodput, attempts, gpus_per_node=gpus,
-                                 alloc=alloc)
+                                 alloc=alloc, lost=lost)
         except ValueError as exc:
             logger.warning("no ledger for job %d: %s", j.job_id, exc)
             continue

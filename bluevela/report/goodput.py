@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +112,8 @@ def bound_record(rec: dict[str, Any], alloc: Allocation, lo: float | None, hi: f
     out = dict(rec)
     out["opened"] = t(rec["opened"], "times")
     out["requeue"] = t(rec["requeue"], "times")
+    if rec.get("gone") is not None:
+        out["gone"] = t(rec["gone"], "times")
     slurm = dict(rec["slurm"])
     slurm["start"] = t(slurm["start"], "times")
     slurm["submit"] = t(slurm["submit"], "submit time", lo - MAX_QUEUE_S)
@@ -279,14 +281,36 @@ def _cause_of(kind: str, detail: str, nodes: Sequence[str], at: float | None,
     return kind
 
 
+def _batch_node_end(rec: dict[str, Any], la: dict[str, Any], slurm_end: float | None
+                    ) -> dict[str, Any]:
+    """The end of a launch whose supervisor died with its node (the batch node), from the
+    copy a second node kept: it failed when that node's keeper saw the supervisor's
+    connection end (`gone`), else at the last event the copy holds; Slurm acted on it (the
+    other nodes' epilogs) at the attempt's last epilog."""
+    known = [la["start"], la["first_progress"], *(c[2] for c in la["ckpts"])]
+    last = max(t for t in known if t is not None)
+    failed = rec.get("gone") if rec.get("gone") is not None else last
+    failed = max(failed, last)
+    acted = max(slurm_end, failed) if slurm_end is not None else failed
+    on = rec.get("copy_on")
+    return {"kind": "lost", "nodes": [rec["host"]], "failed": failed, "detected": acted,
+            "gone": acted,
+            "cause": f"the batch node {rec['host']} died with the supervisor (its events from "
+                     f"the copy on {on or 'a second node'}; the node's prolog came, its "
+                     "epilog never did)"}
+
+
 def build_ledger(job_id: int, records: Sequence[dict[str, Any]],
                  attempts: Sequence[dict[str, Any]] = (), *, gpus_per_node: int = 0,
-                 end: float | None = None, alloc: Allocation | None = None) -> Ledger:
+                 end: float | None = None, alloc: Allocation | None = None,
+                 lost: Mapping[int, Collection[str]] | None = None) -> Ledger:
     """The ledger from validated event records (one per Slurm attempt, any order) and the
     archive's attempts (`query.job_attempts`: restart, first_prolog_unix_s,
     last_epilog_unix_s) for the attempts without a record. With `alloc` (every caller that
     reads an archive), each record is first clamped to it (`bound_record`) and a record the
-    archive has no time for is left out.
+    archive has no time for is left out. `lost`: restart -> the nodes whose prolog came
+    and whose epilog never did (`lost_nodes`); a record whose supervisor's node (its host)
+    is one of them, and whose last launch has no end, lost that node: the batch node.
 
     Raises:
         ValueError: neither events nor attempt times to build a time line from.
@@ -363,6 +387,10 @@ def build_ledger(job_id: int, records: Sequence[dict[str, Any]],
             p = la["first_progress"]
             e = la["end"]
             ckpts = la["ckpts"]
+            batch_lost = (e is None and la is rec["launches"][-1]
+                          and rec["host"] in (lost or {}).get(k, ()))
+            if batch_lost:
+                e = _batch_node_end(rec, la, times.get(k, {}).get("last_epilog_unix_s"))
             if e is None:  # the supervisor was killed mid-step (its node, or SIGKILL)
                 line.to("startup", p, bv_attempt, k)
                 for _, t0, t1 in ckpts:
@@ -404,7 +432,8 @@ def build_ledger(job_id: int, records: Sequence[dict[str, Any]],
                 nodes = e["nodes"]
                 interruptions.append(Interruption(
                     bv_attempt, k, kind,
-                    _cause_of(kind, e["cause"], nodes, failed, s_k, limit),
+                    _cause_of(kind, e["cause"], nodes, failed, s_k, limit)
+                    + (" (the batch node: the supervisor died with it)" if batch_lost else ""),
                     e["cause"], failed, list(nodes), redone))
                 cut.append(len(line.pieces) - (1 if redone > 0 else 0))
                 line.to("detection", detected, bv_attempt, k)
@@ -541,10 +570,11 @@ def spare_advice(nodes: int, node_mtbf_s: float, job_s: float, *, spare_swap_s: 
 def records_of(job: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     """The validated event records in a `query.show_job` result, and a note per record that
     failed the checks (left out, never fatal)."""
-    from bluevela.launch.events import EventsError, validate
+    from bluevela.launch.events import EventsError, merge_records, validate
 
     out: dict[int, dict[str, Any]] = {}
     bad: list[str] = []
+    names = {str(n.get("node")) for n in job.get("nodes") or []}
     for n in job.get("nodes") or []:
         reports = [n.get("epilog")] + [e.get("epilog") for e in n.get("earlier") or []]
         for rep in reports:
@@ -555,13 +585,32 @@ def records_of(job: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
             except EventsError as exc:
                 bad.append(f"{n.get('node')}: goodput events left out: {exc}")
                 continue
-            if rec["host"] != n.get("node"):
+            # a copy (another node's supervisor's events, kept here) names a node of the job
+            copy_ok = rec.get("copy_on") == n.get("node") and rec["host"] in names
+            if rec["host"] != n.get("node") and not copy_ok:
                 bad.append(f"{n.get('node')}: goodput events of another host left out")
                 continue
             have = out.get(rec["restart"])
-            if have is None or len(rec["launches"]) > len(have["launches"]):
-                out[rec["restart"]] = rec
+            if have is not None and have["host"] != rec["host"]:
+                bad.append(f"{n.get('node')}: goodput events of restart {rec['restart']} "
+                           f"from a second supervisor ({rec['host']}) left out")
+                continue
+            # the batch node's own file and the copies: every event once
+            out[rec["restart"]] = merge_records(have, rec)
     return list(out.values()), bad
+
+
+def lost_nodes(job: dict[str, Any]) -> dict[int, set[str]]:
+    """Restart -> the nodes of a `query.show_job` result whose prolog of that attempt came
+    and whose epilog never did (a node that died in the attempt)."""
+    out: dict[int, set[str]] = {}
+    for n in job.get("nodes") or []:
+        for rep in [n, *(n.get("earlier") or [])]:
+            pro, epi = rep.get("prolog"), rep.get("epilog")
+            if pro and not epi:
+                k = rep.get("restart", pro.get("restart"))
+                out.setdefault(int(k or 0), set()).add(str(n.get("node")))
+    return out
 
 
 def node_evidence(archive_dir: Path, node: str, at: float | None) -> list[dict[str, Any]]:
@@ -605,7 +654,8 @@ def job_goodput(archive_dir: Path, job_id: int, *, job: dict[str, Any] | None = 
     try:
         ledger = build_ledger(job_id, records, attempts,
                               gpus_per_node=gpus_per_node if gpus_per_node is not None
-                              else _gpus_per_node(job), alloc=allocation_of(job))
+                              else _gpus_per_node(job), alloc=allocation_of(job),
+                              lost=lost_nodes(job))
     except ValueError as exc:
         raise ArchiveError(str(exc)) from exc
     ledger.notes.extend(bad)
