@@ -212,3 +212,16 @@ def test_a_torchrun_command_may_not_set_the_rendezvous(flag: str) -> None:
     with pytest.raises(LaunchError, match="must not set"):
         SubmitRequest(script="train.py", torchrun=("torchrun", flag))
     SubmitRequest(script="train.py", args=(flag,))  # the script's own arguments are its own
+
+
+def test_a_refusal_that_may_never_clear_is_retried_briefly() -> None:
+    """22.05 without accounting refuses a second `update NodeList=` of a job "for good" with a
+    message that reads as temporary: its tries stop after SLOW_SLURM_RETRY_S, not the call's
+    whole budget (9058adc had no retries; the first retry loop waited out all 300 s)."""
+    from bluevela.launch.supervisor import SLOW_SLURM_RETRY_S, retry_deadline
+
+    why = ("exit 1: Job update not available right now, the DB index is being set, "
+           "try again in a bit for job 42.")
+    assert retry_deadline(why, 100.0, 400.0) == 100.0 + SLOW_SLURM_RETRY_S
+    assert retry_deadline(why, 100.0, 110.0) == 110.0  # never past the call's own budget
+    assert retry_deadline("timed out after 20 s", 100.0, 400.0) == 400.0

@@ -300,6 +300,11 @@ BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)  # between tries, then 15 s
 # Refusals that no retry changes (the job is gone or not requeueable, the user may not).
 PERMANENT_SLURM_ERRORS = ("invalid job id", "access/permission denied", "presently disabled",
                           "already completing or completed", "not requeue", "invalid user")
+# "Job update not available right now, the DB index is being set": with slurmdbd it clears in
+# seconds; without accounting (22.05, accounting_storage/none) a second `update NodeList=` of the
+# same job is refused so for good. Retried for this long only, not the call's whole budget.
+SLOW_SLURM_ERRORS = ("db index is being set",)
+SLOW_SLURM_RETRY_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -318,6 +323,14 @@ class SlurmCall:
 def permanent_slurm_error(why: str) -> bool:
     low = why.lower()
     return any(text in low for text in PERMANENT_SLURM_ERRORS)
+
+
+def retry_deadline(why: str, start: float, deadline: float) -> float:
+    """The deadline of a Slurm call's tries after a failure saying `why`: a refusal that may
+    never clear (SLOW_SLURM_ERRORS) is retried for SLOW_SLURM_RETRY_S from the first try."""
+    if any(text in why.lower() for text in SLOW_SLURM_ERRORS):
+        return min(deadline, start + SLOW_SLURM_RETRY_S)
+    return deadline
 
 
 def retry_budget(env: dict[str, str], retry_for: float, now: float) -> float:
@@ -690,6 +703,7 @@ class Supervisor:
                        f"{printable(proc.stderr or proc.stdout, 200) or 'no message'}")
                 if permanent_slurm_error(why):
                     return SlurmCall(False, "", why, tries, time.monotonic() - start)
+                deadline = retry_deadline(why, start, deadline)
             delay = BACKOFF_S[min(tries - 1, len(BACKOFF_S) - 1)]
             if time.monotonic() + delay >= deadline:
                 return SlurmCall(False, "", why, tries, time.monotonic() - start)
