@@ -34,8 +34,6 @@ LIST_KEYS = frozenset({"PrologFlags", "SchedulerParameters", "HealthCheckNodeSta
 AT_LEAST_KEYS = frozenset({"PrologEpilogTimeout"})
 # Keys bv needs set (non-zero) whatever the value: the site's choice (hooks.conf says why).
 ANY_VALUE_KEYS = frozenset({"HealthCheckInterval"})
-# slurmd kills a HealthCheckProgram after this long (hard-coded in slurmd).
-HEALTHCHECK_KILL_S = 60.0
 NFS_TYPES = frozenset({"nfs", "nfs4"})
 
 Runner = Callable[[Sequence[str], float], "subprocess.CompletedProcess[str]"]
@@ -242,7 +240,7 @@ def check_directory(d: DirFacts, slurm_user_uid: int | None = None) -> list[Find
 
 
 def check_timeouts(facts: SiteFacts) -> list[Finding]:
-    """The prolog's worst case against PrologEpilogTimeout (from bluevela.hooks.budget)."""
+    """Each hook's worst case against its kill (from bluevela.hooks.budget)."""
     return list(facts.budget)
 
 
@@ -330,7 +328,8 @@ def _run(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str
 def _budget_findings(site: Site, config: Mapping[str, str] | None,
                      partitions: int = 1) -> list[Finding]:
     """The prolog's and the epilog's worst case (bluevela.hooks.budget) against Slurm's
-    PrologEpilogTimeout: past it Slurm kills the hook and drains the node itself."""
+    PrologEpilogTimeout, the healthcheck's against slurmd's 60 s: past it Slurm kills the hook
+    (and drains the node itself for a prolog or epilog)."""
     from bluevela.hooks import budget
 
     raw = None if config is None else config.get("PrologEpilogTimeout")
@@ -350,6 +349,16 @@ def _budget_findings(site: Site, config: Mapping[str, str] | None,
         else:
             out.append(Finding(Status.OK, "timeouts",
                                f"{b.text()} <= PrologEpilogTimeout={timeout:g}"))
+    # slurmd kills the healthcheck at 60 s whatever slurm.conf says: no config needed.
+    hc = budget.healthcheck_problems(site, partitions=partitions)
+    for line in hc:
+        out.append(Finding(Status.CRITICAL, "timeouts",
+                           f"{line}: slurmd would kill it mid-drain; lower "
+                           "health.drain_timeout_s"))
+    if not hc:
+        b = budget.hook_budget(site, "healthcheck", partitions=partitions)
+        out.append(Finding(Status.OK, "timeouts",
+                           f"{b.text()} <= {budget.HEALTHCHECK_KILL_S:g} (slurmd's kill)"))
     return out
 
 

@@ -180,23 +180,34 @@ def test_cli_bad_site_path_is_one_line(bad: str, tmp_path: Path) -> None:
 
 def test_the_prologs_worst_case_against_prolog_epilog_timeout(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """bluevela.hooks.budget's arithmetic (283 s with the repo's site: start 5 + lock wait 65 +
-    run 181 + jitter 2 + rpc 30) against the running PrologEpilogTimeout."""
+    """bluevela.hooks.budget's arithmetic (293 s with the repo's site: start 5 + lock wait 65 +
+    run 181 + jitter 2 + rpc 30 + one bounded spool write 10) against the running
+    PrologEpilogTimeout, and the healthcheck's against slurmd's 60 s kill."""
     from bluevela.site_checks import _budget_findings
 
     monkeypatch.delenv("BV_HOOK_LOCK_WAIT_S", raising=False)
     site = load_site(REPO / "site.yaml")
     ok = _budget_findings(site, {"PrologEpilogTimeout": "300"})
-    assert [f.status for f in ok] == [Status.OK, Status.OK]
-    assert ok[0].message.startswith("prolog worst case 283 s = start 5 + lock_wait 65")
-    short = _budget_findings(site, {"PrologEpilogTimeout": "120"})
-    assert [f.status for f in short] == [Status.CRITICAL, Status.OK]
-    assert "> PrologEpilogTimeout=120: Slurm would kill the hook" in short[0].message
+    assert [f.status for f in ok] == [Status.OK, Status.OK, Status.OK]
+    assert ok[0].message.startswith("prolog worst case 293 s = start 5 + lock_wait 65")
+    assert ok[0].message.endswith("rpc 30 + spool 10 <= PrologEpilogTimeout=300")
+    assert ok[2].message.startswith("healthcheck worst case 60 s = start 5 + lock_wait 0 + "
+                                    "run 23")
+    # 283 s fitted 290 before the spool write was counted: 293 does not.
+    assert _budget_findings(site, {"PrologEpilogTimeout": "290"})[0].status is Status.CRITICAL
+    short = _budget_findings(site, {"PrologEpilogTimeout": "130"})
+    assert [f.status for f in short] == [Status.CRITICAL, Status.OK, Status.OK]
+    assert "> PrologEpilogTimeout=130: Slurm would kill the hook" in short[0].message
     # A node in two partitions: the breaker takes a slot in each (3 more drain RPCs).
-    two = _budget_findings(site, {"PrologEpilogTimeout": "290"}, partitions=2)
-    assert two[0].status is Status.CRITICAL and "298 s" in two[0].message
+    two = _budget_findings(site, {"PrologEpilogTimeout": "300"}, partitions=2)
+    assert two[0].status is Status.CRITICAL and "308 s" in two[0].message
+    # ... and the healthcheck's drain no longer fits slurmd's 60 s (its cap assumes one).
+    assert two[2].status is Status.CRITICAL
+    assert two[2].message.startswith("healthcheck worst case 75 s")
+    assert "kill at 60 s: slurmd would kill it mid-drain" in two[2].message
+    # No running config: the prolog and epilog are not compared; the healthcheck still is.
     unknown = _budget_findings(site, None)
-    assert {f.status for f in unknown} == {Status.WARNING}
+    assert [f.status for f in unknown] == [Status.WARNING, Status.WARNING, Status.OK]
 
 
 def test_gather_reads_sinfo_and_the_recorded_config(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -219,4 +230,4 @@ def test_gather_reads_sinfo_and_the_recorded_config(monkeypatch: pytest.MonkeyPa
     assert facts.config is not None and facts.config["PrologFlags"] == "Alloc"
     assert facts.slurm_user_uid == 0
     assert [f.message.split(" = ")[0] for f in facts.budget] == [
-        "prolog worst case 298 s", "epilog worst case 123 s"]
+        "prolog worst case 308 s", "epilog worst case 143 s", "healthcheck worst case 75 s"]

@@ -44,7 +44,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-HEALTHCHECK_LIMIT_S = 55.0  # slurmd kills HealthCheckProgram at 60 s (slurm.conf(5))
 
 
 @dataclass(frozen=True)
@@ -177,11 +176,14 @@ def _run(site: Site, hctx: HookContext, state: Path | None, plan_name: str) -> H
     pctx = ProbeContext.from_env(cls, class_name, state_dir=state, phase=hctx.phase)
     if hctx.phase == "healthcheck":  # DCGM diag at health.dcgm.healthcheck_level, if set
         from bluevela.health.checks.dcgm import with_purpose
+        from bluevela.hooks.budget import healthcheck_cap_s
 
-        plan, pctx = with_purpose(site, "healthcheck", plan, pctx, limit_s=HEALTHCHECK_LIMIT_S)
-    if hctx.phase == "healthcheck" and plan.cap_s > HEALTHCHECK_LIMIT_S:
-        # slurmd kills a HealthCheckProgram after 60 s: end the run (and drain) before that.
-        plan = replace(plan, cap_s=HEALTHCHECK_LIMIT_S)
+        # slurmd kills a HealthCheckProgram at 60 s: the run ends early enough that a drain
+        # (or a resume) after it still fits (hooks/budget.py).
+        limit = healthcheck_cap_s(site)
+        plan, pctx = with_purpose(site, "healthcheck", plan, pctx, limit_s=limit)
+        if plan.cap_s > limit:
+            plan = replace(plan, cap_s=limit)
     # Never nccl or a DCGM diagnostic on GPUs a running job uses (a healthcheck at a slurmd
     # restart under jobs, another job on a shared node): health/runner.py.
     plan, _ = for_jobs_here(plan, pctx)
@@ -191,14 +193,16 @@ def _run(site: Site, hctx: HookContext, state: Path | None, plan_name: str) -> H
 def _dcgm_before_resume(site: Site, hctx: HookContext, state: Path | None,
                         started: float) -> tuple[int, str]:
     """The DCGM diag at health.dcgm.before_resume_level, within what is left of the
-    healthcheck's 60 s (a longer diag ends UNKNOWN: the node stays drained)."""
+    healthcheck's 60 s once the resume's own Slurm calls are paid (a longer diag ends
+    UNKNOWN: the node stays drained)."""
     from bluevela.health.checks.dcgm import run_diag, timeout_for
     from bluevela.health.context import ProbeContext
+    from bluevela.hooks.budget import HEALTHCHECK_KILL_S, START_S, resume_tail_s
 
     class_name = site.class_name_for(hctx.node)
     pctx = ProbeContext.from_env(site.node_classes[class_name], class_name, state_dir=state,
                                  phase=hctx.phase)
-    left = HEALTHCHECK_LIMIT_S - (time.monotonic() - started) - 1.0
+    left = HEALTHCHECK_KILL_S - START_S - (time.monotonic() - started) - resume_tail_s(site)
     result = run_diag(pctx, site.health.dcgm.before_resume_level,
                       max(1.0, min(timeout_for(site, "before_resume"), left)))
     return int(result.status), result.summary
