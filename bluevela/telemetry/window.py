@@ -4,8 +4,10 @@
 restart k, archive/spool.py) holds the records of `<state>/samples/` from one interval
 before the job's start (the prolog's reading) to now, over the union of the segments' columns
 (`format.cut_window`). Written atomically (temporary file with O_EXCL|O_NOFOLLOW, fsync,
-rename) relative to the spool directory opened without following a symlink. Standard library
-only; ingest turns the side files into `<archive>/series/<job_id>.h5` (archive/series.py).
+rename) relative to the spool directory opened without following a symlink, by the spool's
+bounded writer (`archive.spool.run_bounded`: a forked child, at most `SPOOL_WRITE_TIMEOUT_S`),
+so a hung spool costs the epilog 10 s, never its `PrologEpilogTimeout`. Standard library only;
+ingest turns the side files into `<archive>/series/<job_id>.h5` (archive/series.py).
 """
 
 from __future__ import annotations
@@ -36,33 +38,51 @@ def interval_s(site: Site) -> float:
 
 
 def write_side_file(spool: Path, samples: Path, job_id: int, node: str, start: float,
-                    end: float, interval: float, restart: int = 0) -> Path | None:
+                    end: float, interval: float, restart: int = 0, *,
+                    timeout_s: float | None = None) -> Path | None:
     """Cut [start - interval, end] out of `samples` into the spool; None when no sample.
+
+    Args:
+        timeout_s: None: write here. A number (the epilog: SPOOL_WRITE_TIMEOUT_S): write in a
+            child and wait at most this long (`archive.spool.run_bounded`).
 
     Raises:
         OSError, UnsafeValueError: the spool cannot be written or the names are unsafe.
+        SpoolTimeoutError: no answer from the spool within `timeout_s` (an OSError).
     """
-    from bluevela.archive.spool import series_name
+    from bluevela.archive.spool import run_bounded, series_name
     from bluevela.telemetry.format import cut_window
     from bluevela.util.fs import atomic_write_at, ensure_dir, open_dir
 
     name = series_name(job_id, node, restart)
+    # The samples are in the node's local state dir: only the spool can hang.
     cut = cut_window(samples, start - interval, end, node=node, job_id=job_id)
     if cut is None:
         return None
     header, data = cut
-    ensure_dir(spool, 0o755)
-    fd = open_dir(spool)
-    try:
-        atomic_write_at(fd, name, header.encode() + data, 0o644)
-    finally:
-        os.close(fd)
+    body = header.encode() + data
+
+    def write() -> None:
+        ensure_dir(spool, 0o755)
+        fd = open_dir(spool)
+        try:
+            atomic_write_at(fd, name, body, 0o644)
+        finally:
+            os.close(fd)
+
+    if timeout_s is None:
+        write()
+    else:
+        run_bounded(write, timeout_s, f"spool {spool}")
     return spool / name
 
 
 def spool_series(site: Site, job_id: int, node: str, reading: Mapping[str, Any] | None,
                  now: float | None = None, *, restart: int = 0) -> str | None:
-    """The epilog's step: spool the job's window of samples. Never raises (logged)."""
+    """The epilog's step: spool the job's window of samples, bounded like the report's write
+    (a hung spool: 10 s, one error line). Never raises (logged)."""
+    from bluevela.archive.spool import SPOOL_WRITE_TIMEOUT_S
+
     now = time.time() if now is None else now
     start = reading.get("time") if reading else None
     if not isinstance(start, int | float) or isinstance(start, bool):
@@ -71,7 +91,7 @@ def spool_series(site: Site, job_id: int, node: str, reading: Mapping[str, Any] 
     samples = site.path("state") / "samples"
     try:
         path = write_side_file(site.path("spool"), samples, job_id, node, float(start), now,
-                               interval_s(site), restart)
+                               interval_s(site), restart, timeout_s=SPOOL_WRITE_TIMEOUT_S)
     except (OSError, BluevelaError, ValueError) as exc:
         logger.error("job %s: time series not spooled: %s", job_id, exc)
         return None
