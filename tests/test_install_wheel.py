@@ -11,20 +11,31 @@ a .pth line, never the editable install of this checkout: `bluevela` resolves to
 
 from __future__ import annotations
 
+import grp
 import hashlib
 import json
 import os
+import pwd
 import shutil
 import site
 import stat
 import subprocess
 import sys
+import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from bluevela import __version__
+from bluevela.deploy.install import (
+    Account,
+    InstallError,
+    Result,
+    fleet_account,
+    remove_fleet_account,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 _CACHES = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".*")
@@ -151,6 +162,12 @@ def test_install_lays_out_the_node_idempotently_and_uninstalls_clean(
 
     first = bv(venv, "install", "--root", str(root))
     assert "bv install: done" in first.stdout
+    # The fleet unit's user and directory are the host's, not a staged tree's: only listed.
+    assert ("under --root, user bvfleet and its textfile directory are not made: on the host "
+            "that runs bv-fleet-metrics run useradd --system --user-group --no-create-home "
+            "--home-dir /nonexistent --shell /usr/sbin/nologin bvfleet; install -d -o root -g "
+            "bvfleet -m 1775 /var/lib/node_exporter/textfile") in first.stdout.splitlines()
+    assert not (root / "var").exists()
     t = tree(root)
     src = sources()
     for s in SHIMS:
@@ -309,3 +326,126 @@ def test_requires_python_is_the_oldest_tested() -> None:
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert meta["requires-python"] == ">=3.11"
     assert sys.version_info >= (3, 11)
+
+
+# -- the fleet unit's account (bv install at /) --------------------------------------------------
+
+TEST_USER = "bvtest-h12"  # a user of the test's own, never the real bvfleet
+SYS_PYTHON = "/usr/bin/python3"  # one the test's user may run (pyenv's is under /root)
+
+
+def _user(name: str) -> pwd.struct_passwd | None:
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        return None
+
+
+@pytest.fixture
+def account() -> Iterator[Account]:
+    if os.geteuid() != 0 or not shutil.which("useradd") or not os.path.exists(SYS_PYTHON):
+        pytest.skip("needs root, useradd and /usr/bin/python3")
+    assert _user(TEST_USER) is None, f"{TEST_USER} left over from an earlier run"
+    # Not under pytest's 0700 tmp dirs: the test's user must reach the directory.
+    base = tempfile.mkdtemp(prefix="bv-fleet-account-")
+    os.chmod(base, 0o755)
+    try:
+        yield Account(TEST_USER, os.path.join(base, "node_exporter", "textfile"))
+    finally:
+        shutil.rmtree(base)
+        if _user(TEST_USER) is not None:  # a failed test's leftover
+            subprocess.run(["userdel", TEST_USER], check=False)
+
+
+def _as_user(user: str, code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["runuser", "-u", user, "--", SYS_PYTHON, "-I", "-c", code],
+                          capture_output=True, text=True, timeout=30, check=False, cwd="/")
+
+
+def test_fleet_account_created_idempotent_and_removed(account: Account) -> None:
+    """What bv-fleet-metrics.service needs on its host, for real: a system user with no home
+    and no login shell, its textfile directory root:<user> 1775 where the user writes its own
+    file but cannot replace root's; a second run changes nothing; the uninstall removes the
+    directory and the user bv created. Before, bv install made neither (the unit's docs listed
+    the commands to type)."""
+    dry = Result("/", "x", True)
+    assert fleet_account(Path("/"), None, dry, dry_run=True, account=account) is not None
+    assert [(c.action, c.path) for c in dry.changes] == [
+        ("create", f"user {TEST_USER}"), ("create", account.textfile)]
+    assert _user(TEST_USER) is None and not os.path.exists(account.textfile)
+
+    first = Result("/", "x", False)
+    record = fleet_account(Path("/"), None, first, dry_run=False, account=account)
+    assert record == {"user_created": True, "textfile_created": True}
+    assert [c.line() for c in first.changes] == [
+        f"create  user {TEST_USER}  (system, no home, nologin)",
+        f"create  {account.textfile}  (root:{TEST_USER} 1775)"]
+    pw = _user(TEST_USER)
+    assert pw is not None and pw.pw_shell == "/usr/sbin/nologin" and pw.pw_uid < 1000
+    assert pw.pw_dir == "/nonexistent" and not os.path.exists("/nonexistent")
+    st = os.lstat(account.textfile)
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (
+        0, grp.getgrnam(TEST_USER).gr_gid, 0o1775)
+
+    # The unit's layout at work: root's file (the hooks' bluevela.prom) stays root's.
+    hooks = Path(account.textfile) / "bluevela.prom"
+    hooks.write_text("bluevela_node_status 0\n")
+    hooks.chmod(0o644)
+    own = Path(account.textfile) / "bluevela_fleet.prom"
+    p = _as_user(TEST_USER, f"open({str(own) + '.tmp'!r}, 'w').write('x 1\\n'); "
+                 f"import os; os.rename({str(own) + '.tmp'!r}, {str(own)!r})")
+    assert p.returncode == 0, p.stderr
+    p = _as_user(TEST_USER, f"import os; open({str(own) + '.x'!r}, 'w'); "
+                 f"os.rename({str(own) + '.x'!r}, {str(hooks)!r})")
+    assert p.returncode != 0 and "PermissionError" in p.stderr, p.stderr
+    assert hooks.read_text() == "bluevela_node_status 0\n"
+
+    second = Result("/", "x", False)
+    assert fleet_account(Path("/"), record, second, dry_run=False, account=account) == record
+    assert second.changes == [] and second.notes == []
+
+    # Uninstall: a directory with files is kept (its group is going away: root's again).
+    un = Result("/", "x", False)
+    remove_fleet_account(Path("/"), record, un, dry_run=False, account=account)
+    assert [c.line() for c in un.changes] == [f"remove  user {TEST_USER}"]
+    assert un.notes == [f"kept {account.textfile}/: not empty"]
+    st = os.lstat(account.textfile)
+    assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0o755) and _user(TEST_USER) is None
+
+
+def test_fleet_account_leaves_what_bv_did_not_create(account: Account) -> None:
+    """A user the site made itself is kept at uninstall; a directory that was there (root's,
+    0755) is set to root:<user> 1775 and gets its old group and mode back; an empty directory
+    bv created is removed; a symlink in its place is refused, never followed."""
+    subprocess.run(account.useradd(), check=True)  # the site's own user
+    os.makedirs(account.textfile, 0o755)
+    os.chmod(account.textfile, 0o755)
+    r = Result("/", "x", False)
+    record = fleet_account(Path("/"), None, r, dry_run=False, account=account)
+    assert record == {"user_created": False, "textfile_created": False,
+                      "textfile_was": {"gid": 0, "mode": "0755"}}
+    assert [c.line() for c in r.changes] == [
+        f"update  {account.textfile}  (root:{TEST_USER} 1775 (was gid 0, 0755))"]
+    # Through the manifest's JSON, as the uninstall reads it.
+    record = json.loads(json.dumps(record))
+    un = Result("/", "x", False)
+    remove_fleet_account(Path("/"), record, un, dry_run=False, account=account)
+    assert [c.line() for c in un.changes] == [f"update  {account.textfile}  (back to gid 0, 0755)"]
+    assert un.notes == [f"kept user {TEST_USER}: bv install did not create it"]
+    st = os.lstat(account.textfile)
+    assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0o755) and _user(TEST_USER) is not None
+
+    os.rmdir(account.textfile)
+    created = fleet_account(Path("/"), None, Result("/", "x", False), dry_run=False,
+                            account=account)
+    un = Result("/", "x", False)
+    remove_fleet_account(Path("/"), created, un, dry_run=False, account=account)
+    assert [c.line() for c in un.changes] == [f"remove  {account.textfile}"]
+    assert not os.path.exists(account.textfile)
+
+    target = Path(account.textfile).parent / "elsewhere"
+    target.mkdir()
+    os.symlink(target, account.textfile)
+    with pytest.raises(InstallError, match="is not a directory .a symlink is never followed"):
+        fleet_account(Path("/"), None, Result("/", "x", False), dry_run=False, account=account)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755

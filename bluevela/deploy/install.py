@@ -12,6 +12,13 @@ The layout (docs/install.md 1.2), every path relative to `root` (`/`, or a stagi
 - `/opt/bluevela/install-manifest.json`: what was laid out, for `--uninstall` and for the
   next install (a file the new version no longer ships is removed).
 
+With `root` `/` only (a staging root lists the commands instead), what
+`bv-fleet-metrics.service` runs with (`fleet_account`): the system user `bvfleet` (nologin, no
+home) and its textfile directory `/var/lib/node_exporter/textfile`, `root:bvfleet 1775` (the
+sticky bit: bvfleet replaces its own file, never the hooks' root-owned one). The manifest
+records whether bv created the user and the directory (or the mode and group it changed), so
+`--uninstall` removes only what bv created and gives a changed directory its old mode back.
+
 Every file is written to a temporary name in its directory, fsynced, then renamed over the
 old one: a hook starting meanwhile runs the old shim or the new one, never half of one.
 Nothing outside the manifest is touched: site.yaml, hook.env, slurm.conf, enabled units.
@@ -19,13 +26,17 @@ Nothing outside the manifest is touched: site.yaml, hook.env, slurm.conf, enable
 
 from __future__ import annotations
 
+import grp
 import hashlib
 import json
 import logging
 import os
+import pwd
+import shlex
 import stat
+import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +56,10 @@ UNIT_SUFFIXES = (".service", ".timer")
 MANIFEST_SCHEMA = 1
 # Directories a hook's files live in: root's, writable by root only.
 GUARDED_DIRS = (PREFIX, f"{PREFIX}/prolog_epilog", "/etc/bluevela")
+# What prolog_epilog/bv-fleet-metrics.service runs as and writes to (its User= and --out).
+FLEET_USER = "bvfleet"
+TEXTFILE_DIR = "/var/lib/node_exporter/textfile"
+TEXTFILE_MODE = 0o1775
 
 
 class InstallError(BluevelaError):
@@ -383,21 +398,193 @@ def _running_config() -> str:
     return p.stdout if p.returncode == 0 else ""
 
 
-def _write_manifest(root: Path, items: list[Item], dirs: list[str], venv: Path) -> None:
+def _write_manifest(root: Path, items: list[Item], dirs: list[str], venv: Path,
+                    system: dict[str, object] | None = None) -> None:
     entries: list[dict[str, str]] = []
     for it in items:
         if it.target is not None:
             entries.append({"path": it.path, "target": it.target})
         else:
             entries.append({"path": it.path, "mode": f"{it.mode:04o}", "sha256": it.digest})
-    body = {"schema": MANIFEST_SCHEMA, "version": __version__, "venv": str(venv),
-            "items": entries, "dirs": sorted(set(dirs))}
+    body: dict[str, object] = {"schema": MANIFEST_SCHEMA, "version": __version__,
+                               "venv": str(venv), "items": entries, "dirs": sorted(set(dirs))}
+    if system is not None:
+        body["system"] = system
     text = json.dumps(body, indent=1, sort_keys=True) + "\n"
     _write(_under(root, MANIFEST), Item(MANIFEST, 0o644, text.encode()))
 
 
+@dataclass(frozen=True)
+class Account:
+    """The fleet unit's user and textfile directory (tests name their own)."""
+
+    user: str = FLEET_USER
+    textfile: str = TEXTFILE_DIR
+
+    def useradd(self) -> list[str]:
+        return ["useradd", "--system", "--user-group", "--no-create-home", "--home-dir",
+                "/nonexistent", "--shell", "/usr/sbin/nologin", self.user]
+
+    def commands(self) -> str:
+        return (f"{shlex.join(self.useradd())}; install -d -o root -g {self.user} -m 1775 "
+                f"{shlex.quote(self.textfile)}")
+
+
+def _run_tool(argv: list[str]) -> None:
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False,
+                           stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise InstallError(f"{argv[0]}: {exc}") from exc
+    if p.returncode != 0:
+        why = " ".join(p.stderr.split())[:300] or f"exit {p.returncode}"
+        raise InstallError(f"{shlex.join(argv)}: {why}")
+
+
+def _gid(name: str) -> int | None:
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        return None
+
+
+def _user_exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
+def _open_dir_nofollow(path: str) -> int:
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+
+
+def fleet_account(root: Path, old: Mapping[str, object] | None, result: Result, *,
+                  dry_run: bool, account: Account = Account(),
+                  announce: bool = True) -> dict[str, object] | None:
+    """The fleet unit's user and textfile directory (module docstring); returns the manifest's
+    record of what bv created or changed (None under a staging root: only listed there, when
+    `announce`: the first install into it).
+
+    Raises:
+        InstallError: useradd failed, or the directory is a symlink or not a directory.
+    """
+    if str(root) != "/":
+        if not announce:
+            return None
+        result.notes.append(f"under --root, user {account.user} and its textfile directory "
+                            f"are not made: on the host that runs bv-fleet-metrics run "
+                            f"{account.commands()}")
+        return None
+    prev = old if isinstance(old, Mapping) else {}
+    record: dict[str, object] = {
+        "user_created": prev.get("user_created") is True,
+        "textfile_created": prev.get("textfile_created") is True,
+    }
+    was = prev.get("textfile_was")
+    if isinstance(was, Mapping):
+        record["textfile_was"] = dict(was)
+    if not _user_exists(account.user):
+        if not dry_run:
+            _run_tool(account.useradd())
+        result.changes.append(Change("create", f"user {account.user}",
+                                     "system, no home, nologin"))
+        record["user_created"] = True
+    gid = _gid(account.user)
+    path = account.textfile
+    want = f"root:{account.user} {TEXTFILE_MODE:04o}"
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is None:
+        if not dry_run:
+            parent = os.path.dirname(path)
+            os.makedirs(parent, 0o755, exist_ok=True)
+            os.mkdir(path, 0o700)  # opened to its final mode below, never wider meanwhile
+            fd = _open_dir_nofollow(path)
+            try:
+                os.fchown(fd, 0, gid if gid is not None else 0)
+                os.fchmod(fd, TEXTFILE_MODE)
+            finally:
+                os.close(fd)
+        result.changes.append(Change("create", path, want))
+        record["textfile_created"] = True
+        return record
+    if not stat.S_ISDIR(st.st_mode):
+        raise InstallError(f"{path} is not a directory (a symlink is never followed): "
+                           f"bv-fleet-metrics writes there; make it a directory {want}")
+    if st.st_uid != 0:
+        result.notes.append(f"{path} is owned by uid {st.st_uid}, not root: left alone; "
+                            f"bv-fleet-metrics needs it {want}")
+        return record
+    if st.st_gid == gid and stat.S_IMODE(st.st_mode) == TEXTFILE_MODE:
+        return record
+    old_mode = f"{stat.S_IMODE(st.st_mode):04o}"
+    if not record["textfile_created"] and "textfile_was" not in record:
+        record["textfile_was"] = {"gid": st.st_gid, "mode": old_mode}
+    if not dry_run:
+        fd = _open_dir_nofollow(path)
+        try:
+            os.fchown(fd, 0, gid if gid is not None else st.st_gid)
+            os.fchmod(fd, TEXTFILE_MODE)
+        finally:
+            os.close(fd)
+    result.changes.append(Change("update", path, f"{want} (was gid {st.st_gid}, {old_mode})"))
+    return record
+
+
+def remove_fleet_account(root: Path, record: object, result: Result, *, dry_run: bool,
+                         account: Account = Account()) -> None:
+    """Undo `fleet_account` from its manifest record: the directory removed when bv created it
+    and it is empty (else its old group and mode back when bv changed them), the user removed
+    only when bv created it. The names are bv's own, never read from the manifest."""
+    if str(root) != "/" or not isinstance(record, Mapping):
+        return
+    path = account.textfile
+    try:
+        st: os.stat_result | None = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == 0:
+        was = record.get("textfile_was")
+        if record.get("textfile_created") is True:
+            if os.listdir(path):
+                result.notes.append(f"kept {path}/: not empty")
+                if (not dry_run and record.get("user_created") is True
+                        and _gid(account.user) == st.st_gid):  # the group goes below
+                    fd = _open_dir_nofollow(path)
+                    try:
+                        os.fchown(fd, 0, 0)
+                        os.fchmod(fd, 0o755)
+                    finally:
+                        os.close(fd)
+            else:
+                if not dry_run:
+                    os.rmdir(path)
+                result.changes.append(Change("remove", path))
+        elif isinstance(was, Mapping) and isinstance(was.get("gid"), int):
+            mode = int(str(was.get("mode", "0755")), 8) & 0o7777
+            if not dry_run:
+                fd = _open_dir_nofollow(path)
+                try:
+                    os.fchown(fd, 0, int(was["gid"]))
+                    os.fchmod(fd, mode)
+                finally:
+                    os.close(fd)
+            result.changes.append(Change("update", path, f"back to gid {was['gid']}, "
+                                         f"{mode:04o}"))
+    if record.get("user_created") is True and _user_exists(account.user):
+        if not dry_run:
+            _run_tool(["userdel", account.user])
+        result.changes.append(Change("remove", f"user {account.user}"))
+    elif _user_exists(account.user):
+        result.notes.append(f"kept user {account.user}: bv install did not create it")
+
+
 def install(root: str | os.PathLike[str] = "/", *, dry_run: bool = False,
-            venv: Path | None = None) -> Result:
+            venv: Path | None = None, account: Account = Account()) -> Result:
     """Lay out the node under `root` from the installed package (see the module docstring).
 
     Args:
@@ -411,13 +598,14 @@ def install(root: str | os.PathLike[str] = "/", *, dry_run: bool = False,
             last: run bv install again once the cause is fixed.
     """
     try:
-        return _install(root, dry_run=dry_run, venv=venv)
+        return _install(root, dry_run=dry_run, venv=venv, account=account)
     except OSError as exc:
         where = exc.filename or root
         raise InstallError(f"{where}: {exc.strerror or exc}") from exc
 
 
-def _install(root: str | os.PathLike[str], *, dry_run: bool, venv: Path | None) -> Result:
+def _install(root: str | os.PathLike[str], *, dry_run: bool, venv: Path | None,
+             account: Account) -> Result:
     base = Path(root)
     if not base.is_absolute() or not base.is_dir():
         raise InstallError(f"--root {root}: not an existing absolute directory")
@@ -445,11 +633,16 @@ def _install(root: str | os.PathLike[str], *, dry_run: bool, venv: Path | None) 
     for path, entry in old_entries.items():
         if path not in wanted and path != MANIFEST:
             _remove(base, path, entry, result)  # shipped by the version installed before
+    old_system = old.get("system") if old is not None else None
+    system = fleet_account(base, old_system if isinstance(old_system, Mapping) else None,
+                           result, dry_run=dry_run, account=account,
+                           announce=old is None)
     dirs = old_dirs + created
-    if result.changed or old is None or old.get("venv") != str(venv):
+    if (result.changed or old is None or old.get("venv") != str(venv)
+            or system != old_system):
         _makedirs(base, MANIFEST, dirs, dry_run)
         if not dry_run:
-            _write_manifest(base, items, dirs, venv)
+            _write_manifest(base, items, dirs, venv, system)
     if any(c.path.startswith(UNIT_DIR) for c in result.changes) and str(base) == "/":
         result.notes.append("units changed: systemctl daemon-reload (they are not enabled "
                             "by bv install; docs/install.md 3)")
@@ -457,19 +650,20 @@ def _install(root: str | os.PathLike[str], *, dry_run: bool, venv: Path | None) 
 
 
 def uninstall(root: str | os.PathLike[str] = "/", *, dry_run: bool = False,
-              force: bool = False) -> Result:
+              force: bool = False, account: Account = Account()) -> Result:
     """Remove exactly what the manifest lists (an edited file is kept and reported), then the
     directories an install created once they are empty, then the manifest.
 
     Refused while slurm.conf still names a shim (unless `force`): take the hooks out of
     slurm.conf first (docs/install.md 8)."""
     try:
-        return _uninstall(root, dry_run=dry_run, force=force)
+        return _uninstall(root, dry_run=dry_run, force=force, account=account)
     except OSError as exc:
         raise InstallError(f"{exc.filename or root}: {exc.strerror or exc}") from exc
 
 
-def _uninstall(root: str | os.PathLike[str], *, dry_run: bool, force: bool) -> Result:
+def _uninstall(root: str | os.PathLike[str], *, dry_run: bool, force: bool,
+               account: Account) -> Result:
     base = Path(root)
     if not base.is_absolute() or not base.is_dir():
         raise InstallError(f"--root {root}: not an existing absolute directory")
@@ -490,6 +684,7 @@ def _uninstall(root: str | os.PathLike[str], *, dry_run: bool, force: bool) -> R
     order = sorted(entries, key=lambda p: p != CURRENT)
     for path in order:
         _remove(base, path, entries[path], result)
+    remove_fleet_account(base, manifest.get("system"), result, dry_run=dry_run, account=account)
     real = _under(base, MANIFEST)
     if not dry_run:
         os.unlink(real)
