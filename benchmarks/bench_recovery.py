@@ -26,11 +26,29 @@ as it appears (polled at 20 Hz); phases are measured from the crash:
 The runs are interleaved (bv, bare, bv silent, ...) on the same cluster. A measurement that
 prints, not a timed test. Dev cluster: SlurmdTimeout=30, cred_expire=20 (left as they are).
 
-Before/after a change (issue 16: the signed control channel): with
-``BV_BENCH_OLD=<checkout of the old commit>`` only the `bv` (spare) crash is run, alternately
-by the old checkout (``PYTHONPATH`` points the submit and the job at it) and by this one;
-``recovery.bv_new_vs_old_ratio`` is the median of the per-pair ratios, with their range.
-``BV_BENCH_NEW=<checkout>`` pins the new side to a commit too.
+Before/after a change (issue 16: the signed control channel; issues 23/24: the happy path):
+with ``BV_BENCH_OLD=<checkout of the old commit>`` only the `bv` (spare) crash is run,
+alternately by the old checkout (``PYTHONPATH`` points the submit and the job at it) and by
+this one (``BV_BENCH_NEW=<checkout>`` pins the new side to a commit too), old first in even
+pairs and new first in odd ones. Two figures come from each run:
+
+- crash -> the first resumed rank line (above); ``recovery.bv_new_vs_old_ratio``;
+- submit -> first rank line: from `bv submit` returning the job id to the job's first
+  `rank=R attempt=1 resumed_from_step=S` line (phases: -> the attempt-1 banner, i.e. the
+  allocation granted, every node's prolog done and the batch script started; -> the first rank
+  line: supervisor, agents, torchrun's rendezvous, the ranks' imports and process group);
+  ``recovery.submit_new_vs_old_ratio``. `bv submit`'s own wall time is printed too.
+
+Each ratio is the median of the per-pair new/old ratios, with their range.
+
+The node hooks are on the submit path (``PrologFlags=Alloc``: the job starts when every node's
+prolog is done). By default (``BV_BENCH_SIDE_HOOKS=1``) each side runs its OWN hooks: the dev
+cluster is brought up with ``BV_DEVCLUSTER_HOOKS`` naming a symlink that is switched to the
+side's ``prolog_epilog/`` before each run, and every node's ``/etc/bluevela/python`` is
+switched to a per-side venv (system site-packages plus a .pth naming the side's checkout, so
+``python -I -m bluevela.hooks`` imports that checkout and not the editable install); at the
+end the cluster is brought up again as it was. ``BV_BENCH_SIDE_HOOKS=0``: both sides run the
+dev cluster's hooks (this checkout's shims, the installed package).
 """
 
 from __future__ import annotations
@@ -54,6 +72,7 @@ EXAMPLE = str(REPO / "examples" / "train_ddp.py")
 TRAIN_ARGS = ["--steps", "30", "--step-s", "0.5", "--ckpt-every", "5"]
 CRASH_AT = "step=10 attempt=1"
 RESUMED = re.compile(r"^rank=\d+ attempt=2 resumed_from_step=(\d+)$")
+FIRST_RANK = re.compile(r"^rank=\d+ attempt=1 resumed_from_step=\d+$")
 # The dev cluster's (slurm/devcluster); BV_DEVCLUSTER_* set before `up` (and kept for this
 # run) give Slurm's production defaults instead: the variant that shows which paths stay flat.
 SLURMD_TIMEOUT_S = int(os.environ.get("BV_DEVCLUSTER_SLURMD_TIMEOUT_S") or 30)
@@ -66,6 +85,8 @@ class Run:
     kind: str
     crash_at: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)  # name -> seconds after the crash
+    # name -> seconds after `bv submit` returned ("submit" itself: the command's wall time)
+    start: dict[str, float] = field(default_factory=dict)
     resumed_step: int | None = None
     error: str | None = None
 
@@ -169,10 +190,13 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
     else:
         env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     ckpt = work / "ckpt"
+    t0 = time.monotonic()
     out = subprocess.run(
         [PY, "-m", "bluevela", "submit", "-N", "2", "--spare-nodes", "1" if spare else "0",
          *(["--min-nodes", "1"] if shrink else []), "--procs-per-node", "1", example, "--ckpt-dir", str(ckpt), *TRAIN_ARGS],
         capture_output=True, text=True, env=env, cwd=work, check=True).stdout
+    submitted = time.monotonic()
+    run.start["submit"] = submitted - t0
     job = re.search(r"job (\d+)", out)
     assert job, out
     tail = Tail(work / f"bv-{job.group(1)}.out")
@@ -181,6 +205,11 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
         if tail.wait(lambda s: s.startswith(CRASH_AT), 180) is None:
             run.error = "never reached step 10"
             return run
+        for name, pred in (("job started", lambda s: s.startswith("==== bv attempt 1 job")),
+                           ("first rank line", lambda s: FIRST_RANK.match(s) is not None)):
+            seen = next((t for t, line in tail.lines if pred(line)), None)
+            if seen is not None:
+                run.start[name] = seen - submitted
         banner = next(line for _, line in tail.lines if line.startswith("==== bv attempt 1 job"))
         nodes = _sh(env, "scontrol", "show", "hostnames", banner.split()[7]).split()
         crashed = nodes[1]
@@ -268,19 +297,66 @@ def _phases(runs: list[Run]) -> str:
     return ", ".join(f"{k} {statistics.median(r.phases[k] for r in runs):.1f}" for k in names)
 
 
-def _before_after(env: dict[str, str], old: Path, pairs: int) -> Iterator[Figure]:
-    """`bv` (spare) crash -> resumed, old checkout and this one alternately (or the checkout
-    ``BV_BENCH_NEW`` names: a commit, unaffected by edits in progress in this tree)."""
+class SideHooks:
+    """Each side's own node hooks on the dev cluster (BV_BENCH_SIDE_HOOKS, module docstring)."""
+
+    def __init__(self, sides: dict[str, Path]) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="bv-bench-hooks-"))  # root's, 0700
+        self.link = self.dir / "hooks"
+        self.sides = sides
+        self.python: dict[str, str] = {}
+        for which, checkout in sides.items():
+            venv = self.dir / f"venv-{which}"
+            subprocess.run([PY, "-m", "venv", "--system-site-packages", "--without-pip",
+                            str(venv)], check=True, capture_output=True)
+            py = venv / "bin" / "python3"
+            site = subprocess.run([str(py), "-I", "-c", "import sysconfig; "
+                                   "print(sysconfig.get_paths()['purelib'])"],
+                                  check=True, capture_output=True, text=True).stdout.strip()
+            (Path(site) / "bv-bench-side.pth").write_text(f"{checkout.resolve()}\n")
+            got = subprocess.run([str(py), "-I", "-c", "import bluevela.hooks, bluevela; "
+                                  "print(bluevela.__file__)"], cwd="/", check=True,
+                                 capture_output=True, text=True).stdout.strip()
+            if not got.startswith(str(checkout.resolve()) + "/"):
+                raise RuntimeError(f"the {which} hooks' python imports {got}, not {checkout}")
+            self.python[which] = str(py)
+        self.switch(next(iter(sides)))
+
+    def switch(self, which: str) -> None:
+        tmp = self.dir / "hooks.new"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(self.sides[which].resolve() / "prolog_epilog")
+        os.replace(tmp, self.link)
+        nodes = Path(os.environ.get("BV_DEVCLUSTER_DIR", "")) / "nodes"
+        for etc in sorted(nodes.glob("*/etc-bluevela")):
+            new = etc / "python.new"
+            new.write_text(self.python[which] + "\n")
+            os.replace(new, etc / "python")
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _before_after(env: dict[str, str], old: Path, pairs: int,
+                  hooks: SideHooks | None) -> Iterator[Figure]:
+    """`bv` (spare) crash -> resumed and submit -> first rank line, old checkout and this one
+    alternately (or the checkout ``BV_BENCH_NEW`` names: a commit, unaffected by edits in
+    progress in this tree)."""
     new_dir = os.environ.get("BV_BENCH_NEW")
     new = Path(new_dir) if new_dir else None
     # One training script for both sides: the old checkout's (the new runtime keeps its API;
     # the new script may use calls the old runtime lacks).
     example = str(old / "examples" / "train_ddp.py")
-    got: dict[str, list[float]] = {"old": [], "new": []}
+    runs: dict[str, list[Run]] = {"old": [], "new": []}
     ratios: list[float] = []
+    sratios: list[float] = []
     for i in range(pairs):
-        pair: dict[str, float] = {}
+        pair: dict[str, Run] = {}
         for which in (("old", "new") if i % 2 == 0 else ("new", "old")):
+            if hooks is not None:
+                hooks.switch(which)
             with tempfile.TemporaryDirectory(prefix="bv-bench-recovery-") as tmp:
                 try:
                     run = run_bv(env, Path(tmp), silent=False,
@@ -288,25 +364,51 @@ def _before_after(env: dict[str, str], old: Path, pairs: int) -> Iterator[Figure
                                  example=example)
                 except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
                     run = Run("bv", error=f"{type(exc).__name__}: {exc}")
-            print(f"recovery: bv ({which}): " + ", ".join(
-                f"{k} {v:.1f} s" for k, v in run.phases.items())
+            print(f"recovery: pair {i + 1} bv ({which}): crash -> " + ", ".join(
+                f"{k} {v:.1f} s" for k, v in run.phases.items()) + "; submit " + ", ".join(
+                f"{k} {v:.2f} s" for k, v in run.start.items())
                 + (f" (ERROR {run.error})" if run.error else ""), flush=True)
-            if not run.error:
-                pair[which] = run.total
-                got[which].append(run.total)
+            if not run.error and "first rank line" in run.start:
+                pair[which] = run
+                runs[which].append(run)
         if len(pair) == 2:
-            ratios.append(pair["new"] / pair["old"])
-    med = {k: statistics.median(v) if v else float("nan") for k, v in got.items()}
-    yield Figure("recovery.bv_crash_to_resumed_old_s", med["old"], "s", "",
-                 f"{old}: median of {len(got['old'])}: "
-                 + ", ".join(f"{x:.1f}" for x in got["old"]))
-    yield Figure("recovery.bv_crash_to_resumed_new_s", med["new"], "s", "<= 24",
-                 f"{new or 'this checkout'}: median of {len(got['new'])}: "
-                 + ", ".join(f"{x:.1f}" for x in got["new"]))
+            ratios.append(pair["new"].total / pair["old"].total)
+            sratios.append(pair["new"].start["first rank line"]
+                           / pair["old"].start["first rank line"])
+            print(f"recovery: pair {i + 1} new/old: crash -> resumed {ratios[-1]:.2f}, "
+                  f"submit -> first rank line {sratios[-1]:.2f}", flush=True)
+
+    def med(which: str, key: str) -> float:
+        vals = [r.start[key] if key in r.start else r.phases.get(key, float("nan"))
+                for r in runs[which]]
+        return statistics.median(vals) if vals else float("nan")
+
+    def spread(rs: list[float]) -> str:
+        return (f"{len(rs)} interleaved pairs; per-pair range {min(rs):.2f}-{max(rs):.2f}"
+                if rs else "no complete pair")
+
+    where = {"old": str(old), "new": str(new or "this checkout")}
+    hooks_note = "each side's own hooks" if hooks is not None else "the cluster's hooks"
+    for which in ("old", "new"):
+        rs = runs[which]
+        yield Figure(f"recovery.bv_crash_to_resumed_{which}_s", med(which, "resumed"), "s",
+                     "<= 24" if which == "new" else "",
+                     f"{where[which]}: median of {len(rs)}: "
+                     + ", ".join(f"{r.total:.1f}" for r in rs) + "; phases: "
+                     + ", ".join(f"{k} {med(which, k):.1f}" for k in ("step ended",
+                                                                      "relaunched")))
+        yield Figure(f"recovery.submit_to_first_rank_{which}_s",
+                     med(which, "first rank line"), "s", "",
+                     f"{where[which]} ({hooks_note}): median of {len(rs)}: "
+                     + ", ".join(f"{r.start['first rank line']:.2f}" for r in rs)
+                     + f"; job started {med(which, 'job started'):.2f}; bv submit itself "
+                     f"{med(which, 'submit'):.2f}")
     yield Figure("recovery.bv_new_vs_old_ratio",
                  statistics.median(ratios) if ratios else float("nan"), "ratio", "<= 1.1",
-                 f"{len(ratios)} interleaved pairs; per-pair range "
-                 + (f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "n/a"))
+                 "crash -> resumed; " + spread(ratios))
+    yield Figure("recovery.submit_new_vs_old_ratio",
+                 statistics.median(sratios) if sratios else float("nan"), "ratio", "<= 1.1",
+                 "submit -> first rank line; " + spread(sratios))
 
 
 FIGURE_KINDS = {  # figures that need a kind's runs: left out when BV_BENCH_KINDS skips it
@@ -327,14 +429,35 @@ def figures(args: argparse.Namespace) -> Iterator[Figure]:
 
 
 def _figures(args: argparse.Namespace) -> Iterator[Figure]:
+    old_dir = os.environ.get("BV_BENCH_OLD")
+    hooks: SideHooks | None = None
+    if old_dir and os.environ.get("BV_BENCH_SIDE_HOOKS", "1") != "0":
+        new_dir = os.environ.get("BV_BENCH_NEW")
+        hooks = SideHooks({"old": Path(old_dir), "new": Path(new_dir) if new_dir else REPO})
+        os.environ["BV_DEVCLUSTER_HOOKS"] = str(hooks.link)
+    try:
+        yield from _figures_on(args, old_dir, hooks)
+    finally:
+        if hooks is not None:  # the cluster as it was: this checkout's hooks and interpreter
+            os.environ.pop("BV_DEVCLUSTER_HOOKS", None)
+            subprocess.run([PY, DEVCLUSTER, "up", "--nodes", "3"], capture_output=True,
+                           timeout=600, check=False, env={**os.environ, "BV_PYTHON": PY})
+            hooks.close()
+
+
+def _figures_on(args: argparse.Namespace, old_dir: str | None,
+                hooks: SideHooks | None) -> Iterator[Figure]:
     env = devcluster_env()
     if env is None:
         yield Figure("recovery.bv_crash_to_resumed_s", float("nan"), "s", "<= 24",
                      "dev cluster unavailable (needs root and slurm/devcluster)")
         return
-    old_dir = os.environ.get("BV_BENCH_OLD")
     if old_dir:
-        yield from _before_after(env, Path(old_dir), 2 if args.quick else 3)
+        if hooks is not None:
+            os.environ["BV_DEVCLUSTER_DIR"] = env["BV_DEVCLUSTER_DIR"]
+            hooks.switch("old")
+        n_pairs = int(os.environ.get("BV_BENCH_PAIRS") or (2 if args.quick else 3))
+        yield from _before_after(env, Path(old_dir), n_pairs, hooks)
         return
     rounds = 1 if args.quick else 2
     runs: dict[str, list[Run]] = {"bv": [], "bare": [], "bv silent": [], "bv no spare": [],
@@ -362,7 +485,8 @@ def _figures(args: argparse.Namespace) -> Iterator[Figure]:
     ok = {k: v for k, v in runs.items() if v}
     med = {k: statistics.median(r.total for r in v) for k, v in ok.items()}
     bv, bare = med.get("bv", float("nan")), med.get("bare", float("nan"))
-    steps = {k: sorted({r.resumed_step for r in v}) for k, v in ok.items()}
+    steps = {k: sorted({r.resumed_step for r in v if r.resumed_step is not None})
+             for k, v in ok.items()}
     yield Figure("recovery.bv_crash_to_resumed_s", bv, "s", "<= 24",
                  f"median of {len(ok.get('bv', []))}; phases after the crash: "
                  f"{_phases(ok.get('bv', []))}; resumed from step {steps.get('bv')}")
