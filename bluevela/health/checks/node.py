@@ -8,6 +8,13 @@ free space. A missing mount, path or device, too little memory or free space is 
 is a required mount that does not answer its probe (hung or failing), a required service not
 running, or an uncorrectable memory error. Long D-state processes, a high corrected-error rate
 and an unsynchronized clock are WARNING.
+
+On a busy node (a running job other than the hook's own: health/jobprocs.py, from
+`<root>/proc`) memory available and free space are what the job uses, not the node's health:
+there the floors are judged against the totals instead (MemTotal, the file system's size), so
+a node that lost memory or whose file system shrank is still CRITICAL, and a job that fills
+its node is never a drain. The healthcheck that slurmd runs at a restart under jobs, the prolog
+of a shared node and `bv health run` on a busy node all judge it so.
 """
 
 from __future__ import annotations
@@ -37,12 +44,16 @@ class NodeFacts:
     present: dict[str, bool] = field(default_factory=dict)  # required paths and devices
     errors: tuple[str, ...] = ()
     host: HostFacts | None = None
+    mem_total_bytes: int | None = None
+    total_bytes: dict[str, int | None] = field(default_factory=dict)  # the file systems' sizes
+    busy_jobs: tuple[int, ...] = ()  # running jobs here other than the hook's own
 
 
-def parse_meminfo(text: str) -> int | None:
-    """MemAvailable in bytes from /proc/meminfo text ('MemAvailable:  123 kB')."""
+def parse_meminfo(text: str, key: str = "MemAvailable") -> int | None:
+    """`key` (MemAvailable, MemTotal) in bytes from /proc/meminfo text ('MemAvailable:  123
+    kB')."""
     for line in text.splitlines():
-        if line.startswith("MemAvailable:"):
+        if line.startswith(f"{key}:"):
             parts = line.split()
             if len(parts) >= 2 and parts[1].isdigit():
                 return int(parts[1]) * 1024
@@ -69,10 +80,14 @@ def parse_mounts(text: str) -> frozenset[str]:
 def probe_node(ctx: ProbeContext) -> NodeFacts:
     """Read meminfo and mounts, statvfs the free-space paths, stat required paths/devices."""
     t = ctx.node_class.node
+    from bluevela.health.jobprocs import running_jobs
+
     errors: list[str] = []
     mem: int | None = None
+    mem_total: int | None = None
     try:
-        mem = parse_meminfo(ctx.under_root("/proc/meminfo").read_text(errors="replace"))
+        meminfo = ctx.under_root("/proc/meminfo").read_text(errors="replace")
+        mem, mem_total = parse_meminfo(meminfo), parse_meminfo(meminfo, "MemTotal")
     except OSError as exc:
         errors.append(f"meminfo: {exc.strerror or exc}")
     mounts: frozenset[str] | None = None
@@ -82,15 +97,19 @@ def probe_node(ctx: ProbeContext) -> NodeFacts:
         except OSError as exc:
             errors.append(f"mounts: {exc.strerror or exc}")
     free: dict[str, int | None] = {}
+    total: dict[str, int | None] = {}
     for path in t.min_free_gib:
         try:
             st = os.statvfs(ctx.under_root(path))
             free[path] = st.f_bavail * st.f_frsize
+            total[path] = st.f_blocks * st.f_frsize
         except OSError:
-            free[path] = None
+            free[path] = total[path] = None
     present = {p: os.path.lexists(ctx.under_root(p))
                for p in [*t.required_paths, *t.required_devices]}
-    return NodeFacts(mem, free, mounts, present, tuple(errors), gather_host(ctx, mounts))
+    busy = tuple(sorted(running_jobs(ctx.under_root("/")).others(ctx.job_id)))
+    return NodeFacts(mem, free, mounts, present, tuple(errors), gather_host(ctx, mounts),
+                     mem_total, total, busy)
 
 
 def node_timed_out(seconds: float, cls: NodeClass) -> CheckResult:
@@ -109,14 +128,20 @@ def evaluate_node(facts: NodeFacts, cls: NodeClass) -> CheckResult:
     t = cls.node
     problems: list[tuple[Status, str]] = []
     metrics: dict[str, float] = {}
+    busy = bool(facts.busy_jobs)  # a job's use is not a node fault: totals (module docstring)
     if facts.mem_available_bytes is None:
         problems.append((Status.UNKNOWN, "MemAvailable unreadable"))
     else:
         gib = facts.mem_available_bytes / GIB
         metrics["mem_available_gib"] = gib
-        if gib < t.min_mem_available_gib:
+        if not busy and gib < t.min_mem_available_gib:
             problems.append((Status.CRITICAL, f"{gib:.1f} GiB memory available < "
                              f"{t.min_mem_available_gib:g} GiB"))
+    if busy and facts.mem_total_bytes is not None:
+        gib = facts.mem_total_bytes / GIB
+        if gib < t.min_mem_available_gib:
+            problems.append((Status.CRITICAL, f"{gib:.1f} GiB memory in all < "
+                             f"{t.min_mem_available_gib:g} GiB available needed"))
     frees = []
     for path, need in t.min_free_gib.items():
         free = facts.free_bytes.get(path)
@@ -125,7 +150,12 @@ def evaluate_node(facts: NodeFacts, cls: NodeClass) -> CheckResult:
             continue
         gib = free / GIB
         frees.append(gib)
-        if gib < need:
+        size = facts.total_bytes.get(path)
+        if busy and size is not None:
+            if size / GIB < need:
+                problems.append((Status.CRITICAL, f"{path} {size / GIB:.2f} GiB in all < "
+                                 f"{need:g} GiB free needed"))
+        elif gib < need:
             problems.append((Status.CRITICAL, f"{path} {gib:.2f} GiB free < {need:g} GiB"))
     if frees:
         metrics["free_min_gib"] = min(frees)
@@ -164,5 +194,13 @@ def evaluate_node(facts: NodeFacts, cls: NodeClass) -> CheckResult:
             parts.append(f"{len(facts.host.mounts)} mounts answering")
         if t.required_services and facts.host is not None and facts.host.procs is not None:
             parts.append(f"{len(t.required_services)} services running")
+        if busy:
+            parts.append(f"{_jobs(facts.busy_jobs)} running: memory and free-space floors "
+                         "judged on totals")
         summary = ", ".join(parts) or "OK"
     return CheckResult("node", status, summary, metrics)
+
+
+def _jobs(ids: tuple[int, ...]) -> str:
+    shown = ", ".join(str(j) for j in ids[:4]) + (", ..." if len(ids) > 4 else "")
+    return f"job{'s' if len(ids) > 1 else ''} {shown}"
