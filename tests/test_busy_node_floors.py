@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from bluevela.checks_registry import get_check
-from bluevela.health.checks.node import parse_meminfo
 from bluevela.health.context import ProbeContext
 from bluevela.health.jobprocs import running_jobs
 from bluevela.health.result import CheckResult, Status
@@ -29,9 +28,9 @@ GIB = float(1 << 30)
 
 def _between() -> tuple[float, float, float, float]:
     """(available, total) memory and (free, size) of /tmp, in GiB, from this machine."""
-    meminfo = Path("/proc/meminfo").read_text()
-    avail, total = parse_meminfo(meminfo), parse_meminfo(meminfo, "MemTotal")
-    assert avail is not None and total is not None
+    kib = {k: int(v.split()[0]) for k, _, v in
+           (line.partition(":") for line in Path("/proc/meminfo").read_text().splitlines())}
+    avail, total = kib["MemAvailable"] * 1024, kib["MemTotal"] * 1024
     st = os.statvfs("/tmp")
     return (avail / GIB, total / GIB, st.f_bavail * st.f_frsize / GIB,
             st.f_blocks * st.f_frsize / GIB)
