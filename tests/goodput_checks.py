@@ -158,6 +158,31 @@ def check_crash_ledger(cluster: DevCluster, job: Job, *, crashed: str, crash_at:
         assert led["phases_s"]["queue_hold"] >= 15, led["phases_s"]
 
 
+def check_batch_crash_ledger(cluster: DevCluster, job: Job, *, batch: str,
+                             crash_at: float) -> dict[str, Any]:
+    """The ledger of a job whose batch node (the supervisor's) died at `crash_at`: the
+    attempt is known from the copy of its events a second node kept (issue 28), and its
+    interruption names the batch node, not "no supervisor record"."""
+    led = ledger(cluster, job.job_id())
+    assert set(led["phases_s"]) == set(PHASES), led["phases_s"]
+    assert abs(sum(led["phases_s"].values()) - led["wall_s"]) < 1e-6
+    causes = [i["cause"] for i in led["interruptions"]]
+    assert not any("no supervisor record" in c for c in causes), led
+    (intr,) = led["interruptions"]
+    assert intr["kind"] == "lost" and intr["nodes"] == [batch], intr
+    assert intr["cause"].startswith(f"node failure: {batch} (the batch node: the supervisor "
+                                    "died with it)"), intr
+    assert "the copy on node" in intr["detail"], intr
+    # the keeper saw the supervisor's connection end within a tick or two of the crash
+    assert abs(intr["at"] - crash_at) <= 2.0, (intr["at"], crash_at)
+    assert led["phases_s"]["checkpoint"] > 0 and led["phases_s"]["productive"] > 0
+    assert led["phases_s"]["unattributed"] < 1.0, led["phases_s"]
+    # Slurm's noticing the dead node (SlurmdTimeout) is the detection; then the requeue hold
+    assert led["phases_s"]["detection"] > 5 and led["phases_s"]["queue_hold"] >= 15, \
+        led["phases_s"]
+    return led
+
+
 def check_time_limit_ledger(cluster: DevCluster, job: Job, *, step_s: float) -> None:
     """The ledger of a job requeued at its time limit (checkpoint signal)."""
     led = ledger(cluster, job.job_id())

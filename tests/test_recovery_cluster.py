@@ -178,3 +178,37 @@ def test_hung_rank_is_named_and_the_step_relaunched_in_place(devcluster: DevClus
     show = devcluster.run(["scontrol", "show", "job", jobid], check=False).stdout
     if show:  # still known to slurmctld (MinJobAge)
         assert "Restarts=0" in show, show
+
+
+@pytest.mark.timeout(400)
+def test_the_batch_nodes_death_is_in_the_ledger(devcluster: DevCluster, tmp_path: Path) -> None:
+    """Issue 28: the node running the batch script and the supervisor dies mid-job. Slurm
+    requeues the job; the attempt's goodput events survive on the second node of the step
+    (the copy its agent kept) and the ledger names the batch node as the lost node, not "no
+    supervisor record" (tests/goodput_checks.py)."""
+    from tests.goodput_checks import check_batch_crash_ledger
+
+    devcluster.resume_all()
+    devcluster.wait_idle(timeout=120)
+    with goodput_events(devcluster) as events:
+        job = Job(devcluster, tmp_path, events, "-N", "2", "--procs-per-node", "1",
+                  str(REPO / "examples" / "train_ddp.py"), "--ckpt-dir", str(tmp_path / "ckpt"),
+                  "--steps", "12", "--step-s", str(STEP_S), "--ckpt-every", "4")
+        batch: str | None = None
+        try:
+            job.first_attempt(150)
+            job.wait_for("step=6 of attempt 1", r"^step=6 attempt=1$", 150)
+            show = devcluster.run(["scontrol", "show", "job", "-o", job.job_id()]).stdout
+            batch = re.search(r"\bBatchHost=(\S+)", show).group(1)  # type: ignore[union-attr]
+            devcluster.run([sys.executable, str(DEVCLUSTER), "crash", batch])
+            crash_at = time.time()
+            job.wait_for("attempt 2 after Slurm's requeue", r"^==== bv attempt 2 job", 200)
+            devcluster.run([sys.executable, str(DEVCLUSTER), "revive", batch], check=False)
+            out, err = job.finish(200)
+            assert job.proc.returncode == 0, out + err
+        finally:
+            if job.proc.poll() is None:
+                job.proc.kill()
+            if batch is not None:
+                devcluster.run([sys.executable, str(DEVCLUSTER), "revive", batch], check=False)
+        check_batch_crash_ledger(devcluster, job, batch=batch, crash_at=crash_at)
