@@ -54,6 +54,7 @@ def rules_copy(dest: Path) -> Path:
         text = (RULES / name).read_text()
         text, n = re.subn(r"(?m)^(\s+for:) \d+[smh]$", rf"\1 {FOR_S}s", text)
         text = re.sub(r"(?m)^(\s+interval:) \d+[smh]$", rf"\1 {SCRAPE_S}s", text)
+        text = re.sub(r"(?m)^(\s+keep_firing_for:) \d+[smh]$", rf"\1 {FOR_S}s", text)
         assert n > 0 or name == "bluevela.recording.yml"
         (dest / name).write_text(f"# TEST COPY: for: shortened to {FOR_S}s "
                                  f"(tests/test_monitoring_cluster.py)\n" + text)
