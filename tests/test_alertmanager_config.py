@@ -281,3 +281,12 @@ def test_alertmanager_groups_by_node_inhibits_a_drained_node_and_resolves(
     post_alerts(url, [("BluevelaNodeDrained", "warning", "node2")], resolved=True)
     _wait("node2 paged", lambda: len(hook.notes("/pager")) >= 3, 20)
     assert hook.notes("/pager")[2] == ("firing", "node2", {"BluevelaIbPortDown"})
+
+
+def test_bv_install_lays_out_the_example() -> None:
+    """`bv install` puts the file a site copies next to the rules it routes."""
+    from bluevela.deploy import install
+
+    items = {i.path: i for i in install.plan(Path("/nonexistent-venv"), Path("/"))}
+    item = items["/opt/bluevela/prolog_epilog/prometheus/alertmanager.example.yml"]
+    assert item.mode == 0o644 and item.content == EXAMPLE.read_bytes()
