@@ -132,7 +132,9 @@ def test_framework_job_checkpoints_at_the_signal_and_resumes_on_the_spare(
     assert f"{crashed} lost" in banners[2][3] and "(spare " in banners[2][3], banners[2][3]
     assert relaunched_at - crash_at <= 12, relaunched_at - crash_at
     # Attempt 1 ended at bv's signal with exit 0 on every rank, no traceback, no SIGTERM stop.
-    assert "checkpoint signal SIGUSR1 from Slurm, workers exited 0, requeued by bv" in parts[0]
+    end = re.findall(r"^==== bv attempt 1 ended: (.*) ====$", parts[0], re.M)
+    assert end == ["checkpoint signal SIGUSR1 from Slurm, workers exited 0, requeued by bv"], (
+        end, parts[0][-3000:])
     assert "Traceback" not in parts[0] and "Traceback" not in parts[2], text
     # 0 steps lost: attempt 2 starts where attempt 1 stopped, on every rank.
     stopped = _steps(parts[0])[-1]
