@@ -35,7 +35,7 @@ DEVCLUSTER = REPO / "slurm" / "devcluster"
 BANNER = re.compile(r"^==== bv attempt (\d+) job (\S+) nodes (\S+) previous: (.*) ====$", re.M)
 # framework -> (module to find, script, its directory option, processes per node)
 FRAMEWORKS = {
-    "lightning": ("lightning", "lightning_ddp.py", "--root", 2),
+    "lightning": ("lightning", "lightning_ddp.py", "--root", 1),
     "hf": ("transformers", "hf_trainer.py", "--out", 1),
     "accelerate": ("accelerate", "accelerate_loop.py", "--dir", 1),
 }
