@@ -1,0 +1,131 @@
+"""bv's framework integrations in a real rank, without the cluster: a fresh interpreter with the
+environment bv's node agent gives a rank (bluevela/runtime/world.py), a real SIGUSR1 to itself
+mid-training, the framework's own checkpoint and stop, and the framework's own resume in the
+next run. One process (the all-reduce is the identity there; the multi-rank agreement runs in
+tests/test_byos_cluster.py). Skipped where the frameworks are not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bluevela.launch.supervisor import free_port
+from bluevela.runtime.world import training_env
+
+RANK = {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1", "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "t",
+        "BV_STEP_NODELIST": "node1", "BV_STEP_NUM_NODES": "1", "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_JOB_NODELIST": "node[1-2]"}
+
+LIGHTNING = """
+import os, signal, sys, torch
+import lightning as L
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+class M(L.LightningModule):
+    def __init__(self):
+        super().__init__(); self.net = nn.Linear(4, 1)
+    def training_step(self, batch, i):
+        if self.global_step == 2 and sys.argv[2] == "signal":
+            os.kill(os.getpid(), signal.SIGUSR1)  # what bv's node agent sends
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+    def on_train_start(self):
+        print(f"start_step={self.global_step}", flush=True)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+data = DataLoader(TensorDataset(torch.randn(256, 4), torch.randn(256, 1)), batch_size=4)
+t = L.Trainer(accelerator="cpu", max_steps=6, default_root_dir=sys.argv[1], logger=False,
+              enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+t.fit(M(), data)
+print(f"end_step={t.global_step} callbacks={[type(c).__name__ for c in t.callbacks]}", flush=True)
+"""
+
+HF = """
+import os, signal, sys, torch
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+class M(nn.Module):
+    def __init__(self):
+        super().__init__(); self.net = nn.Linear(4, 1)
+    def forward(self, x, labels):
+        return {"loss": nn.functional.mse_loss(self.net(x), labels)}
+class D(torch.utils.data.Dataset):
+    def __len__(self): return 256
+    def __getitem__(self, i): return {"x": torch.ones(4) * i / 256, "labels": torch.ones(1)}
+class Ask(TrainerCallback):
+    def on_train_begin(self, args, state, control, **kw):
+        print(f"start_step={state.global_step}", flush=True)
+    def on_step_begin(self, args, state, control, **kw):
+        if state.global_step == 2 and sys.argv[2] == "signal":
+            os.kill(os.getpid(), signal.SIGUSR1)  # what bv's node agent sends
+args = TrainingArguments(output_dir=sys.argv[1], max_steps=6, save_steps=1000, report_to=[],
+                         use_cpu=True, disable_tqdm=True, per_device_train_batch_size=4)
+t = Trainer(model=M(), args=args, train_dataset=D(), callbacks=[Ask()])
+last = get_last_checkpoint(sys.argv[1]) if os.path.isdir(sys.argv[1]) else None
+t.train(resume_from_checkpoint=last)
+print(f"end_step={t.state.global_step} callbacks="
+      f"{[type(c).__name__ for c in t.callback_handler.callbacks]}", flush=True)
+"""
+
+
+def _run(code: str, out: Path, mode: str, env: dict[str, str]) -> str:
+    proc = subprocess.run([sys.executable, "-c", code, str(out), mode], env=env, cwd=out.parent,
+                          capture_output=True, text=True, timeout=240, check=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert "Traceback" not in text, text
+    return text
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "BV_", "PL_"))}
+    base.pop("PYTHONPATH", None)  # bv as installed: its entry points are in its dist-info
+    base.update(RANK, **extra)
+    return training_env(base, ["torchrun", "--nproc-per-node=1", "x.py"])
+
+
+def _need(module: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed (pip install -e '.[frameworks]')")
+
+
+@pytest.mark.timeout(600)
+def test_lightning_saves_at_the_signal_and_resumes_there(tmp_path: Path) -> None:
+    _need("lightning")
+    root = tmp_path / "root"
+    env = _env(tmp_path)
+    first = _run(LIGHTNING, root, "signal", env)
+    assert re.search(r"^start_step=0$", first, re.M)
+    stopped = re.search(r"^end_step=(\d+) callbacks=.*'BvCheckpoint'", first, re.M)
+    assert stopped and stopped.group(1) == "3", first  # the step the signal came in
+    assert sorted(p.name for p in root.iterdir()) == ["hpc_ckpt_1.ckpt"]
+    second = _run(LIGHTNING, root, "run", env)
+    assert re.search(r"^start_step=3$", second, re.M), second  # Lightning's own HPC resume
+    assert re.search(r"^end_step=6 ", second, re.M)
+    # Off (BV_INTEGRATIONS=0): no callback, and the signal would be SIGUSR1's default.
+    off = _run(LIGHTNING, tmp_path / "off", "run", _env(tmp_path, BV_INTEGRATIONS="0"))
+    assert "BvCheckpoint" not in off
+
+
+@pytest.mark.timeout(600)
+def test_hf_trainer_saves_at_the_signal_and_resumes_there(tmp_path: Path) -> None:
+    _need("transformers")
+    out = tmp_path / "out"
+    # As torchrun gives them: Accelerate (under the Trainer) joins a 1-rank gloo group.
+    env = _env(tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    first = _run(HF, out, "signal", env)
+    assert re.search(r"^start_step=0$", first, re.M)
+    stopped = re.search(r"^end_step=(\d+) callbacks=.*'BvCheckpointCallback'", first, re.M)
+    assert stopped and stopped.group(1) == "3", first
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-3"]
+    second = _run(HF, out, "run", env)
+    assert re.search(r"^start_step=3$", second, re.M), second  # get_last_checkpoint
+    assert re.search(r"^end_step=6 ", second, re.M)
