@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.abc
 import importlib.machinery
 import logging
@@ -75,6 +76,23 @@ class AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _destroy_process_group() -> None:
+    """At a normal exit, end torch.distributed's default group if the script left it: torch
+    asks for it, and a gloo group's threads torn down at interpreter exit instead sometimes end
+    the rank in SIGABRT ('terminate called without an active exception') after its work is done
+    (seen with the HF Trainer, which never destroys its group): a failed rank, not a finished
+    one. Only gloo: its destroy is local, while NCCL's could wait on a peer."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return
+    try:
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001, S110 - exiting anyway: never turn exit 0 into a failure
+        pass
+
+
 def start() -> None:
     os.environ.update(rank_env(os.environ))
     sys.meta_path.insert(0, AfterImport(HOOKS))
+    atexit.register(_destroy_process_group)
