@@ -89,6 +89,7 @@ class Run:
     start: dict[str, float] = field(default_factory=dict)
     resumed_step: int | None = None
     error: str | None = None
+    job: str = ""
 
     @property
     def total(self) -> float:
@@ -199,6 +200,7 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
     run.start["submit"] = submitted - t0
     job = re.search(r"job (\d+)", out)
     assert job, out
+    run.job = job.group(1)
     tail = Tail(work / f"bv-{job.group(1)}.out")
     crashed = "node2"
     try:
@@ -352,6 +354,11 @@ def _before_after(env: dict[str, str], old: Path, pairs: int,
     runs: dict[str, list[Run]] = {"old": [], "new": []}
     ratios: list[float] = []
     sratios: list[float] = []
+    lratios: list[float] = []  # job started -> first rank line: bv's launch, no Slurm scheduling
+
+    def launch(r: Run) -> float:
+        return r.start["first rank line"] - r.start.get("job started", float("nan"))
+
     for i in range(pairs):
         pair: dict[str, Run] = {}
         for which in (("old", "new") if i % 2 == 0 else ("new", "old")):
@@ -364,7 +371,7 @@ def _before_after(env: dict[str, str], old: Path, pairs: int,
                                  example=example)
                 except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
                     run = Run("bv", error=f"{type(exc).__name__}: {exc}")
-            print(f"recovery: pair {i + 1} bv ({which}): crash -> " + ", ".join(
+            print(f"recovery: pair {i + 1} bv ({which}, job {run.job}): crash -> " + ", ".join(
                 f"{k} {v:.1f} s" for k, v in run.phases.items()) + "; submit " + ", ".join(
                 f"{k} {v:.2f} s" for k, v in run.start.items())
                 + (f" (ERROR {run.error})" if run.error else ""), flush=True)
@@ -375,8 +382,11 @@ def _before_after(env: dict[str, str], old: Path, pairs: int,
             ratios.append(pair["new"].total / pair["old"].total)
             sratios.append(pair["new"].start["first rank line"]
                            / pair["old"].start["first rank line"])
+            lratios.append(launch(pair["new"]) / launch(pair["old"]))
             print(f"recovery: pair {i + 1} new/old: crash -> resumed {ratios[-1]:.2f}, "
-                  f"submit -> first rank line {sratios[-1]:.2f}", flush=True)
+                  f"submit -> first rank line {sratios[-1]:.2f} (job started -> first rank "
+                  f"line {launch(pair['old']):.2f} -> {launch(pair['new']):.2f} s: "
+                  f"{lratios[-1]:.2f})", flush=True)
 
     def med(which: str, key: str) -> float:
         vals = [r.start[key] if key in r.start else r.phases.get(key, float("nan"))
@@ -401,14 +411,20 @@ def _before_after(env: dict[str, str], old: Path, pairs: int,
                      med(which, "first rank line"), "s", "",
                      f"{where[which]} ({hooks_note}): median of {len(rs)}: "
                      + ", ".join(f"{r.start['first rank line']:.2f}" for r in rs)
-                     + f"; job started {med(which, 'job started'):.2f}; bv submit itself "
-                     f"{med(which, 'submit'):.2f}")
+                     + f"; job started {med(which, 'job started'):.2f} (Slurm's scheduling and "
+                     f"the prologs); job started -> first rank line "
+                     + (f"{statistics.median(launch(r) for r in rs):.2f}" if rs else "n/a")
+                     + f"; bv submit itself {med(which, 'submit'):.2f}")
     yield Figure("recovery.bv_new_vs_old_ratio",
                  statistics.median(ratios) if ratios else float("nan"), "ratio", "<= 1.1",
                  "crash -> resumed; " + spread(ratios))
     yield Figure("recovery.submit_new_vs_old_ratio",
                  statistics.median(sratios) if sratios else float("nan"), "ratio", "<= 1.1",
                  "submit -> first rank line; " + spread(sratios))
+    yield Figure("recovery.launch_new_vs_old_ratio",
+                 statistics.median(lratios) if lratios else float("nan"), "ratio", "",
+                 "job started (attempt-1 banner) -> first rank line: supervisor, agents, "
+                 "torchrun, ranks; " + spread(lratios))
 
 
 FIGURE_KINDS = {  # figures that need a kind's runs: left out when BV_BENCH_KINDS skips it
