@@ -23,6 +23,20 @@ REPO = Path(__file__).resolve().parent.parent
 DEVCLUSTER = REPO / "slurm" / "devcluster"
 DATA = Path(__file__).resolve().parent / "data"
 
+def _worker_cluster() -> None:
+    """Under pytest-xdist (tests/run runs two workers), worker gwN gets its own dev cluster:
+    instance BV_DEVCLUSTER_ID + N. The suite waits on Slurm and jobs far more than it computes,
+    so two clusters side by side halve its time on two cores. Set before any test reads it; the
+    workers' subprocesses (devcluster, bv, sbatch) inherit it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        base = os.environ.get("BV_DEVCLUSTER_BASE") or os.environ.get("BV_DEVCLUSTER_ID") or "0"
+        os.environ["BV_DEVCLUSTER_BASE"] = base
+        os.environ["BV_DEVCLUSTER_ID"] = str((int(base) + int(worker[2:])) % 10)
+
+
+_worker_cluster()
+
 # Hostile values: quotes, ;, $(), backticks, newlines, spaces (submitit's weird_tmp_path idea).
 HOSTILE = [
     "it's",

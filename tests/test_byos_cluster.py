@@ -80,6 +80,20 @@ def _attempt(text: str, n: int) -> str:
     return parts[n - 1].text if len(parts) >= n else ""
 
 
+# torchrun's elastic agent logs one of its own at a job's end when the store's host (the first
+# node's torchrun) passes the exit barrier and exits while another node's torchrun still waits
+# on it: "Error waiting on exit barrier" (torch 2.13's store_util.barrier; seen once in a
+# loaded suite run, the job COMPLETED). That record is torchrun's, not the script's: open in
+# docs/byos.md. Every other traceback (a rank's, the script's, bv's) fails the test.
+TORCHRUN_EXIT_BARRIER = re.compile(r"elastic/agent/server/api\.py:\d+\] ")
+
+
+def script_tracebacks(text: str) -> list[str]:
+    """The lines that start a traceback, less torchrun's own exit-barrier log record."""
+    return [line for line in text.splitlines()
+            if "Traceback" in line and not TORCHRUN_EXIT_BARRIER.search(line)]
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("framework", list(FRAMEWORKS))
 def test_framework_job_checkpoints_at_the_signal_and_resumes_on_the_spare(
@@ -135,7 +149,7 @@ def test_framework_job_checkpoints_at_the_signal_and_resumes_on_the_spare(
     end = re.findall(r"^==== bv attempt 1 ended: (.*) ====$", parts[0], re.M)
     assert end == ["checkpoint signal SIGUSR1 from Slurm, workers exited 0, requeued by bv"], (
         end, parts[0][-3000:])
-    assert "Traceback" not in parts[0] and "Traceback" not in parts[2], text
+    assert not script_tracebacks(parts[0]) and not script_tracebacks(parts[2]), text
     # 0 steps lost: attempt 2 starts where attempt 1 stopped, on every rank.
     stopped = _steps(parts[0])[-1]
     starts2 = _starts(parts[1])

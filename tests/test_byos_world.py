@@ -144,6 +144,23 @@ sys.exit(1 if worker.wait() else 0)
 """
 
 
+def _kill_running(program: Path) -> None:
+    """SIGKILL every process whose command line runs `program` (this test's stand-in only)."""
+    want = str(program).encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if want in argv[:2]:
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_agent_stops_a_worker_without_a_handler_with_sigterm(tmp_path: Path) -> None:
     """bv's checkpoint signal to a node whose worker never handles SIGUSR1: after the wait
     (BV_USR1_WAIT_S, 30 s by default) torchrun gets SIGTERM (it stops its workers, as at a
@@ -195,6 +212,7 @@ def test_agent_stops_a_worker_without_a_handler_with_sigterm(tmp_path: Path) -> 
             agent.send_signal(signal.SIGKILL)
         agent.wait(timeout=20)
         listen.close()
+        _kill_running(torchrun)  # torchrun leads its own session: a failed run must not leak it
     assert msg["termed"] == 1 and msg["signalled"] == 0, msg
     assert (tmp_path / "torchrun.sigterm").exists()
     assert 1.0 <= took < 10, took

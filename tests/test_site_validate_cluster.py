@@ -26,7 +26,10 @@ def test_site_validate_against_the_dev_cluster(devcluster: DevCluster) -> None:
     found = {(f["check"], f["status"]) for f in data["findings"]}
     assert ("node classes", "OK") in found
     timeouts = [f["message"] for f in data["findings"] if f["check"] == "timeouts"]
-    assert len(timeouts) == 2 and timeouts[0].startswith("prolog worst case ")
+    # prolog and epilog against PrologEpilogTimeout, the healthcheck against slurmd's 60 s
+    assert len(timeouts) == 3 and timeouts[0].startswith("prolog worst case ")
+    assert any(t.startswith("healthcheck worst case ") and t.endswith("(slurmd's kill)")
+               for t in timeouts), timeouts
     assert timeouts[0].endswith("<= PrologEpilogTimeout=65534")  # the dev cluster's: no limit
     assert ("spool", "OK") in found and ("archive", "OK") in found
     lines = {x["line"]: x["in_place"] for x in data["slurm_conf"]}
