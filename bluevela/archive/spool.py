@@ -138,7 +138,22 @@ def write_report(spool: Path, report: dict[str, Any], *, timeout_s: float | None
     name = report_name(report["job_id"], report["node"], report["phase"], restart)
     body = {"schema": SCHEMA, "kind": "node_report", **report, "restart": restart}
     data = json.dumps(body, sort_keys=True, default=str).encode()
+    path = write_spool_file(spool, name, data, timeout_s=timeout_s)
+    logger.debug("spooled %s (%d bytes)", path, len(data))
+    return path
 
+
+def write_spool_file(spool: Path, name: str, data: bytes, *,
+                     timeout_s: float | None = None) -> Path:
+    """Write `data` as `spool/name` atomically (temp file, fsync, rename; the spool made 0755
+    if missing, the name opened inside the directory's fd). `timeout_s`: None writes here; a
+    number writes in a child and waits at most that long (`run_bounded`), so a hung spool
+    costs the hook seconds. The one writer of node reports and series side files.
+
+    Raises:
+        SpoolTimeoutError: no answer from the spool within `timeout_s`.
+        OSError: the write failed; nothing half-written is left behind.
+    """
     def write() -> None:
         ensure_dir(spool, 0o755)
         fd = open_dir(spool)
@@ -151,9 +166,7 @@ def write_report(spool: Path, report: dict[str, Any], *, timeout_s: float | None
         write()
     else:
         run_bounded(write, timeout_s, f"spool {spool}")
-    path = spool / name
-    logger.debug("spooled %s (%d bytes)", path, len(data))
-    return path
+    return spool / name
 
 
 # The hooks' bound on one spool write (a report is a few kB: milliseconds on a live file

@@ -5,7 +5,7 @@ restart k, archive/spool.py) holds the records of `<state>/samples/` from one in
 before the job's start (the prolog's reading) to now, over the union of the segments' columns
 (`format.cut_window`). Written atomically (temporary file with O_EXCL|O_NOFOLLOW, fsync,
 rename) relative to the spool directory opened without following a symlink, by the spool's
-bounded writer (`archive.spool.run_bounded`: a forked child, at most `SPOOL_WRITE_TIMEOUT_S`),
+bounded writer (`archive.spool.write_spool_file`: a forked child, at most `SPOOL_WRITE_TIMEOUT_S`),
 so a hung spool costs the epilog 10 s, never its `PrologEpilogTimeout`. Standard library only;
 ingest turns the side files into `<archive>/series/<job_id>.h5` (archive/series.py).
 """
@@ -44,15 +44,14 @@ def write_side_file(spool: Path, samples: Path, job_id: int, node: str, start: f
 
     Args:
         timeout_s: None: write here. A number (the epilog: SPOOL_WRITE_TIMEOUT_S): write in a
-            child and wait at most this long (`archive.spool.run_bounded`).
+            child and wait at most this long (`archive.spool.write_spool_file`).
 
     Raises:
         OSError, UnsafeValueError: the spool cannot be written or the names are unsafe.
         SpoolTimeoutError: no answer from the spool within `timeout_s` (an OSError).
     """
-    from bluevela.archive.spool import run_bounded, series_name
+    from bluevela.archive.spool import series_name, write_spool_file
     from bluevela.telemetry.format import cut_window
-    from bluevela.util.fs import atomic_write_at, ensure_dir, open_dir
 
     name = series_name(job_id, node, restart)
     # The samples are in the node's local state dir: only the spool can hang.
@@ -60,21 +59,7 @@ def write_side_file(spool: Path, samples: Path, job_id: int, node: str, start: f
     if cut is None:
         return None
     header, data = cut
-    body = header.encode() + data
-
-    def write() -> None:
-        ensure_dir(spool, 0o755)
-        fd = open_dir(spool)
-        try:
-            atomic_write_at(fd, name, body, 0o644)
-        finally:
-            os.close(fd)
-
-    if timeout_s is None:
-        write()
-    else:
-        run_bounded(write, timeout_s, f"spool {spool}")
-    return spool / name
+    return write_spool_file(spool, name, header.encode() + data, timeout_s=timeout_s)
 
 
 def spool_series(site: Site, job_id: int, node: str, reading: Mapping[str, Any] | None,
