@@ -70,7 +70,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from bluevela.launch.wire import NAME_MAX, bounded_int, mac, safe_name
+from bluevela.launch.wire import NAME_MAX, bounded_int, fresh_seq, mac, safe_name
 from bluevela.util.fs import read_bounded
 
 logger = logging.getLogger(__name__)
@@ -455,13 +455,8 @@ class EventLog:
         life = now_mono - self.started_mono + 5
         if msg is None or msg.rank >= max_ranks or msg.start_age_s > life:
             return True
-        who = (msg.rank, msg.pid)
-        last = self.ck_seqs.get(who)
-        if last is not None and msg.seq <= last:
+        if not fresh_seq(self.ck_seqs, (msg.rank, msg.pid), msg.seq, 4 * max_ranks):
             return True  # a replayed or reordered datagram
-        if last is None and len(self.ck_seqs) >= 4 * max_ranks:
-            return True
-        self.ck_seqs[who] = msg.seq
         now = time.time()
         start, end = now - msg.start_age_s, now - msg.end_age_s
         have = self.ckpts.get(msg.step)

@@ -75,6 +75,7 @@ from bluevela.launch.wire import (
     ChannelError,
     challenge_line,
     derive,
+    fresh_seq,
     new_secret,
     parse_challenge,
     printable,
@@ -989,13 +990,8 @@ class Supervisor:
             # cannot have, or progress older than the step, is not one of ours.
             if beat is None or beat.rank >= st.max_ranks or beat.age_s > now - st.started + 5:
                 continue
-            who = (beat.rank, beat.pid)
-            last = st.seqs.get(who)
-            if last is not None and beat.seq <= last:
+            if not fresh_seq(st.seqs, (beat.rank, beat.pid), beat.seq, 4 * st.max_ranks):
                 continue  # a replayed or reordered beat
-            if last is None and len(st.seqs) >= 4 * st.max_ranks:
-                continue
-            st.seqs[who] = beat.seq
             self.events.progress(now - beat.age_s)
             st.beats[beat.rank] = RankBeat(safe_name(beat.node), beat.step, now - beat.age_s,
                                            beat.in_collective, safe_name(beat.where, 200))

@@ -84,6 +84,20 @@ def bounded_int(word: str, low: int, high: int) -> int:
     return value
 
 
+def fresh_seq(last_seen: dict[tuple[int, int], int], sender: tuple[int, int], seq: int,
+              max_senders: int) -> bool:
+    """True, and `seq` recorded, when it is above the last one seen from `sender` (a rank's
+    (rank, pid)); False for a replayed or reordered datagram, and for a new sender once
+    `max_senders` are known (forged pids cannot grow the table without bound)."""
+    last = last_seen.get(sender)
+    if last is not None and seq <= last:
+        return False
+    if last is None and len(last_seen) >= max_senders:
+        return False
+    last_seen[sender] = seq
+    return True
+
+
 def safe_name(text: object, limit: int = NAME_MAX) -> str:
     """A name from the wire, fit to print: letters, digits and ``-_.:`` kept, anything else
     (terminal escapes, newlines, spaces) shown as ``?``; at most `limit` characters."""
