@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from bluevela.site import NodeClass, Site, load_site
+
 REPO = Path(__file__).resolve().parent.parent
 DEVCLUSTER = REPO / "slurm" / "devcluster"
 DATA = Path(__file__).resolve().parent / "data"
@@ -63,6 +65,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _has_gpu() -> bool:
     return os.path.exists("/dev/nvidiactl")
+
+
+@pytest.fixture(scope="module")
+def site() -> Site:
+    """The repository's site.yaml (a module may define its own `site` instead)."""
+    return load_site(REPO / "site.yaml")
+
+
+@pytest.fixture(scope="module")
+def h100(site: Site) -> NodeClass:
+    """Its h100 node class."""
+    return site.node_class(name="h100")
 
 
 @pytest.fixture()

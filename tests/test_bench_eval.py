@@ -18,8 +18,8 @@ from bluevela.bench.evaluate import baseline_of, evaluate
 from bluevela.bench.registry import Check, get, measurements, register
 from bluevela.bench.result import Facts, Figure, Status
 from bluevela.bench.runner import facts_from_document
-from bluevela.site import BenchThresholds, Site, load_site, validate
-from tests.conftest import DATA, REPO
+from bluevela.site import BenchThresholds, Site, validate
+from tests.conftest import DATA
 
 BENCH = DATA / "bench"
 
@@ -27,11 +27,6 @@ BENCH = DATA / "bench"
 def _th(**values: float) -> BenchThresholds:
     """Thresholds from keywords (validated, the way site.yaml's are)."""
     return validate(BenchThresholds, values)
-
-
-@pytest.fixture(scope="module")
-def site() -> Site:
-    return load_site(REPO / "site.yaml")
 
 
 def _facts(path: Path) -> dict[str, Facts]:

@@ -16,7 +16,7 @@ from bluevela.fleet.nodestate import (
     slot_key,
     slot_name,
 )
-from bluevela.site import Site, load_site
+from bluevela.site import Site
 from bluevela.slurm.cli_client import parse_reservation_line
 from bluevela.slurm.client import NodeInfo, ReservationInfo
 
@@ -34,11 +34,6 @@ OPERATOR_LINE = (
     "PartitionName=(null) Flags=MAINT,SPEC_NODES TRES=cpu=32 Users=root Groups=(null) "
     "Accounts=(null) Licenses=(null) State=ACTIVE BurstBuffer=(null) Watts=n/a "
     "MaxStartDelay=(null)")
-
-
-@pytest.fixture(scope="module")
-def site() -> Site:
-    return load_site(REPO / "site.yaml")
 
 
 @pytest.mark.parametrize(("total", "pct", "limit"), [

@@ -22,7 +22,7 @@ from bluevela.health.context import ProbeContext
 from bluevela.health.jobprocs import owners, process_job, running_jobs
 from bluevela.health.result import Status
 from bluevela.health.runner import for_jobs_here, plan_tier
-from bluevela.site import NodeClass, Site, load_site
+from bluevela.site import NodeClass, Site
 from tests.fixture_trees import materialized
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,16 +61,6 @@ def _detached(argv0: str, env: dict[str, str] | None = None) -> int:
     pid = int(p.stdout.readline())
     p.wait()
     return pid
-
-
-@pytest.fixture(scope="module")
-def site() -> Site:
-    return load_site(REPO / "site.yaml")
-
-
-@pytest.fixture(scope="module")
-def h100(site: Site) -> NodeClass:
-    return site.node_class(name="h100")
 
 
 @pytest.fixture

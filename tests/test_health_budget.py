@@ -19,16 +19,11 @@ from bluevela.hooks.budget import (
     problems,
     worst_case_s,
 )
-from bluevela.site import Site, load_site
+from bluevela.site import Site
 from tests.fixture_trees import materialized
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = materialized()
-
-
-@pytest.fixture(scope="module")
-def site() -> Site:
-    return load_site(REPO / "site.yaml")
 
 
 def test_the_recheck_sleep_is_outside_the_nvml_timeout(site: Site) -> None:

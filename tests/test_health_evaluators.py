@@ -31,23 +31,13 @@ from bluevela.health.nvml import ISSUE11_GPU_FIELDS, bus_key, load_snapshot, par
 from bluevela.health.result import Status
 from bluevela.health.runner import run_checks
 from bluevela.health.state import IB_COUNTERS
-from bluevela.site import NodeClass, Site, load_site
+from bluevela.site import NodeClass, Site
 from tests import fixture_trees
 from tests.fixture_trees import materialized
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 FIXTURES = materialized()
-
-
-@pytest.fixture(scope="module")
-def site() -> Site:
-    return load_site(REPO / "site.yaml")
-
-
-@pytest.fixture(scope="module")
-def h100(site: Site) -> NodeClass:
-    return site.node_class(name="h100")
 
 
 def ctx_for(cls: NodeClass, fixture: str, tmp_path: Path, phase: str = "prolog") -> ProbeContext:

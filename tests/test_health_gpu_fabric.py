@@ -31,21 +31,11 @@ from bluevela.health.nvml import (
     short_pci,
 )
 from bluevela.health.result import CheckResult, Status
-from bluevela.site import NodeClass, Site, load_site
+from bluevela.site import NodeClass
 from tests.fixture_trees import materialized
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = materialized()
-
-
-@pytest.fixture(scope="module")
-def site() -> Site:
-    return load_site(REPO / "site.yaml")
-
-
-@pytest.fixture(scope="module")
-def h100(site: Site) -> NodeClass:
-    return site.node_class(name="h100")
 
 
 def run_gpu(cls: NodeClass, fixture: str | Path, tmp: Path, phase: str = "healthcheck",

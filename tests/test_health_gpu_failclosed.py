@@ -28,21 +28,11 @@ from bluevela.health.nvml import load_snapshot
 from bluevela.health.result import Status
 from bluevela.health.runner import plan_tier, run_checks, run_plan
 from bluevela.hooks.env import HookContext
-from bluevela.site import NodeClass, Site, load_site
+from bluevela.site import NodeClass, Site
 from tests.fixture_trees import materialized
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = materialized()
-
-
-@pytest.fixture(scope="module")
-def site() -> Site:
-    return load_site(REPO / "site.yaml")
-
-
-@pytest.fixture(scope="module")
-def h100(site: Site) -> NodeClass:
-    return site.node_class(name="h100")
 
 
 def ctx_on(cls: NodeClass, fixture: str, phase: str = "prolog",

@@ -21,14 +21,9 @@ from bluevela.health.state import (
     record_nccl_attempt,
     record_nccl_pass,
 )
-from bluevela.site import NodeClass, Site, load_site
+from bluevela.site import NodeClass, Site
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def site() -> Site:
-    return load_site(REPO / "site.yaml")
 
 
 @pytest.fixture(scope="module")

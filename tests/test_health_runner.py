@@ -18,7 +18,7 @@ from bluevela.health.context import ProbeContext
 from bluevela.health.result import CheckResult, Status
 from bluevela.health.runner import RunPlan, plan_prolog, plan_tier, run_checks, run_plan
 from bluevela.health.state import nccl_is_stale, record_nccl_pass
-from bluevela.site import Site, load_site
+from bluevela.site import Site
 
 REPO = Path(__file__).resolve().parent.parent
 # The runner stops a run at its cap minus a margin of min(0.25 s, 5 % of the cap): 50 ms for
@@ -27,11 +27,6 @@ REPO = Path(__file__).resolve().parent.parent
 # wall-clock bounds are the cap (or timeout) plus this stated tolerance, and a lower bound
 # shows the runner did wait for the cap (or timeout) rather than stop early.
 LOAD_TOLERANCE_S = 0.5
-
-
-@pytest.fixture(scope="module")
-def site() -> Site:
-    return load_site(REPO / "site.yaml")
 
 
 @pytest.fixture

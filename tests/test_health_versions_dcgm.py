@@ -30,23 +30,13 @@ from bluevela.health.context import ProbeContext
 from bluevela.health.metrics import render
 from bluevela.health.result import Status
 from bluevela.health.runner import plan_tier, run_checks
-from bluevela.site import NodeClass, Site, VersionPins, load_site, parse_site
+from bluevela.site import NodeClass, Site, VersionPins, parse_site
 from tests.fixture_trees import materialized
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 FIXTURES = materialized()
 HEALTHY = FIXTURES / "h100-healthy"
-
-
-@pytest.fixture(scope="module")
-def site() -> Site:
-    return load_site(REPO / "site.yaml")
-
-
-@pytest.fixture(scope="module")
-def h100(site: Site) -> NodeClass:
-    return site.node_class(name="h100")
 
 
 def pinned(cls: NodeClass, **pins: object) -> NodeClass:

@@ -19,14 +19,9 @@ from bluevela.hooks.env import (
     read_hook_env,
 )
 from bluevela.hooks.telemetry import job_telemetry, reading_of
-from bluevela.site import Site, load_site
+from bluevela.site import Site
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def site() -> Site:
-    return load_site(REPO / "site.yaml")
 
 
 def test_hook_env_accepts_only_bv_keys_and_slurm_conf() -> None:
