@@ -159,10 +159,14 @@ def test_nccl_never_runs_next_to_a_running_job(site: Site, h100: NodeClass,
 
 def test_an_idle_node_keeps_nccl(site: Site, h100: NodeClass, tmp_path: Path) -> None:
     full = plan_tier(site, "full")
-    if running_jobs(Path("/")).jobs:  # this suite itself runs in a Slurm job here
-        pytest.skip("a Slurm job runs on this machine")
-    # No slurmstepd in this machine's network namespace (dev clusters' are in their own).
-    assert for_jobs_here(full, _ctx(h100, _snapshot(tmp_path, []), "healthcheck")) == (full, None)
+    # An idle node: a root whose /proc holds no process (this machine's own /proc may show a
+    # job: the suite's other worker runs its dev cluster's jobs beside this one).
+    idle = tmp_path / "idle-root"
+    (idle / "proc").mkdir(parents=True)
+    assert not running_jobs(idle).jobs
+    ctx = ProbeContext(h100, "h100", root=idle, nvml_snapshot=_snapshot(tmp_path, []),
+                       phase="healthcheck")
+    assert for_jobs_here(full, ctx) == (full, None)
 
 
 def test_prolog_nccl_uses_only_the_jobs_gpus(h100: NodeClass) -> None:
