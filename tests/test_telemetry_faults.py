@@ -419,3 +419,57 @@ def test_nvml_worker_slow_lags_a_tick_hung_costs_one_wait() -> None:
     release.set()
     assert _wait(lambda: hung.in_flight_s() == 0.0, 2)
     assert hung.get(0.2, 1.0) is not None  # it answered: read again
+
+
+def test_a_new_segment_never_shows_without_its_header(tmp_path: Path) -> None:
+    """The epilog may list the samples while the sampler opens a segment (on the hour, at a
+    restart). The segment's name appears only once its header is on disk: a reader racing
+    every start sees a whole header or no file (CI once read an empty new segment)."""
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    header = Header("gpu001", 1.0, (Column("cpu_busy_pct", "node", "%"),), 1_750_000_000.0)
+    stop = threading.Event()
+    bad: list[str] = []
+    seen = [0]
+
+    def reader() -> None:
+        while not stop.is_set():
+            for _, name in list_segments(samples):
+                seen[0] += 1
+                try:
+                    read_file(samples / name)
+                except FileNotFoundError:
+                    pass
+                except ValueError as exc:
+                    bad.append(f"{name}: {exc}")
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for i in range(400):
+            SegmentWriter(samples / f"seg-{1_750_000_000 + i}.bvts", header).close(sync=False)
+            os.unlink(samples / f"seg-{1_750_000_000 + i}.bvts")
+    finally:
+        stop.set()
+        t.join()
+    assert seen[0] > 0  # the reader did race the writer
+    assert bad == []
+    assert [n for n in os.listdir(samples)] == []  # no temporary name left behind
+
+
+def test_a_killed_starts_temporary_segment_is_pruned(tmp_path: Path) -> None:
+    """A sampler killed between writing a header and linking it leaves `.seg-*.tmp`: the next
+    sampler's prune removes it once it is a minute old, and never reads it as a segment."""
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    stale = samples / ".seg-1750000000.bvts.4242.tmp"
+    fresh = samples / ".seg-1750000001.bvts.4243.tmp"
+    for p in (stale, fresh):
+        p.write_bytes(b"BVTS1\n")
+    old = time.time() - 120
+    os.utime(stale, (old, old))
+    s = Sampler(_ctx(), _cfg(samples, interval=0.05))
+    assert s.run(threading.Event(), duration_s=0.2) == 0
+    assert not stale.exists()
+    assert fresh.exists()  # another start may be under way
+    assert all(not name.startswith(".") for _, name in list_segments(samples))

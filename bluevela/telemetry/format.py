@@ -39,6 +39,7 @@ MAGIC = b"BVTS1\n"
 MAX_HEADER = 1 << 20
 MAX_COLUMNS = 16384
 SEGMENT_RE = re.compile(r"^seg-([0-9]{1,12})\.bvts$")
+TMP_SEGMENT_RE = re.compile(r"^\.seg-[0-9]{1,12}\.bvts\.[0-9]{1,10}\.tmp$")
 NAN = float("nan")
 
 
@@ -249,7 +250,7 @@ def read_file(path: str | os.PathLike[str], *, strict: bool = False,
 
 
 class SegmentWriter:
-    """Appends records to one segment file (created with O_EXCL|O_NOFOLLOW).
+    """Appends records to one segment file (created whole with its header, never over a name).
 
     A write that fails (ENOSPC, EIO) leaves no half of anything behind: a header that could not
     be written closes and unlinks the new file (the constructor raises), a record that could
@@ -261,19 +262,25 @@ class SegmentWriter:
         self.header = header
         self.records = 0
         self._struct = record_struct(len(header.columns))
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        # The header is written under a private name and the file then linked into place, so a
+        # reader (the epilog, the exporter) never sees a segment without its header. link(2)
+        # fails with EEXIST like O_EXCL did; the temporary name is not a segment name.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        self.fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                           | os.O_CLOEXEC | os.O_APPEND, mode)
         try:
             self._write(header.encode())
+            os.link(tmp, path, follow_symlinks=False)
         except BaseException:
             # One descriptor per failed start would otherwise leak (a full disk, every tick).
             os.close(self.fd)
             self.fd = -1
+            raise
+        finally:
             try:
-                os.unlink(path)
+                os.unlink(tmp)
             except OSError:
                 pass
-            raise
         self._size = len(header.encode())
 
     def _write(self, data: bytes) -> None:

@@ -62,6 +62,7 @@ from bluevela.telemetry.format import (
     Column,
     FormatError,
     Header,
+    TMP_SEGMENT_RE,
     SegmentWriter,
     list_segments,
     probe_file,
@@ -763,6 +764,7 @@ class Sampler:
             removed.append(name)
             return True
 
+        self._prune_stale_tmp(now)
         future = now + FUTURE_SLACK_S + self.cfg.interval_s
         kept = []
         for start, name in segs:
@@ -795,6 +797,23 @@ class Sampler:
             if unlink(name):
                 total -= sizes[name]
         return removed
+
+    def _prune_stale_tmp(self, now: float) -> None:
+        """A segment's header is written under `.seg-<start>.bvts.<pid>.tmp` and linked into
+        place; a sampler killed in between leaves that name behind. Gone after a minute."""
+        try:
+            names = os.listdir(self.cfg.samples)
+        except OSError:
+            return
+        for name in names:
+            if not TMP_SEGMENT_RE.match(name):
+                continue
+            try:
+                st = os.stat(self.cfg.samples / name, follow_symlinks=False)
+                if st.st_mtime < now - 60:
+                    os.unlink(self.cfg.samples / name)
+            except OSError:
+                pass
 
     def _set_status(self, notify: Notifier, status: str) -> None:
         if status != self.status:
