@@ -59,10 +59,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bluevela.telemetry.format import (
+    TMP_SEGMENT_RE,
     Column,
     FormatError,
     Header,
-    TMP_SEGMENT_RE,
     SegmentWriter,
     list_segments,
     probe_file,
