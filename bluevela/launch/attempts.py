@@ -1,24 +1,87 @@
-"""A job's appended output split into attempts on the supervisor's banner lines.
+"""The attempt banner: the one place that writes it and parses it.
 
 The in-job supervisor prints, before each launch (a Slurm requeue or a relaunch inside the
 allocation), one line
     ==== bv attempt <N> job <JOBID> nodes <nodelist> previous: <cause> ====
 and, when an attempt ends with a known cause,
     ==== bv attempt <N> ended: <cause> ====
-(docs/resilience.md; agreed in the issue-10 contract). Text before the first banner belongs to
+(docs/resilience.md; agreed in the issue-10 contract). `banner` and `end_line` write them,
+`BANNER` and `END` read them back (`bv logs --attempt N`, `bv status`, and the supervisor's
+own count of earlier attempts, `read_history`). Text before the first banner belongs to
 attempt 1. Pure functions over text: no Slurm, no files.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+PREFIX = "==== bv attempt "
 BANNER = re.compile(
-    r"^==== bv attempt (?P<n>\d+) job (?P<job>\d+) nodes (?P<nodes>\S*) previous: (?P<prev>.*?) ====$",
+    r"^==== bv attempt (?P<n>\d+) job (?P<job>\S+) nodes (?P<nodes>\S*) previous: (?P<prev>.*) ====$",
     re.M,
 )
-END = re.compile(r"^==== bv attempt (?P<n>\d+) ended: (?P<cause>.*?) ====$", re.M)
+END = re.compile(r"^==== bv attempt (?P<n>\d+) ended: (?P<cause>.*) ====$", re.M)
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def compress(nodes: Sequence[str]) -> str:
+    """A node list as Slurm writes it (``node[1,3]``); joined by commas without hostlist."""
+    try:
+        import hostlist
+
+        return str(hostlist.collect_hostlist(list(nodes)))
+    except Exception:  # noqa: BLE001 - a display nicety only
+        return ",".join(nodes)
+
+
+def expand(nodelist: str) -> list[str]:
+    import hostlist
+
+    return list(hostlist.expand_hostlist(nodelist))
+
+
+def banner(attempt: int, job: str, nodes: Sequence[str], previous: str) -> str:
+    """The per-attempt banner `bv logs --attempt N` splits on (N: 1-based, file order)."""
+    return f"{PREFIX}{attempt} job {job} nodes {compress(nodes)} previous: {one_line(previous)} ===="
+
+
+def end_line(attempt: int, cause: str) -> str:
+    return f"{PREFIX}{attempt} ended: {one_line(cause)} ===="
+
+
+@dataclass(frozen=True)
+class History:
+    """What earlier attempts left in the job output."""
+
+    attempts: int = 0  # banners seen
+    last_end: str | None = None  # the end line's cause after the last banner, if any
+
+
+def read_history(lines: Iterable[bytes]) -> History:
+    attempts, last_end = 0, None
+    for raw in lines:
+        if not raw.startswith(PREFIX.encode()):
+            continue
+        text = raw.decode("utf-8", "replace").rstrip("\r\n")
+        if BANNER.match(text):
+            attempts, last_end = attempts + 1, None
+        elif (m := END.match(text)) is not None:
+            last_end = m.group("cause")
+    return History(attempts, last_end)
+
+
+def previous_cause(history: History | None) -> str:
+    if history is None or history.attempts == 0:
+        return "none"
+    if history.last_end is not None:
+        return history.last_end
+    return ("ended without a bv end line (Slurm ended the allocation: node failure of the "
+            "batch node, time limit or cancel)")
 
 
 @dataclass(frozen=True)
@@ -48,7 +111,7 @@ def split_attempts(text: str) -> list[AttemptText]:
 
 def _ended(chunk: str) -> str:
     found = END.findall(chunk)
-    return found[-1][1] if found else ""
+    return str(found[-1][1]) if found else ""
 
 
 def attempt_causes(text: str) -> dict[int, str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class StepEnd(enum.StrEnum):
@@ -82,6 +82,19 @@ class Loss:
     @classmethod
     def hung(cls) -> Loss:
         return cls(LossKind.HUNG, "its rank hung")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """How a step ended, what to say about it, and when it went wrong."""
+
+    kind: StepEnd
+    rc: int  # the job's exit status when it ends here
+    cause: str  # the end line's words
+    lost: Mapping[str, Loss] = field(default_factory=dict)  # node -> why it left the step
+    hang_node: str | None = None  # the node of the rank that stopped first
+    failed_at: float | None = None  # monotonic: when the failure happened (the ledger's)
+    detected_at: float | None = None  # monotonic: when the supervisor acted on it
 
 
 def lost_text(lost: Mapping[str, Loss]) -> str:

@@ -1,0 +1,157 @@
+"""The relaunch policy (bluevela/launch/policy.py) from a table: every branch of what the
+supervisor does after a step, with no socket, process or Slurm. Each row's words are the end
+line's, as the supervisor has always written them (docs/resilience.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pytest
+
+from bluevela.launch.outcome import Loss, StepEnd, StepResult
+from bluevela.launch.policy import (
+    GROWTH_OFF,
+    NOTHING_TO_GROW_FROM,
+    Action,
+    Allocation,
+    Exit,
+    Grow,
+    Grown,
+    PolicyOptions,
+    Relaunch,
+    Requeue,
+    choose_nodes,
+    next_action,
+)
+
+N = ("node1", "node2", "node3", "node4")
+STEP = ("node1", "node2", "node3")
+FIXED = PolicyOptions(want=3, min_nodes=3)
+GROWS = PolicyOptions(want=3, min_nodes=3, grow=True)
+ELASTIC = PolicyOptions(want=3, min_nodes=2)
+CLOSED, SILENT = Loss.closed(), Loss.silent(10)
+HANG = "hang: rank 1 on node2 stopped first (no progress for 9 s)"
+LOST2 = "node2 lost (its agent's connection closed: the node or its processes died)"
+NO_ROOM = "no spare node (--spare-nodes) and no shrink (--min-nodes)"
+
+
+def res(kind: StepEnd, cause: str = "x", rc: int = 1, lost: Mapping[str, Loss] | None = None,
+        hang_node: str | None = None) -> StepResult:
+    return StepResult(kind, rc, cause, dict(lost or {}), hang_node)
+
+
+def at(nodes: tuple[str, ...] = N, step: tuple[str, ...] = STEP, launch: int = 1,
+       excluded: Mapping[str, Loss] | None = None, grown: Grown | None = None) -> Allocation:
+    return Allocation(nodes, dict(excluded or {}), step, launch, grown)
+
+
+CASES: list[tuple[str, StepResult, Allocation, PolicyOptions, Action]] = [
+    ("ok ends the job", res(StepEnd.OK, "exit 0", 0), at(), FIXED, Exit(0, "exit 0")),
+    ("a rank failure ends it with its status",
+     res(StepEnd.FAILED, "exit 3 (rank failure on node2)", 3), at(), FIXED,
+     Exit(3, "exit 3 (rank failure on node2)")),
+    ("a failure never ends 0", res(StepEnd.FAILED, "srun exited 0", 0), at(), FIXED,
+     Exit(1, "srun exited 0")),
+    ("SIGTERM: Slurm ends the job", res(StepEnd.TERMINATED, "SIGTERM from Slurm", 143), at(),
+     FIXED, Exit(143, "SIGTERM from Slurm")),
+    ("the checkpoint signal requeues", res(StepEnd.SIGNAL, "checkpoint signal", 0), at(), FIXED,
+     Requeue("checkpoint signal")),
+    ("a hang with a spare: the spare replaces the hung rank's node",
+     res(StepEnd.HANG, HANG, hang_node="node2"), at(), FIXED,
+     Relaunch(("node1", "node3", "node4"),
+              f"{HANG}; relaunching on node[1,3-4] (spare node4 for node2; no Slurm requeue)",
+              {"node2": Loss.hung()})),
+    ("a hang without a spare: in place", res(StepEnd.HANG, HANG, hang_node="node2"),
+     at(nodes=STEP), FIXED,
+     Relaunch(STEP, f"{HANG}; relaunching on the same nodes (node[1-3]; no Slurm requeue)")),
+    ("a hang whose spare is excluded: in place", res(StepEnd.HANG, HANG, hang_node="node2"),
+     at(excluded={"node4": CLOSED}), FIXED,
+     Relaunch(STEP, f"{HANG}; relaunching on the same nodes (node[1-3]; no Slurm requeue)")),
+    ("a hang naming no node of the step: in place", res(StepEnd.HANG, HANG, hang_node=None),
+     at(), FIXED,
+     Relaunch(STEP, f"{HANG}; relaunching on the same nodes (node[1-3]; no Slurm requeue)")),
+    ("a hang after max relaunches requeues", res(StepEnd.HANG, HANG, hang_node="node2"),
+     at(launch=9), FIXED, Requeue(f"{HANG}; 8 relaunches done, requeued by bv")),
+    ("the 8th relaunch still relaunches", res(StepEnd.HANG, HANG), at(nodes=STEP, launch=8),
+     FIXED,
+     Relaunch(STEP, f"{HANG}; relaunching on the same nodes (node[1-3]; no Slurm requeue)")),
+    ("a lost node with a spare", res(StepEnd.LOST, LOST2, lost={"node2": CLOSED}), at(), FIXED,
+     Relaunch(("node1", "node3", "node4"), f"{LOST2}; relaunching on node[1,3-4] (spare node4)",
+              {"node2": CLOSED})),
+    ("a hang that lost a node is a lost node",
+     res(StepEnd.HANG, HANG, lost={"node3": SILENT}, hang_node="node2"), at(), FIXED,
+     Relaunch(("node1", "node2", "node4"), f"{HANG}; relaunching on node[1-2,4] (spare node4)",
+              {"node3": SILENT})),
+    ("a lost node, elastic: fewer nodes", res(StepEnd.LOST, LOST2, lost={"node2": CLOSED}),
+     at(nodes=STEP), ELASTIC,
+     Relaunch(("node1", "node3"), f"{LOST2}; relaunching on 2 of 3 nodes (node[1,3])",
+              {"node2": CLOSED})),
+    ("a lost node after max relaunches: let go and requeue",
+     res(StepEnd.LOST, LOST2, lost={"node2": CLOSED}), at(launch=9), FIXED,
+     Requeue(f"{LOST2}; 8 relaunches done: the job lets go of node2 and is requeued by bv",
+             ("node2",), {"node2": CLOSED})),
+    ("no room, growth off: let go and requeue", res(StepEnd.LOST, LOST2, lost={"node2": CLOSED}),
+     at(nodes=STEP), FIXED,
+     Requeue(f"{LOST2}; {NO_ROOM}; no node grown ({GROWTH_OFF}): the job lets go of node2 "
+             "and is requeued by bv", ("node2",), {"node2": CLOSED})),
+    ("no room, growth on: grow in place of the lost node",
+     res(StepEnd.LOST, LOST2, lost={"node2": CLOSED}), at(nodes=STEP), GROWS,
+     Grow(("node1", "node3"), ("node2",), 1, {"node2": CLOSED})),
+    ("two lost, growth on: grow by two",
+     res(StepEnd.LOST, "two", lost={"node3": SILENT, "node2": CLOSED}), at(nodes=STEP), GROWS,
+     Grow(("node1",), ("node2", "node3"), 2, {"node3": SILENT, "node2": CLOSED})),
+    ("every node lost: nothing to grow from",
+     res(StepEnd.LOST, "all", lost={n: CLOSED for n in STEP}), at(nodes=STEP), GROWS,
+     Requeue(f"all; {NO_ROOM}; no node grown ({NOTHING_TO_GROW_FROM}): the job lets go of "
+             "node[1-3] and is requeued by bv", STEP, {n: CLOSED for n in STEP})),
+    ("grown: relaunch on the new node, same job",
+     res(StepEnd.LOST, LOST2, lost={"node2": CLOSED}),
+     at(nodes=("node1", "node3", "node5"), excluded={"node2": CLOSED},
+        grown=Grown(("node5",), 3.14, released=("node2",))), GROWS,
+     Relaunch(("node1", "node3", "node5"), f"{LOST2}; relaunching on node[1,3,5] (grown node5 "
+              "in 3.1 s, same job, no Slurm requeue)", {"node2": CLOSED})),
+    ("not grown after letting go: requeue without a second let-go",
+     res(StepEnd.LOST, LOST2, lost={"node2": CLOSED}),
+     at(nodes=STEP, excluded={"node2": CLOSED},
+        grown=Grown(why="no node granted in 15 s (timeout)", released=("node2",))), GROWS,
+     Requeue(f"{LOST2}; {NO_ROOM}; no node grown (no node granted in 15 s (timeout)): the job "
+             "lets go of node2 and is requeued by bv", (), {"node2": CLOSED})),
+    ("not grown before letting go: the requeue lets go",
+     res(StepEnd.LOST, LOST2, lost={"node2": CLOSED}),
+     at(nodes=STEP, grown=Grown(why="job 5 is PENDING, not RUNNING")), GROWS,
+     Requeue(f"{LOST2}; {NO_ROOM}; no node grown (job 5 is PENDING, not RUNNING): the job lets "
+             "go of node2 and is requeued by bv", ("node2",), {"node2": CLOSED})),
+    ("grown too few: requeue, saying nothing of the grow",
+     res(StepEnd.LOST, "two", lost={"node2": CLOSED, "node3": CLOSED}),
+     at(nodes=("node1", "node5"), grown=Grown(("node5",), 2.0, released=("node2", "node3"))),
+     GROWS,
+     Requeue(f"two; {NO_ROOM}: the job lets go of node[2-3] and is requeued by bv", (),
+             {"node2": CLOSED, "node3": CLOSED})),
+]
+
+
+@pytest.mark.parametrize(("result", "alloc", "opts", "want"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_next_action(result: StepResult, alloc: Allocation, opts: PolicyOptions,
+                     want: Action) -> None:
+    assert next_action(result, alloc, opts) == want
+
+
+def test_every_step_end_has_a_row() -> None:
+    assert {c[1].kind for c in CASES} == set(StepEnd)
+
+
+def test_the_policy_keeps_no_state() -> None:
+    """Asking twice gives the same answer and changes nothing it was given."""
+    alloc = at()
+    result = res(StepEnd.HANG, HANG, hang_node="node2")
+    assert next_action(result, alloc, FIXED) == next_action(result, alloc, FIXED)
+    assert alloc.excluded == {} and result.lost == {}
+
+
+def test_choose_nodes_spare_then_shrink_then_none() -> None:
+    alloc = ["n1", "n2", "n3", "n4"]
+    assert choose_nodes(alloc, [], 3, 3) == ["n1", "n2", "n3"]
+    assert choose_nodes(alloc, ["n2"], 3, 3) == ["n1", "n3", "n4"]  # the spare steps in
+    assert choose_nodes(alloc, ["n2", "n4"], 3, 3) is None  # fixed size: nothing to run on
+    assert choose_nodes(alloc, ["n2", "n4"], 3, 2) == ["n1", "n3"]  # data parallel shrinks
