@@ -9,7 +9,7 @@
 2. The ledger of a 1,000-node, 24-hour job with 10 interruptions (5 relaunches on a spare, 5
    requeues; a checkpoint every 10 minutes: 144 saves): the supervisor's events files of its
    6 Slurm attempts are written by `EventLog` itself, read back as the epilog does
-   (`events.collect`), put through JSON as the archive stores them, checked again and made
+   (`events_epilog.collect`), put through JSON as the archive stores them, checked again and made
    into a ledger (`goodput.build_ledger`). Time of each part and the peak Python memory
    (tracemalloc) of the whole, median of `--rounds`.
 
@@ -33,6 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bluevela.launch import events as E  # noqa: E402
+from bluevela.launch import events_epilog, events_log  # noqa: E402
 from bluevela.launch.wire import new_secret  # noqa: E402
 from bluevela.report import goodput as G  # noqa: E402
 from bluevela.runtime import heartbeat  # noqa: E402
@@ -99,7 +100,7 @@ def _big_job_files(tmp: Path) -> tuple[list[tuple[int, str]], list[str]]:
     env = {"SLURM_JOB_ID": "4242", "BV_EVENTS_DIR": str(tmp)}
     for restart in range(6):
         env["SLURM_RESTART_COUNT"] = str(restart)
-        log = E.EventLog.open(env, "gpu0000", query=False)
+        log = events_log.EventLog.open(env, "gpu0000", query=False)
         launches = 2 if restart < 5 else 1  # a spare relaunch, then a requeue
         for la in range(1, launches + 1):
             attempt += 1
@@ -135,12 +136,12 @@ def bench_ledger(rounds: int) -> dict[str, Any]:
     for _ in range(rounds):
         with tempfile.TemporaryDirectory() as d:
             tmp = Path(d)
-            tmp.chmod(0o1777)  # like /tmp: a directory the epilog reads (events.dir_layout)
+            tmp.chmod(0o1777)  # like /tmp: a directory the epilog reads (events_dir.dir_layout)
             files, _ = _big_job_files(tmp)
             sizes.append(sum(p.stat().st_size for p in tmp.iterdir()))
             tracemalloc.start()
             t0 = time.perf_counter()
-            recs = [E.collect(4242, k, node, os.getuid(), {"BV_EVENTS_DIR": d})
+            recs = [events_epilog.collect(4242, k, node, os.getuid(), {"BV_EVENTS_DIR": d})
                     for k, node in files]
             t1 = time.perf_counter()
             stored = [E.validate(json.loads(json.dumps(r))) for r in recs if r is not None]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bluevela.launch import events as E
+from bluevela.launch import events_epilog, events_log
 from bluevela.launch.wire import new_secret
 from bluevela.runtime import heartbeat
 from bluevela.runtime.heartbeat import beat_key
@@ -105,7 +106,7 @@ def _supervisor_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     tmp_path = sticky_dir(tmp_path / "events")
     monkeypatch.setenv("BV_EVENTS_DIR", str(tmp_path))
     env = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1", "BV_EVENTS_DIR": str(tmp_path)}
-    log = E.EventLog.open(env, "node1", query=False)
+    log = events_log.EventLog.open(env, "node1", query=False)
     key = beat_key(b"k" * 32)
     t0 = time.monotonic()
     log.launch(2, 1, ["node1", "node2"], 0, t0)
@@ -126,7 +127,7 @@ def _supervisor_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_epilog_reads_the_supervisors_file(tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     path = _supervisor_file(tmp_path, monkeypatch)
-    rec = E.collect(77, 1, "node1", os.getuid(), remove=False)
+    rec = events_epilog.collect(77, 1, "node1", os.getuid(), remove=False)
     assert rec is not None and rec["host"] == "node1" and rec["restart"] == 1
     (la,) = rec["launches"]
     assert la["attempt"] == 2 and la["nodes"] == ["node1", "node2"]
@@ -135,9 +136,9 @@ def test_epilog_reads_the_supervisors_file(tmp_path: Path,
     assert rec["requeue"] is not None
     assert E.validate(json.loads(json.dumps(rec))) == rec  # survives the archive's JSON
     # Another node's epilog, or another attempt's, takes nothing of it.
-    assert E.collect(77, 1, "node2", os.getuid(), remove=False) is None
-    assert E.collect(77, 0, "node1", os.getuid(), remove=False) is None
-    assert E.collect(77, 1, "node1", os.getuid(), remove=True) is not None
+    assert events_epilog.collect(77, 1, "node2", os.getuid(), remove=False) is None
+    assert events_epilog.collect(77, 0, "node1", os.getuid(), remove=False) is None
+    assert events_epilog.collect(77, 1, "node1", os.getuid(), remove=True) is not None
     assert not path.exists()  # read once, then removed
 
 
@@ -146,11 +147,11 @@ def test_epilog_refuses_a_file_of_another_user(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     path = _supervisor_file(tmp_path, monkeypatch)
     os.chown(path, 4242, 4242)
-    assert E.collect(77, 1, "node1", 1000, remove=False) is None
+    assert events_epilog.collect(77, 1, "node1", 1000, remove=False) is None
     # Its name says uid 0: a file of uid 4242 under it is not 4242's record either.
-    assert E.collect(77, 1, "node1", 4242, remove=False) is None
+    assert events_epilog.collect(77, 1, "node1", 4242, remove=False) is None
     path.rename(path.with_name(path.name.replace(".u0.", ".u4242.")))
-    assert E.collect(77, 1, "node1", 4242, remove=False) is not None
+    assert events_epilog.collect(77, 1, "node1", 4242, remove=False) is not None
 
 
 def test_epilog_never_follows_a_symlink(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,7 +159,7 @@ def test_epilog_never_follows_a_symlink(tmp_path: Path, monkeypatch: pytest.Monk
     secret = tmp_path / "secret"
     path.rename(secret)
     path.symlink_to(secret)
-    assert E.collect(77, 1, "node1", os.getuid(), remove=True) is None
+    assert events_epilog.collect(77, 1, "node1", os.getuid(), remove=True) is None
     assert path.is_symlink() and secret.exists()  # neither read nor removed
 
 
@@ -175,7 +176,7 @@ def test_a_bad_file_is_left_out_not_fatal(tmp_path: Path, monkeypatch: pytest.Mo
     events = sticky_dir(tmp_path / "events")
     monkeypatch.setenv("BV_EVENTS_DIR", str(events))
     (events / f"bv-goodput.77.r0.u{os.getuid()}.0123456789abcdef.jsonl").write_bytes(bad)
-    assert E.collect(77, 0, "node1", os.getuid()) is None
+    assert events_epilog.collect(77, 0, "node1", os.getuid()) is None
 
 
 def test_a_last_line_cut_by_a_kill_is_skipped() -> None:
@@ -192,9 +193,9 @@ def test_failure_time_rules() -> None:
     assert E.failure_time({"n2": "silent for 10 s (no agent ping)"}, {"n2": 5.0}, 0.0,
                           16.0, None) == 5.0
     assert E.failure_time({}, {}, 0.0, 20.0, 12.5) == 12.5
-    assert E.parse_limit("1-02:03:04") == 93784.0
-    assert E.parse_limit("00:02:00") == 120.0
-    assert E.parse_limit("UNLIMITED") is None
+    assert events_log.parse_limit("1-02:03:04") == 93784.0
+    assert events_log.parse_limit("00:02:00") == 120.0
+    assert events_log.parse_limit("UNLIMITED") is None
 
 
 def test_a_checkpoint_record_starts_no_heartbeat(

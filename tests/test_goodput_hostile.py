@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from bluevela.launch import events as E
+from bluevela.launch import events_dir, events_epilog, events_log
 from bluevela.runtime.heartbeat import beat_key
 from tests.conftest import REPO
 
@@ -60,9 +61,10 @@ def shared_tmp() -> Iterator[Path]:
 SUPERVISOR = """
 import json, sys, time
 from bluevela.launch import events as E
+from bluevela.launch import events_log
 from bluevela.runtime.heartbeat import beat_key
 env, host = json.loads(sys.argv[1]), sys.argv[2]
-log = E.EventLog.open(env, host, query=False)
+log = events_log.EventLog.open(env, host, query=False)
 key = beat_key(b"k" * 32)
 t0 = time.monotonic()
 log.launch(1, 1, [host], 0, t0)
@@ -106,9 +108,9 @@ def test_another_users_decoys_planted_before_the_job_hide_nothing(shared_tmp: Pa
     assert len(planted) == 24 and all(p.stat().st_uid == NOBODY for p in planted)
     env = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0", "BV_EVENTS_DIR": str(events)}
     supervisor_run(env)
-    rec = E.collect(77, 0, "node1", os.getuid(), env)
+    rec = events_epilog.collect(77, 0, "node1", os.getuid(), env)
     assert rec is not None and rec["launches"][0]["end"]["kind"] == "ok"
-    found = E.collect_files(77, 0, "node1", os.getuid(), env)
+    found = events_epilog.collect_files(77, 0, "node1", os.getuid(), env)
     assert found is not None and found.record["launches"][0]["end"]["kind"] == "ok"
     (name,) = found.names
     assert f".u{os.getuid()}." in name
@@ -131,11 +133,11 @@ def test_the_events_directory_must_be_one_no_other_user_can_fill_or_replace(
         e = {**env, "BV_EVENTS_DIR": str(bad)}
         supervisor_run(e)
         assert list(Path(bad).iterdir()) == [], bad  # the supervisor writes nothing there
-        assert E.collect(77, 0, "node1", os.getuid(), e) is None
-        assert E.check_events_dir(str(bad))[1] is not None
+        assert events_epilog.collect(77, 0, "node1", os.getuid(), e) is None
+        assert events_dir.check_events_dir(str(bad))[1] is not None
     assert "writable by group or others without the sticky bit" in caplog.text
     assert "owned by uid 65534, not root" in caplog.text
-    assert E.check_events_dir(str(tmp_path / "real")) == ("shared", None)
+    assert events_dir.check_events_dir(str(tmp_path / "real")) == ("shared", None)
 
 
 @root_only
@@ -144,10 +146,10 @@ def test_per_user_directories_made_by_the_prolog(shared_tmp: Path) -> None:
     the supervisor (that user, for real) writes there, the epilog reads it; no other user
     can put a file in it."""
     events = sticky_dir(shared_tmp / "events", 0o755)
-    assert E.check_events_dir(str(events)) == ("per-user", None)
+    assert events_dir.check_events_dir(str(events)) == ("per-user", None)
     env = {"SLURM_JOB_ID": "78", "SLURM_RESTART_COUNT": "0", "BV_EVENTS_DIR": str(events),
            "SLURM_JOB_UID": str(NOBODY), "SLURM_JOB_GID": str(NOBODY)}
-    E.prepare_for_prolog(env)
+    events_dir.prepare_for_prolog(env)
     mine = events / str(NOBODY)
     st = mine.stat()
     assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (NOBODY, NOBODY, 0o700)
@@ -155,11 +157,11 @@ def test_per_user_directories_made_by_the_prolog(shared_tmp: Path) -> None:
                                         "BV_EVENTS_DIR")}, nobody=True)
     (written,) = mine.iterdir()
     assert written.name.startswith(f"bv-goodput.78.r0.u{NOBODY}.")
-    found = E.collect_for_epilog(78, 0, "node1", env)
+    found = events_epilog.collect_for_epilog(78, 0, "node1", env)
     assert found is not None and found.record["launches"][0]["end"]["kind"] == "ok"
     # A user directory someone made group-writable is refused.
     mine.chmod(0o770)
-    assert E.collect_for_epilog(78, 0, "node1", env) is None
+    assert events_epilog.collect_for_epilog(78, 0, "node1", env) is None
 
 
 def test_the_directory_listing_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -167,8 +169,8 @@ def test_the_directory_listing_is_bounded(tmp_path: Path, monkeypatch: pytest.Mo
     events = sticky_dir(tmp_path / "events")
     for i in range(60):
         (events / f"flood{i}").touch()
-    monkeypatch.setattr(E, "MAX_SCAN", 50)
-    assert E.collect(77, 0, "node1", os.getuid(), {"BV_EVENTS_DIR": str(events)}) is None
+    monkeypatch.setattr(events_epilog, "MAX_SCAN", 50)
+    assert events_epilog.collect(77, 0, "node1", os.getuid(), {"BV_EVENTS_DIR": str(events)}) is None
     assert "more than 50 entries" in caplog.text
 
 
@@ -206,7 +208,7 @@ def _big_job(events: Path, saves: int, all_ranks_saves: int, others: int = 8
     save whatever the count: the test stays fast). Returns the file and its size."""
     env = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0", "BV_EVENTS_DIR": str(events)}
     nodes = [f"gpu{i:04d}" for i in range(1, 1025)]
-    log = E.EventLog.open(env, nodes[0], query=False)
+    log = events_log.EventLog.open(env, nodes[0], query=False)
     key = beat_key(b"s" * 32)
     now = time.monotonic()
     week = 7 * 86400.0
@@ -234,7 +236,7 @@ def test_a_1024x8_job_with_a_week_of_saves_keeps_its_end_and_every_save(
         print(f"\n1,024 x 8 ranks, {saves} saves: {size} bytes "
               f"({(size - 12_000) / saves:.0f} bytes per save)")
     assert size <= E.MAX_FILE_BYTES // 2
-    rec = E.collect(4242, 0, "gpu0001", os.getuid(), {"BV_EVENTS_DIR": str(events)})
+    rec = events_epilog.collect(4242, 0, "gpu0001", os.getuid(), {"BV_EVENTS_DIR": str(events)})
     assert rec is not None
     (la,) = rec["launches"]
     assert la["n_nodes"] == 1024 and len(la["nodes"]) == 1024
@@ -275,7 +277,7 @@ def test_the_end_line_always_fits_the_room_kept_for_it() -> None:
 def test_a_replayed_checkpoint_datagram_moves_nothing(tmp_path: Path) -> None:
     events = sticky_dir(tmp_path / "events")
     env = {"SLURM_JOB_ID": "79", "SLURM_RESTART_COUNT": "0", "BV_EVENTS_DIR": str(events)}
-    log = E.EventLog.open(env, "node1", query=False)
+    log = events_log.EventLog.open(env, "node1", query=False)
     key = beat_key(b"r" * 32)
     log.launch(1, 1, ["node1"], 0, time.monotonic())
     save = E.format_ckpt(E.CkptMsg(0, 8, 321, 5, 0.3, 0.1), key)
@@ -286,7 +288,7 @@ def test_a_replayed_checkpoint_datagram_moves_nothing(tmp_path: Path) -> None:
     log.datagram(older, key, 1, time.monotonic())
     log.step_ended("ok", "exit 0", [], None, None, time.monotonic())
     log.close()
-    rec = E.collect(79, 0, "node1", os.getuid(), env)
+    rec = events_epilog.collect(79, 0, "node1", os.getuid(), env)
     assert rec is not None
     ((step, t0, t1),) = rec["launches"][0]["ckpts"]
     assert step == 8 and t1 - t0 == pytest.approx(0.2, abs=0.05)

@@ -4,7 +4,7 @@ The REAL supervisor and node agents (tests/supervisor_standins.py: stand-in srun
 real sockets) stream every goodput event line, signed over the step's channel, to a second
 node's agent, which keeps a copy in its own node's events directory; the supervisor is then
 SIGKILLed and its own file removed (its node and its disk are gone). The keeper node's epilog
-read (`events.collect_files`, as root) finds the copy; the archive (real spool, real ingest)
+read (`events_epilog.collect_files`, as root) finds the copy; the archive (real spool, real ingest)
 and the ledger name the batch node as the lost node, with the drain reason its later report
 gives. Before issue 28 the attempt was "no supervisor record", all of it unattributed.
 """
@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from bluevela.launch import events as E
+from bluevela.launch import events_copy, events_epilog
 from bluevela.launch.wire import MAX_LINE, Channel, derive
 from bluevela.runtime.heartbeat import beat_key
 from tests.supervisor_standins import Job
@@ -38,7 +39,7 @@ def jobs() -> Iterator[list[Job]]:
 def _events_dir(tmp: Path) -> Path:
     ev = tmp / "events"
     ev.mkdir()
-    ev.chmod(0o1777)  # a shared layout, like /tmp (events.dir_layout)
+    ev.chmod(0o1777)  # a shared layout, like /tmp (events_dir.dir_layout)
     return ev
 
 
@@ -98,7 +99,7 @@ def test_the_copy_outlives_the_batch_node_and_the_ledger_names_it(
           lambda: b'"gone"' in copy[0].read_bytes())
 
     # n1's epilog (root) reads the copy: another node's supervisor's events, kept here
-    got = E.collect_files(77, 0, "n1", os.getuid(), {"BV_EVENTS_DIR": str(ev)})
+    got = events_epilog.collect_files(77, 0, "n1", os.getuid(), {"BV_EVENTS_DIR": str(ev)})
     assert got is not None
     rec = got.record
     assert rec["host"] == batch and rec["copy_on"] == "n1"
@@ -161,13 +162,13 @@ def test_the_copy_takes_each_line_once_in_order_and_within_bounds(tmp_path: Path
     launch = json.dumps({"e": "launch", "t": 1.8e9 + 1, "attempt": 1, "launch": 1,
                          "n_nodes": 2, "nodes": ["b1", "n2"], "spares": 0}).encode()
     lines = [head + b"\n", launch + b"\n", end + b"\n"]
-    msgs = [m for n, x in enumerate(lines) for m in E.copy_messages(n, x)]
+    msgs = [m for n, x in enumerate(lines) for m in events_copy.copy_messages(n, x)]
     chan = Channel(socket.socket(), derive(b"k" * 32, b"line"), b"n" * 16, b"s")
     assert max(len(chan.encode(m)) for m in msgs) <= MAX_LINE
-    assert len(E.copy_messages(2, lines[2])) == -(-len(end) // E.COPY_CHUNK) > 1  # in parts
-    worst = E.copy_messages(9, b'"\\' * E.END_LINE_MAX)  # every character escaped again
+    assert len(events_copy.copy_messages(2, lines[2])) == -(-len(end) // events_copy.COPY_CHUNK) > 1  # in parts
+    worst = events_copy.copy_messages(9, b'"\\' * E.END_LINE_MAX)  # every character escaped again
     assert max(len(chan.encode(m)) for m in worst) <= MAX_LINE
-    w = E.CopyWriter(env, "n2")
+    w = events_copy.CopyWriter(env, "n2")
     for m in [msgs[0], msgs[0], msgs[2], msgs[1], *msgs[1:], *msgs]:  # dups, a gap, replays
         w.feed(m)
     w.feed({"t": "ev", "n": 3, "i": 0, "k": 10**6, "d": "{}"})  # more parts than a line has
@@ -177,7 +178,7 @@ def test_the_copy_takes_each_line_once_in_order_and_within_bounds(tmp_path: Path
     rec = E.read_events_file(copy.read_bytes())
     assert rec["launches"][0]["end"]["cause"] == cause
     # a later step's keeper on the same node: once caught up, the older copy goes
-    w2 = E.CopyWriter(env, "n2")
+    w2 = events_copy.CopyWriter(env, "n2")
     for m in msgs:
         w2.feed(m)
     assert len(list(ev.glob("*.copy.jsonl"))) == 2
@@ -185,7 +186,7 @@ def test_the_copy_takes_each_line_once_in_order_and_within_bounds(tmp_path: Path
     assert [p.name for p in ev.glob("*.copy.jsonl")] == [w2.name]
     # a full copy file takes no more (the supervisor's own bounds)
     w2.bytes = E.MAX_FILE_BYTES - 10
-    w2.feed(E.copy_messages(3, b'{"e":"requeue","t":1800000009}\n')[0])
+    w2.feed(events_copy.copy_messages(3, b'{"e":"requeue","t":1800000009}\n')[0])
     assert (ev / w2.name).read_bytes() == b"".join(lines)
 
 

@@ -65,7 +65,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
-from bluevela.launch.events import CopyWriter, EventLog, failure_time, keeper_of
+from bluevela.launch.events import failure_time
+from bluevela.launch.events_copy import CopyWriter, keeper_of
+from bluevela.launch.events_log import EventLog
 from bluevela.launch.grow import GrowResult, release_helpers
 from bluevela.launch.grow import grow as grow_job
 from bluevela.launch.rdzv_guard import guarded_argv

@@ -1,0 +1,270 @@
+"""The supervisor's goodput events of one Slurm attempt (`EventLog`, as the job's user):
+what it saw happen to each launch, one JSON line per event, for the ledger
+(docs/resilience.md, "Where the time went: goodput events").
+
+Per Slurm attempt it appends to ``<dir>/bv-goodput.<job>.r<restart>.u<uid>.<random>.jsonl``
+(bluevela/launch/events_dir.py: created O_EXCL|O_NOFOLLOW, mode 0600): the launch (time,
+attempt, nodes), the first progress, one line per checkpoint (step, first start, last end,
+rank count; the ranks' datagrams folded in memory), the step's end (kind, when the failure
+happened, when it was detected, cause, lost nodes), the requeue; once per Slurm attempt the
+job's submit/start time and time limit from ``squeue`` (`slurm_times`). A checkpoint
+datagram is range-checked (rank, step, ages within the step's life) and its sequence number
+must rise per (rank, pid), as for heartbeats. The file is bounded as the epilog reads it
+(MAX_FILE_BYTES, MAX_LINES), with room kept for the lines that close a launch
+(CLOSE_RESERVE); every line also goes to the step's keeper (bluevela/launch/events_copy.py).
+
+Standard library only: the supervisor imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import subprocess
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from bluevela.launch.events import (
+    CKPT_MAGIC,
+    CLOSE_RESERVE,
+    MAX_CAUSE,
+    MAX_FILE_BYTES,
+    MAX_LINES,
+    MAX_NODES,
+    parse_ckpt,
+)
+from bluevela.launch.events_copy import CopySender
+from bluevela.launch.events_dir import create_file, events_dir
+from bluevela.launch.wire import fresh_seq, safe_name
+
+logger = logging.getLogger(__name__)
+
+CKPT_WINDOW = 8  # recent saves the supervisor folds late ranks into
+
+
+def slurm_times(job: str, timeout: float = 10.0) -> dict[str, float | None]:
+    """Submit time, start time and time limit (s) of `job`, read once at the supervisor's
+    start with ``squeue -h -j JOB -o %V|%S|%l`` (local times; a read, never an action on
+    the job), each None when unknown. Bounded by `timeout`; never raises."""
+    out: dict[str, float | None] = {"submit": None, "start": None, "time_limit_s": None}
+    try:
+        proc = subprocess.run(["squeue", "-h", "-j", job, "-o", "%V|%S|%l"],
+                              capture_output=True, text=True, check=False, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return out
+    words = (proc.stdout.strip().splitlines() or [""])[0].split("|")
+    if proc.returncode != 0 or len(words) != 3:
+        return out
+    for key, value in (("submit", words[0]), ("start", words[1])):
+        try:
+            out[key] = time.mktime(time.strptime(value.strip(), "%Y-%m-%dT%H:%M:%S"))
+        except (ValueError, OverflowError):
+            pass
+    out["time_limit_s"] = parse_limit(words[2].strip())
+    return out
+
+
+def parse_limit(text: str) -> float | None:
+    """Slurm's `[days-]hours:minutes:seconds` (or `minutes:seconds`, `minutes`) in seconds."""
+    days, _, rest = text.rpartition("-") if "-" in text else ("0", "", text)
+    parts = rest.split(":")
+    try:
+        nums = [int(p) for p in parts]
+        d = int(days)
+    except ValueError:
+        return None
+    if len(nums) == 3:
+        h, m, s = nums
+    elif len(nums) == 2:
+        h, m, s = 0, nums[0], nums[1]
+    elif len(nums) == 1:
+        h, m, s = 0, nums[0], 0
+    else:
+        return None
+    return float(((d * 24 + h) * 60 + m) * 60 + s)
+
+
+class EventLog:
+    """The supervisor's side. Every method is best-effort: an error disables the log (one
+    line on stderr), never the supervisor.
+
+    Bounded as the epilog reads (MAX_FILE_BYTES, MAX_LINES), with CLOSE_RESERVE bytes kept
+    free while a launch is open: when the file is full, later saves are left out, never the
+    `end` that closes the launch or the requeue. One `ckpt` line per save, not per rank: the
+    ranks' datagrams of one step are folded in memory (first start, last end, rank count)
+    and the line is written when the next save starts, the step ends or the job requeues
+    (a 1,024 x 8-rank job: ~100 bytes per save instead of 8,192 lines)."""
+
+    def __init__(self, fd: int | None, host: str) -> None:
+        self.fd = fd
+        self.host = host
+        self.launch_no = 0
+        self.started_mono = 0.0
+        self.first_progress = False
+        self.ckpts: dict[int, list[float]] = {}  # step -> [start, end, ranks], recent saves
+        self.dirty: dict[int, None] = {}  # steps whose line is not written yet, in order
+        self.ck_seqs: dict[tuple[int, int], int] = {}  # (rank, pid) -> last seq, this launch
+        self.signal_mono: float | None = None
+        self.lines = 0
+        self.bytes = 0
+        self.open_launch = False  # a launch line is written and its end not yet
+        self.skipping = False  # this launch's line did not fit: its events are left out
+        self.full_logged = False
+        # The copy on a second node (`CopySender`): every line written, in order, and the
+        # current step's keeper agent's channel.
+        self.written: list[bytes] = []
+        self.copy: CopySender | None = None
+
+    @classmethod
+    def open(cls, env: Mapping[str, str], host: str, *, query: bool = True) -> EventLog:
+        job, restart = env.get("SLURM_JOB_ID", ""), env.get("SLURM_RESTART_COUNT") or "0"
+        if not job.isdigit() or not restart.isdigit() or len(job) > 12 or len(restart) > 5:
+            return cls(None, host)
+        name = f"bv-goodput.{job}.r{int(restart)}.u{os.getuid()}.{secrets.token_hex(8)}.jsonl"
+        fd = None
+        try:
+            fd = create_file(env, name)
+        except OSError as exc:
+            logger.warning("no goodput events: cannot create %s in %s: %s", name,
+                           events_dir(env), exc.strerror or exc)
+        log = cls(fd, host)
+        info: dict[str, Any] = {"e": "job", "t": time.time(), "host": host, "job": int(job),
+                                "restart": int(restart)}
+        if query and fd is not None:
+            info.update(slurm_times(job))
+        log._write(info)
+        return log
+
+    def _write(self, rec: dict[str, Any], *, closing: bool = False) -> bool:
+        """Append one line; False when it was left out (no file, or no room for it)."""
+        if self.fd is None:
+            return False
+        data = json.dumps(rec, separators=(",", ":")).encode() + b"\n"
+        # A line that opens or fills a launch leaves room for the lines that close it.
+        room = MAX_FILE_BYTES - (0 if closing else CLOSE_RESERVE)
+        if self.bytes + len(data) > room or self.lines + (1 if closing else 3) > MAX_LINES:
+            if not self.full_logged:
+                self.full_logged = True
+                logger.warning("goodput events full (%d lines, %d bytes): later %s events "
+                               "are left out", self.lines, self.bytes, rec.get("e"))
+            return False
+        try:
+            os.write(self.fd, data)
+        except OSError as exc:
+            logger.warning("goodput events stopped: %s", exc.strerror or exc)
+            self.close()
+            return False
+        self.lines += 1
+        self.bytes += len(data)
+        self.written.append(data)
+        if self.copy is not None:
+            self.copy.pump(self.written)
+        return True
+
+    def attach(self, chan: Any) -> None:
+        """Stream every line, the ones written so far first, to this step's keeper agent
+        over its signed channel (`wire.Channel`): the copy its node's epilog reads when the
+        supervisor's own node dies (`CopyWriter`). A later step's keeper replaces it."""
+        if self.fd is None:
+            return
+        self.copy = CopySender(chan)
+        self.copy.pump(self.written)
+
+    def pump(self) -> None:
+        """Send more of the copy's backlog (the supervisor's tick): the channel is fed at most
+        COPY_OUT_MAX bytes ahead of what the socket took, so a long backlog never breaks it."""
+        if self.copy is not None:
+            self.copy.pump(self.written)
+
+    def close(self) -> None:
+        self._flush_ckpts()
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
+
+    @staticmethod
+    def wall(mono: float) -> float:
+        return time.time() - (time.monotonic() - mono)
+
+    def launch(self, attempt: int, launch: int, nodes: list[str], spares: int,
+               started_mono: float) -> None:
+        self._flush_ckpts()
+        self.launch_no = launch
+        self.started_mono = started_mono
+        self.first_progress = False
+        self.ckpts, self.dirty, self.ck_seqs = {}, {}, {}
+        self.skipping = not self._write({
+            "e": "launch", "t": self.wall(started_mono), "attempt": attempt, "launch": launch,
+            "n_nodes": len(nodes), "nodes": nodes[:MAX_NODES], "spares": spares})
+        self.open_launch = not self.skipping
+
+    def progress(self, mono: float) -> None:
+        if not self.first_progress:
+            self.first_progress = True
+            if not self.skipping:
+                self._write({"e": "progress", "t": self.wall(mono), "launch": self.launch_no})
+
+    def datagram(self, data: bytes, key: bytes, max_ranks: int, now_mono: float) -> bool:
+        """Record a checkpoint datagram of this step; True when it was one (valid or not).
+        A datagram whose sequence number is not above the last one of its (rank, pid) is a
+        replay and changes nothing (as for heartbeats)."""
+        if not data.startswith(CKPT_MAGIC.encode()):
+            return False
+        msg = parse_ckpt(data, key)
+        life = now_mono - self.started_mono + 5
+        if msg is None or msg.rank >= max_ranks or msg.start_age_s > life:
+            return True
+        if not fresh_seq(self.ck_seqs, (msg.rank, msg.pid), msg.seq, 4 * max_ranks):
+            return True  # a replayed or reordered datagram
+        now = time.time()
+        start, end = now - msg.start_age_s, now - msg.end_age_s
+        have = self.ckpts.get(msg.step)
+        if have is not None:  # another rank's save of the same step: one save, widest span
+            have[0], have[1], have[2] = min(have[0], start), max(have[1], end), have[2] + 1
+        else:
+            self._flush_ckpts()  # a new save: the ones before it are complete
+            self.ckpts[msg.step] = [start, end, 1]
+            while len(self.ckpts) > CKPT_WINDOW:  # a late rank of an older save: a 2nd line
+                del self.ckpts[next(iter(self.ckpts))]
+        self.dirty[msg.step] = None
+        return True
+
+    def _flush_ckpts(self) -> None:
+        """One line per save changed since its last line."""
+        for step in list(self.dirty):
+            c = self.ckpts.get(step)
+            if c is not None and not self.skipping:
+                self._write({"e": "ckpt", "launch": self.launch_no, "step": step,
+                             "t0": round(c[0], 3), "t1": round(c[1], 3), "ranks": int(c[2])})
+        self.dirty = {}
+
+    def signal(self, mono: float) -> None:
+        if self.signal_mono is None:
+            self.signal_mono = mono
+
+    def step_ended(self, kind: str, cause: str, lost: list[str], failed_mono: float | None,
+                   detected_mono: float | None, gone_mono: float) -> None:
+        """The step's end. For a signal the failure and its detection are the signal."""
+        self._flush_ckpts()
+        if kind in ("signal", "terminated") and self.signal_mono is not None:
+            failed_mono = detected_mono = max(self.signal_mono, self.started_mono)
+        failed = self.wall(failed_mono) if failed_mono is not None else None
+        detected = self.wall(detected_mono) if detected_mono is not None else None
+        if self.skipping:
+            return
+        names = [n for n in sorted(lost) if safe_name(n) == n][:MAX_NODES]
+        self._write({"e": "end", "launch": self.launch_no, "kind": kind,
+                     "cause": cause[:MAX_CAUSE], "nodes": names,
+                     "failed": failed, "detected": detected, "gone": self.wall(gone_mono)},
+                    closing=True)
+        self.open_launch = False
+
+    def requeue(self) -> None:
+        self._flush_ckpts()
+        self._write({"e": "requeue", "t": time.time()}, closing=True)
