@@ -29,8 +29,9 @@ sys.path.insert(0, str(REPO))
 
 from bluevela.archive import query  # noqa: E402
 from bluevela.archive.ingest import ingest, store_reports  # noqa: E402
+from bluevela.archive.reports import validate_report  # noqa: E402
 from bluevela.archive.sample import sample_report  # noqa: E402
-from bluevela.archive.spool import SpoolEntry, report_name, validate_report  # noqa: E402
+from bluevela.archive.spool import SpoolEntry, report_name  # noqa: E402
 
 T0 = 1_735_700_000.0  # 2025-01-01
 

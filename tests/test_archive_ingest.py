@@ -236,7 +236,6 @@ def test_kill_9_at_random_points_loses_and_doubles_nothing(dirs: tuple[Path, Pat
     want: Counter[tuple[int, str, str]] = Counter()
     duration = 1.0
     kills = rnd = 0
-    t_start = time.monotonic()
     while kills < 22 and rnd < 60:
         rnd += 1
         for j in range(4):  # 4 jobs x 40 nodes x 2 phases = 320 reports per round
@@ -264,7 +263,6 @@ def test_kill_9_at_random_points_loses_and_doubles_nothing(dirs: tuple[Path, Pat
         assert not list(spool.glob("*.json"))
     assert kills >= 20, (kills, rnd)
     assert Archive(archive).manifest().segments
-    assert time.monotonic() - t_start < 60
 
 
 @pytest.fixture()

@@ -12,16 +12,15 @@ import pytest
 
 from bluevela.archive import query
 from bluevela.archive.ingest import ingest
+from bluevela.archive.reports import load_report, validate_report
 from bluevela.archive.sample import sample_report
 from bluevela.archive.spool import (
     QUARANTINE_DIR,
     ReportError,
     SpoolEntry,
-    load_report,
     parse_report_name,
     report_name,
     scan_spool,
-    validate_report,
     write_report,
 )
 from bluevela.errors import ArchiveError, UnsafeValueError

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.archive.spool import SpoolEntry, validate_report
+from bluevela.archive.reports import validate_report
+from bluevela.archive.spool import SpoolEntry
 from bluevela.checks_registry import get_check
 from bluevela.errors import SiteConfigError
 from bluevela.fleet.api import versions_view

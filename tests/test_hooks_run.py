@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.archive.spool import load_report, scan_spool
+from bluevela.archive.reports import load_report
+from bluevela.archive.spool import scan_spool
 from tests.conftest import HOSTILE
 from tests.fixture_trees import materialized
 

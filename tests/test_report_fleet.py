@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 
 from bluevela.archive.ingest import ingest, store_reports
+from bluevela.archive.reports import validate_report
 from bluevela.archive.sample import sample_report
-from bluevela.archive.spool import SpoolEntry, report_name, validate_report, write_report
+from bluevela.archive.spool import SpoolEntry, report_name, write_report
 from bluevela.bench.store import NightRecord, NodeRow, ResultRow, nightly_dir, write_night
 from bluevela.report.fleet import NodeClassInfo, compute, fleet_report, gather
 from tests.test_bench_report import CHROMIUM, _chromium, _png_pixels

@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bluevela.archive import schema as S
+from bluevela.archive.reports import load_report
 from bluevela.archive.spool import (
     ReportError,
     SpoolDir,
-    load_report,
     mark_done,
     prune_done,
     quarantine,
@@ -51,7 +51,7 @@ from bluevela.util.fs import owner_problem, user_name
 if TYPE_CHECKING:
     import numpy as np
 
-    from bluevela.archive.series import SeriesLimits
+    from bluevela.archive.series_checks import SeriesLimits
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,8 @@ def ingest(
         done_names = _archive(w, by_job, result, now=now, timeout_s=timeout_s,
                               prolog_only_timeout_s=prolog_only_timeout_s, spool=spool)
         if scan.series:  # the epilogs' sampler windows -> <archive>/series/<job>.h5
-            from bluevela.archive.series import SeriesLimits, ingest_side_files
+            from bluevela.archive.series_checks import SeriesLimits
+            from bluevela.archive.series_ingest import ingest_side_files
 
             limits = series_limits if series_limits is not None else SeriesLimits.configured()
             series_done, series_bad = ingest_side_files(w, sd, archive_dir, scan.series,
@@ -250,7 +251,7 @@ def _archive(w: Writer, by_job: dict[int, list[tuple[Any, dict[str, Any]]]],
 def store_reports(archive_dir: Path, reports: list[dict[str, Any]], *,
                   timeout_s: float = 0.0, lock_wait_s: float = 30.0, compact: bool = True,
                   now: float | None = None) -> IngestResult:
-    """Archive already validated reports (see `spool.validate_report`) without a spool.
+    """Archive already validated reports (see `reports.validate_report`) without a spool.
 
     The same writer path as `ingest` (dedupe, job rows, one segment, compaction): for
     importing reports kept elsewhere, and for benchmarks. With the default `timeout_s=0`
@@ -422,7 +423,7 @@ def _stored_keys(old: _Archived | None) -> set[tuple[str, str, int]]:
 
 def _expected(reports: list[dict[str, Any]], old: _Archived | None) -> tuple[set[str], int]:
     expected: set[str] = set()
-    # The reports of one job share one nodelist object (spool.validate_report): add each once.
+    # The reports of one job share one nodelist object (reports.validate_report): add each once.
     for nodelist in {id(r["nodelist"]): r["nodelist"] for r in reports}.values():
         expected.update(nodelist)
     num_nodes = max((r["num_nodes"] or 0 for r in reports), default=0)
