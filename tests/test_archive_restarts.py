@@ -22,7 +22,7 @@ import pytest
 from bluevela.archive import query
 from bluevela.archive.ingest import ingest, store_reports
 from bluevela.archive.sample import sample_report
-from bluevela.archive.series import read_series, series_path
+from bluevela.archive.series_layout import read_series, series_path
 from bluevela.archive.spool import (
     DONE_DIR,
     QUARANTINE_DIR,
@@ -267,7 +267,7 @@ def test_efficiency_counts_restarts_from_the_archive(dirs: tuple[Path, Path]) ->
     a 300 s job-wide idle stretch inside attempt 1. The requeue's gap comes from the report
     times (400 s: last epilog of attempt 0 to first prolog of attempt 1), not from the series'
     NaN stretch, which is not counted again."""
-    from bluevela.archive.series import JobSeries, write_series
+    from bluevela.archive.series_layout import JobSeries, write_series
     from bluevela.report.efficiency import job_efficiency, summary_lines
 
     spool, archive = dirs

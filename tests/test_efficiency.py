@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bluevela.archive.series import JobSeries, write_series
+from bluevela.archive.series_layout import JobSeries, write_series
 from bluevela.errors import ArchiveError
 from bluevela.report.efficiency import Thresholds, analyze, efficiency_of_file
 

@@ -24,7 +24,7 @@ import pytest
 
 from bluevela.archive.ingest import ingest
 from bluevela.archive.sample import sample_report
-from bluevela.archive.series import read_series
+from bluevela.archive.series_layout import read_series
 from bluevela.archive.spool import DONE_DIR, QUARANTINE_DIR, write_report
 from bluevela.site import load_site
 
@@ -101,7 +101,7 @@ def _in_child(tmp: Path, body: str, as_limit_gib: float = 2.0) -> dict[str, Any]
 
 INGEST_BODY = """
     from bluevela.archive.ingest import ingest
-    from bluevela.archive.series import read_series
+    from bluevela.archive.series_layout import read_series
     res = ingest(spool, archive, now={now})
     out["quarantined"] = dict(res.quarantined)
     s = read_series(archive, 61)
@@ -193,7 +193,7 @@ def test_a_bad_side_file_is_quarantined_with_its_reason_and_the_next_job_is_buil
 
 def test_gpu_index_is_judged_by_the_nodes_class(dirs: tuple[Path, Path]) -> None:
     """site.yaml: gpu[001-128] are h100 (8 GPUs); node1 is a CPU node (0 GPUs)."""
-    from bluevela.archive.series import SeriesLimits
+    from bluevela.archive.series_checks import SeriesLimits
 
     spool, archive = dirs
     times = [T0 + 10 * k for k in range(6)]
@@ -243,7 +243,8 @@ def test_a_side_file_of_an_attempt_not_archived_waits(dirs: tuple[Path, Path]) -
 
 MEMORY_BODY = """
     from bluevela.archive.ingest import ingest
-    from bluevela.archive.series import SeriesLimits, read_series
+    from bluevela.archive.series_checks import SeriesLimits
+    from bluevela.archive.series_layout import read_series
     # Bounds lifted so the file reaches the build: the allocation itself must fail.
     res = ingest(spool, archive, now={now}, series_limits=SeriesLimits(max_node_bytes=1 << 50))
     out["quarantined"] = dict(res.quarantined)

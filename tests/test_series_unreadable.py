@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 
-from bluevela.archive import series as series_mod
+from bluevela.archive import series_ingest, series_layout
 from bluevela.archive.ingest import ingest
 from bluevela.archive.sample import sample_report
-from bluevela.archive.series import read_series, series_path
+from bluevela.archive.series_layout import read_series, series_path
 from bluevela.archive.spool import DONE_DIR, QUARANTINE_DIR, write_report
 
 T0 = 1_750_000_000.0
@@ -167,20 +167,20 @@ def test_a_bug_in_the_build_quarantines_nothing_and_the_next_job_is_built(
     _n1_ingested(spool, archive)
     _reports(spool, 71, ["m1"])
     _side(spool, 71, "m1", 300.0)
-    real_put = series_mod._put
+    real_put = series_layout.put_row
 
     def buggy_put(f: Any, plan: Any, row: int, windows: Any) -> None:
         if plan.job_id == JOB:  # a bug where job 70's rows are written
             raise TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'")
         real_put(f, plan, row, windows)
 
-    monkeypatch.setattr(series_mod, "_put", buggy_put)
+    monkeypatch.setattr(series_layout, "put_row", buggy_put)
     before = series_path(archive, JOB).read_bytes()
     res = _ingest(spool, archive)
     _assert_waits(spool, archive, res, before)  # 9058adc: quarantined with "TypeError: ..."
     s71 = read_series(archive, 71)
     assert s71 is not None and s71.nodes == ["m1"]  # the next job all the same
-    monkeypatch.setattr(series_mod, "_put", real_put)  # the bug fixed
+    monkeypatch.setattr(series_layout, "put_row", real_put)  # the bug fixed
     _ingest(spool, archive)
     _assert_both(spool, archive)
 
@@ -196,7 +196,7 @@ def test_a_side_file_that_breaks_its_load_is_quarantined_alone(
     _ingest(spool, archive)
     _side(spool, JOB, "n2", 200.0)
     _side(spool, JOB, "n3", 300.0)
-    real_check = series_mod.check_side_file
+    real_check = series_ingest.check_side_file
 
     def check_then_append(probe: Any, *args: Any, **kwargs: Any) -> None:
         real_check(probe, *args, **kwargs)
@@ -204,7 +204,7 @@ def test_a_side_file_that_breaks_its_load_is_quarantined_alone(
             with open(spool / f"{JOB}.n2.series.bvts", "ab") as f:
                 f.write(b"\1\2\3")
 
-    monkeypatch.setattr(series_mod, "check_side_file", check_then_append)
+    monkeypatch.setattr(series_ingest, "check_side_file", check_then_append)
     res = _ingest(spool, archive)
     assert dict(res.quarantined) == {
         f"{JOB}.n2.series.bvts": "series side file: truncated record (3 trailing bytes)"}

@@ -23,7 +23,7 @@ import pytest
 
 from bluevela.archive.ingest import ingest
 from bluevela.archive.sample import sample_report
-from bluevela.archive.series import read_series, series_path
+from bluevela.archive.series_layout import read_series, series_path
 from bluevela.archive.spool import DONE_DIR, QUARANTINE_DIR, write_report
 from bluevela.health.context import ProbeContext
 from bluevela.site import load_site

@@ -289,29 +289,37 @@ def _labels(names: list[str], width: int) -> Any:
     return np.array([s.encode()[:64] for s in names] + [b""] * (width - len(names)), dtype="S64")
 
 
+def _on_grid(at: list[tuple[NodeWindow, Any, Any]], group: str, m: str, n: int | None,
+             T: int) -> np.ndarray | None:
+    """One metric of a node's row from its windows and their grid positions, a later window
+    over an earlier one (None: no window has it). `n`: the component count (GPUs, ports) of
+    a [component, time] metric; None for a [time] one."""
+    import numpy as np
+
+    out = None
+    for w, k, ok in at:
+        src = w.group(group).get(m)
+        if src is None or (n is not None and not src.shape[0]):
+            continue
+        if out is None:
+            out = np.full((T,) if n is None else (n, T), np.nan, dtype=np.float32)
+        if n is None:
+            out[k[ok]] = src[ok]
+        else:
+            out[:src.shape[0], k[ok]] = src[:, ok]
+    return out
+
+
 def put_row(f: Any, plan: SeriesPlan, row: int, windows: NodeWindow | list[NodeWindow]) -> None:
     """Write one node's window(s) into row `row` (one node in memory at a time). Several
     windows (a requeued job's attempts, in attempt order) go onto the same row, a later one
     over an earlier one where both have a grid point."""
-    import numpy as np
-
     ws = windows if isinstance(windows, list) else [windows]
-    at = [_grid_index(w.times, plan.t0, plan.interval_s, plan.T) for w in ws]
+    at = [(w, *_grid_index(w.times, plan.t0, plan.interval_s, plan.T)) for w in ws]
     rows = {"gpu": plan.G, "ib": plan.P, "node": None}
     for group in GROUPS:
-        n = rows[group]  # the component count (GPUs, ports) of a [component, time] source
         for m in plan.metrics(group):
-            out = None
-            for w, (k, ok) in zip(ws, at, strict=True):
-                src = w.group(group).get(m)
-                if src is None or (n is not None and not src.shape[0]):
-                    continue
-                if out is None:
-                    out = np.full((plan.T,) if n is None else (n, plan.T), np.nan, np.float32)
-                if n is None:
-                    out[k[ok]] = src[ok]
-                else:
-                    out[:src.shape[0], k[ok]] = src[:, ok]
+            out = _on_grid(at, group, m, rows[group], plan.T)
             if out is not None:
                 f[f"{group}/{m}"][row] = out
     w = next((x for x in reversed(ws) if x.uuids or x.ports), ws[-1])
