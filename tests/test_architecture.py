@@ -13,6 +13,9 @@ importing in a fresh interpreter.
 - Pages: only `report/page.py` and the `report/*_html.py` pages import matplotlib, and a page
   module imports no other page module (they share `page`). The analyses behind the pages
   (`report/fleet.py`, `report/efficiency.py`, `report/nightly.py`) import without matplotlib.
+- `util/` is below everything: it imports no other bluevela package but `errors`.
+- The node sampler (`telemetry/` but the epilog's `window.py`) runs on the standard library:
+  no numpy, torch, h5py or matplotlib, and nothing of `archive/`, `fleet/`, `report/`.
 """
 
 from __future__ import annotations
@@ -132,6 +135,19 @@ def test_slurm_seam_is_a_leaf() -> None:
                    if p.name not in ("slurm", "errors.py", "__init__.py", "__pycache__",
                                      "py.typed"))
     assert _violations("slurm", others) == []
+
+
+def test_util_is_a_leaf() -> None:
+    others = tuple(f"bluevela.{p.name.removesuffix('.py')}" for p in PKG.iterdir()
+                   if p.name not in ("util", "errors.py", "__init__.py", "__pycache__",
+                                     "py.typed"))
+    assert _violations("util", others) == []
+
+
+def test_the_sampler_runs_on_the_standard_library() -> None:
+    heavy = ("numpy", "torch", "h5py", "matplotlib", "bluevela.archive", "bluevela.fleet",
+             "bluevela.report")
+    assert _violations("telemetry", heavy, exempt=("window.py",)) == []
 
 
 def test_archive_is_storage_only() -> None:

@@ -104,7 +104,7 @@ def test_sampler_columns_from_the_h100_fixture(tmp_path: Path) -> None:
     s = _sampler(tmp_path)
     s.record(T0)
     s.record(T0 + 10)
-    s.writer.close()  # type: ignore[union-attr]
+    s.store.writer.close()  # type: ignore[union-attr]
     [seg_name] = os.listdir(tmp_path / "samples")
     seg = read_file(tmp_path / "samples" / seg_name)
     names = seg.header.names
@@ -195,12 +195,12 @@ def test_retention_by_age_and_size(tmp_path: Path) -> None:
     for h in range(0, 100, 10):  # segments every 10 h, ~ 1 KB each
         _write_seg(samples, "n1", T0 + h * 3600, ["node.x"], [[1.0]] * 80)
     s = _sampler(tmp_path, retain_s=48 * 3600.0)
-    removed = s.prune(now)
+    removed = s.store.prune(now)
     # A segment goes once the next one started more than 48 h ago.
     assert sorted(removed) == [f"seg-{int(T0 + h * 3600)}.bvts" for h in range(0, 50, 10)]
     size = (samples / f"seg-{int(T0 + 90 * 3600)}.bvts").stat().st_size
     s2 = _sampler(tmp_path, retain_s=1e9, max_bytes=2 * size)
-    s2.prune(now)
+    s2.store.prune(now)
     assert sorted(os.listdir(samples)) == [f"seg-{int(T0 + h * 3600)}.bvts" for h in (80, 90)]
 
 
@@ -372,7 +372,7 @@ def test_sampler_stop_event_ends_the_loop(tmp_path: Path) -> None:
     threading.Timer(0.3, stop.set).start()
     t = time.monotonic()
     assert s.run(stop) == 0 and time.monotonic() - t < 5
-    assert s.writer is None and s.samples_taken >= 2
+    assert s.store.writer is None and s.samples_taken >= 2
 
 
 @pytest.mark.parametrize("site", ["/nonexistent/site.yaml", "relative/site.yaml"])
@@ -406,7 +406,7 @@ def test_gpu_class_without_nvml_samples_the_rest(tmp_path: Path,
     the class as missing, and still records the IB ports and the node."""
     no_driver = REPO / "tests" / "data" / "health" / "nvml-real-no-driver.json"
     s = _sampler(tmp_path, _ctx(snapshot=no_driver))
-    caplog.set_level("WARNING", logger="bluevela.telemetry.sampler")
+    caplog.set_level("WARNING", logger="bluevela.telemetry.gpu")
     for i in range(3):
         cols, vals, comps = s.sample(T0 + 10 * i)
     names = [c.name for c in cols]

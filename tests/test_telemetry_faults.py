@@ -373,7 +373,7 @@ def test_a_clock_stepped_back_starts_a_new_segment(tmp_path: Path) -> None:
     t0 = 1_750_000_000.0
     for t in (t0, t0 + 10, t0 + 20, t0 + 5, t0 + 15):  # stepped back 15 s after the third
         s.record(t)
-    s.writer.close()  # type: ignore[union-attr]
+    s.store.writer.close()  # type: ignore[union-attr]
     for _, name in list_segments(tmp_path / "samples"):
         times = [t for t, _ in read_file(tmp_path / "samples" / name).records()]
         assert times == sorted(times), (name, times)
@@ -384,7 +384,7 @@ def test_nvml_worker_slow_lags_a_tick_hung_costs_one_wait() -> None:
     """A slow NVML (0.3 s a reading, deadline 0.1 s) misses its first tick only, then each tick
     takes the reading the previous tick started; a hung one costs the asking tick its deadline
     and later ticks nothing."""
-    from bluevela.telemetry.sampler import NVMLWorker
+    from bluevela.telemetry.gpu import NVMLWorker
 
     calls: list[float] = []
 
