@@ -62,9 +62,9 @@ MAX_RESTART = 65535  # the archive's restart column is uint16 (archive/schema.py
 # restart k >= 1: `.r<k>` before the suffix, k without leading zeros, at most 5 digits.
 _RESTART = r"(?:\.r([1-9][0-9]{0,4}))?"
 _NAME_RE = re.compile(r"^([0-9]{1,12})\.(.+)\.(prolog|epilog)" + _RESTART + r"\.json$")
-# The epilog's window of sampler data (bluevela.telemetry.window, archive/series.py). The
+# The epilog's window of sampler data (bluevela.telemetry.window, archive/series_ingest.py). The
 # node part is non-greedy: `<job>.n1.r2.series.bvts` is node n1's restart 2 (a node whose own
-# name ends in `.r<k>` is told apart by the side file's header: archive/series.py).
+# name ends in `.r<k>` is told apart by the side file's header: archive/series_ingest.py).
 SERIES_SUFFIX = ".series.bvts"
 _SERIES_RE = re.compile(r"^([0-9]{1,12})\.(.+?)" + _RESTART + r"\.series\.bvts$")
 _TEMP_RE = re.compile(r"^\..+\.[0-9]+\.tmp$")

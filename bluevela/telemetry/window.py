@@ -7,7 +7,7 @@ before the job's start (the prolog's reading) to now, over the union of the segm
 rename) relative to the spool directory opened without following a symlink, by the spool's
 bounded writer (`archive.spool.write_spool_file`: a forked child, at most `SPOOL_WRITE_TIMEOUT_S`),
 so a hung spool costs the epilog 10 s, never its `PrologEpilogTimeout`. Standard library only;
-ingest turns the side files into `<archive>/series/<job_id>.h5` (archive/series.py).
+ingest turns the side files into `<archive>/series/<job_id>.h5` (archive/series_ingest.py).
 """
 
 from __future__ import annotations
