@@ -85,25 +85,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from bluevela.health.throttle import HW_SLOWDOWNS
+
 logger = logging.getLogger(__name__)
 
 SCHEMA = 1
 KIND = "nvml_snapshot"
 
-# NVML clocks event (throttle) reason bits, from nvml.h.
-REASON_BITS: dict[int, str] = {
-    0x1: "gpu_idle",
-    0x2: "applications_clocks_setting",
-    0x4: "sw_power_cap",
-    0x8: "hw_slowdown",
-    0x10: "sync_boost",
-    0x20: "sw_thermal_slowdown",
-    0x40: "hw_thermal_slowdown",
-    0x80: "hw_power_brake_slowdown",
-    0x100: "display_clock_setting",
-}
-HW_REASONS = 0x8 | 0x40 | 0x80
-SW_THERMAL = 0x20
 
 _XID = re.compile(r"NVRM: Xid \(PCI:([0-9A-Fa-f:.]+)\): (\d+)")
 # nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 24007, Fatal, Link 30 sourcetrack timeout error
@@ -329,10 +317,6 @@ def parse_xids(lines: list[str] | tuple[str, ...] | None) -> list[Xid]:
             out.append(Xid(m.group(1), int(m.group(2)), line.strip(),
                            float(stamp.group(1)) if stamp else None))
     return out
-
-
-def reason_names(mask: int) -> list[str]:
-    return [name for bit, name in REASON_BITS.items() if mask & bit]
 
 
 # -- parsing ----------------------------------------------------------------------------------
@@ -678,7 +662,7 @@ def _gather(nv: Any, include_kmsg: bool, recheck_s: float = 0.0,
         "errors": errors,
     })
     suspects = [g["index"] for g in out["gpus"]
-                if ((g.get("clocks_event_reasons") or 0) & HW_REASONS)
+                if ((g.get("clocks_event_reasons") or 0) & HW_SLOWDOWNS)
                 or (g.get("compute_processes")
                     and (process_gpus is None or g["index"] in process_gpus))]
     if suspects and recheck_s > 0:

@@ -44,10 +44,8 @@ from bluevela.health.checks.gpu_xids import driver_loads, reset_since, xid_verdi
 from bluevela.health.jobprocs import owners, parent_pid
 from bluevela.health.nvml import (
     FABRIC_COMPLETED,
-    HW_REASONS,
     KMSG_MARKS,
     NVLINK_COUNTERS,
-    SW_THERMAL,
     GPUInfo,
     LiveNVML,
     NVMLMissingError,
@@ -59,10 +57,10 @@ from bluevela.health.nvml import (
     Xid,
     parse_sxids,
     parse_xids,
-    reason_names,
 )
 from bluevela.health.result import CheckResult, Status, summarize
 from bluevela.health.state import read_json, write_json
+from bluevela.health.throttle import HW_SLOWDOWNS, SW_THERMAL_SLOWDOWN, reason_names
 
 if TYPE_CHECKING:
     from bluevela.health.context import ProbeContext
@@ -273,7 +271,7 @@ def _secs(facts: GPUFacts) -> str:
 
 def _confirmed_hw(g: GPUInfo) -> int:
     """HW slowdown bits that both readings show (the one reading when there is no second)."""
-    hw = (g.clocks_event_reasons or 0) & HW_REASONS
+    hw = (g.clocks_event_reasons or 0) & HW_SLOWDOWNS
     if g.clocks_event_reasons_recheck is None:
         return hw
     return hw & g.clocks_event_reasons_recheck
@@ -281,7 +279,7 @@ def _confirmed_hw(g: GPUInfo) -> int:
 
 def _throttle_problems(g: GPUInfo, facts: GPUFacts) -> list[tuple[Status, str]]:
     reasons = g.clocks_event_reasons or 0
-    hw = reasons & HW_REASONS
+    hw = reasons & HW_SLOWDOWNS
     confirmed = _confirmed_hw(g)
     if confirmed:
         how = f" (in 2 readings {_secs(facts)} apart)" if g.clocks_event_reasons_recheck is not None else ""
@@ -289,7 +287,7 @@ def _throttle_problems(g: GPUInfo, facts: GPUFacts) -> list[tuple[Status, str]]:
     if hw:
         return [(Status.WARNING, f"{g.label} transient {','.join(reason_names(hw))} "
                  f"(gone after {_secs(facts)})")]
-    if reasons & SW_THERMAL:
+    if reasons & SW_THERMAL_SLOWDOWN:
         return [(Status.WARNING, f"{g.label} throttled: sw_thermal_slowdown")]
     return []
 
