@@ -12,7 +12,9 @@ importing in a fresh interpreter.
 - `archive/` is storage: no page, no analysis, no matplotlib.
 - Pages: only `report/page.py` and the `report/*_html.py` pages import matplotlib, and a page
   module imports no other page module (they share `page`). The analyses behind the pages
-  (`report/fleet.py`, `report/efficiency.py`, `report/nightly.py`) import without matplotlib.
+  (`report/fleet.py`, `report/efficiency.py`, `report/nightly.py`) import without matplotlib,
+  and no analysis imports `report/page.py` or a page: it returns plain data, the formatters
+  are the presentation side's (the pages and the `report/*_text.py` terminal summaries).
 - `util/` is below everything: it imports no other bluevela package but `errors`.
 - The node sampler (`telemetry/` but the epilog's `window.py`) runs on the standard library:
   no numpy, torch, h5py or matplotlib, and nothing of `archive/`, `fleet/`, `report/`.
@@ -169,6 +171,20 @@ def test_only_pages_draw_and_pages_share_one_page_module() -> None:
         others = tuple(f"bluevela.report.{p.removesuffix('.py')}" for p in pages if p != name)
         assert _violations(f"report/{name}", others) == [], name
         assert "bluevela.report.page" in imports(PKG / "report" / name), name
+
+
+def test_analyses_import_no_page() -> None:
+    """The report modules that are neither a page (`page.py`, `*_html.py`) nor a terminal
+    summary (`*_text.py`) are analyses: none imports `report.page` or a page (cd8e436:
+    `report/efficiency.py` imported `page` for its duration formatter)."""
+    bad = []
+    for path in sorted((PKG / "report").glob("*.py")):
+        if path.name == "page.py" or path.name.endswith(("_html.py", "_text.py")):
+            continue
+        bad += [f"{path.relative_to(REPO)} imports {n}" for n in sorted(imports(path))
+                if _in(n, ("bluevela.report.page",))
+                or (n.startswith("bluevela.report.") and n.endswith("_html"))]
+    assert bad == []
 
 
 def test_analyses_import_without_matplotlib() -> None:

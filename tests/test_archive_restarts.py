@@ -268,7 +268,8 @@ def test_efficiency_counts_restarts_from_the_archive(dirs: tuple[Path, Path]) ->
     times (400 s: last epilog of attempt 0 to first prolog of attempt 1), not from the series'
     NaN stretch, which is not counted again."""
     from bluevela.archive.series_layout import JobSeries, write_series
-    from bluevela.report.efficiency import job_efficiency, summary_lines
+    from bluevela.report.efficiency import job_efficiency
+    from bluevela.report.efficiency_text import summary_lines
 
     spool, archive = dirs
     job, ts = 4243, T0 + 10_000

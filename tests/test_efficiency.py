@@ -20,7 +20,8 @@ import pytest
 
 from bluevela.archive.series_layout import JobSeries, write_series
 from bluevela.errors import ArchiveError
-from bluevela.report.efficiency import Thresholds, analyze, efficiency_of_file
+from bluevela.report.efficiency import analyze, efficiency_of_file
+from bluevela.report.efficiency_model import Thresholds
 
 T0 = 1_790_000_000.0
 

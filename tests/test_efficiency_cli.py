@@ -20,8 +20,9 @@ import pytest
 
 from bluevela.archive.ingest import ingest
 from bluevela.archive.sample import sample_report
+from bluevela.archive.series_layout import series_path
 from bluevela.archive.spool import write_report
-from bluevela.report.efficiency import analyze, series_path
+from bluevela.report.efficiency import analyze
 from bluevela.report.efficiency_html import render_html
 from tests.test_efficiency import T0, make_series, write_h5
 

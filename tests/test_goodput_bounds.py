@@ -12,6 +12,7 @@ import pytest
 
 from bluevela.launch import events as E
 from bluevela.report import goodput as G
+from bluevela.report import goodput_bounds as GB
 
 T = 1_800_000_000.0
 FAR_PAST, FAR_FUTURE = 1.0e9 + 1, 9.9e9  # 2001 and 2283: inside the fields' ranges
@@ -61,12 +62,12 @@ def test_a_forged_record_is_held_to_the_allocation_in_the_ledger_and_the_fleet_r
 
     led = G.job_goodput(archive, 9, gpus_per_node=8)
     assert led.nodes == 2  # Slurm's count, not 10^6
-    slack = G.CLOCK_SLACK_S
+    slack = GB.CLOCK_SLACK_S
     # What the job held: first prolog - slack .. last epilog + slack; the claimed queue wait
     # is at most MAX_QUEUE_S before it.
-    assert led.start >= T + 11 - slack - G.MAX_QUEUE_S and led.end <= T + 81 + slack
+    assert led.start >= T + 11 - slack - GB.MAX_QUEUE_S and led.end <= T + 81 + slack
     assert led.wall_s - led.phases["queue_hold"] <= 70 + 2 * slack
-    assert sum(led.gpu_hours().values()) <= (G.MAX_QUEUE_S + 70 + 2 * slack) * 16 / 3600
+    assert sum(led.gpu_hours().values()) <= (GB.MAX_QUEUE_S + 70 + 2 * slack) * 16 / 3600
     causes = [i.cause for i in led.interruptions]
     assert causes == ["node failure", "hang"]
     assert all(i.nodes == [] and "gpu007" not in i.cause for i in led.interruptions)
@@ -74,7 +75,7 @@ def test_a_forged_record_is_held_to_the_allocation_in_the_ledger_and_the_fleet_r
 
     rep = fleet_report(archive, since=T, now=T + 4000)
     (row,) = rep["ledger"]["per_job"]
-    assert row["nodes"] == 2 and row["wall_h"] <= (G.MAX_QUEUE_S + 70 + 2 * slack) / 3600
+    assert row["nodes"] == 2 and row["wall_h"] <= (GB.MAX_QUEUE_S + 70 + 2 * slack) / 3600
     assert not any("gpu007" in c for c in rep["ledger"]["hours_lost_by_cause"])
     assert all("gpu007" not in str(i["nodes"]) for i in row["interruptions"])
     # Node hours of the job as the report counts them: at most its 2 nodes for what it held.
@@ -82,16 +83,16 @@ def test_a_forged_record_is_held_to_the_allocation_in_the_ledger_and_the_fleet_r
     assert g["node_hours"]["completed"] + g["node_hours"]["lost_ledger"] <= \
         2 * (70 + 2 * slack) / 3600 + 0.01
     assert sum(rep["ledger"]["hours_by_phase"].values()) <= \
-        2 * (G.MAX_QUEUE_S + 70 + 2 * slack) / 3600 + 0.01
+        2 * (GB.MAX_QUEUE_S + 70 + 2 * slack) / 3600 + 0.01
 
 
 def test_bound_record_by_hand() -> None:
     """The clamp on hand numbers: the archive saw the attempt from T+100 to T+200."""
     rec = E.read_events_file(forged_file())
-    alloc = G.Allocation(2, frozenset({"node1", "node2"}), T + 100, T + 200)
-    out, notes = G.bound_record(rec, alloc, T + 100, T + 200)
-    lo, hi = T + 100 - G.CLOCK_SLACK_S, T + 200 + G.CLOCK_SLACK_S
-    assert out["slurm"]["submit"] == lo - G.MAX_QUEUE_S and out["opened"] == lo
+    alloc = GB.Allocation(2, frozenset({"node1", "node2"}), T + 100, T + 200)
+    out, notes = GB.bound_record(rec, alloc, T + 100, T + 200)
+    lo, hi = T + 100 - GB.CLOCK_SLACK_S, T + 200 + GB.CLOCK_SLACK_S
+    assert out["slurm"]["submit"] == lo - GB.MAX_QUEUE_S and out["opened"] == lo
     one, two = out["launches"]
     # Slurm's 2 nodes are both training: no room left for a spare
     assert (one["n_nodes"], one["spares"], one["nodes"]) == (2, 0, ["node1", "node2"])
@@ -101,4 +102,4 @@ def test_bound_record_by_hand() -> None:
         {"cause nodes", "node count", "node names", "spare count", "submit time", "times"}
     # A record the archive has no time for is not used.
     with pytest.raises(ValueError, match="no prolog/epilog time"):
-        G.bound_record(rec, G.Allocation(2, frozenset(), None, None), None, None)
+        GB.bound_record(rec, GB.Allocation(2, frozenset(), None, None), None, None)

@@ -11,6 +11,7 @@ import pytest
 
 from bluevela.launch.events import EventsError, validate
 from bluevela.report import goodput as G
+from bluevela.report import goodput_advice as GA
 
 T = 1_800_000_000.0  # an origin for readable times: T + 10 is "10"
 
@@ -141,10 +142,10 @@ def test_a_forged_record_is_refused() -> None:
 def test_young_and_daly() -> None:
     # C = 60 s, M = 3600 s: Young sqrt(2*60*3600) = 657.27 s; Daly
     # 657.27 * (1 + sqrt(60/7200)/3 + 60/64800) - 60 = 657.27 * 1.031355 - 60 = 617.88 s.
-    assert G.young_interval(60, 3600) == pytest.approx(657.267, abs=1e-3)
-    assert G.daly_interval(60, 3600) == pytest.approx(617.876, abs=1e-2)
-    assert G.daly_interval(10_000, 3600) == 3600  # C >= 2M: checkpoint once per MTBF
-    adv = G.interval_advice(60, 1800, 3600 * 100, 3, 100, 300, 86400, 8)
+    assert GA.young_interval(60, 3600) == pytest.approx(657.267, abs=1e-3)
+    assert GA.daly_interval(60, 3600) == pytest.approx(617.876, abs=1e-2)
+    assert GA.daly_interval(10_000, 3600) == 3600  # C >= 2M: checkpoint once per MTBF
+    adv = GA.interval_advice(60, 1800, 3600 * 100, 3, 100, 300, 86400, 8)
     assert adv["job_mtbf_s"] == pytest.approx(3600) and adv["trust"] is False
     assert "too short to trust" in adv["verdict"]
     # waste at 1800 s: 60/1800 + 1860/7200 + 300/3600 = 0.03333 + 0.25833 + 0.08333 = 0.375
@@ -155,7 +156,7 @@ def test_young_and_daly() -> None:
 def test_spare_advice() -> None:
     # 1,000 nodes for a day, node MTBF 5 years: 0.548 failures expected. With a 10-minute
     # start-up a spare saves 0.42 x 715 s = 302 s of 86,400 (0.35%) for 0.1% more nodes.
-    adv = G.spare_advice(1000, 5 * 365 * 86400, 86400, startup_s=600)
+    adv = GA.spare_advice(1000, 5 * 365 * 86400, 86400, startup_s=600)
     assert adv["expected_failures"] == pytest.approx(1000 * 86400 / (5 * 365 * 86400))
     row0 = adv["table"][0]
     assert row0["expected_loss_s"] == pytest.approx(adv["expected_failures"] * 720)
@@ -163,7 +164,7 @@ def test_spare_advice() -> None:
     lam = adv["expected_failures"]
     assert adv["table"][1]["expected_failures_covered"] == pytest.approx(1 - math.exp(-lam))
     # A node that never fails: spares only cost.
-    assert G.spare_advice(8, 1e15, 3600)["best_spares"] == 0
+    assert GA.spare_advice(8, 1e15, 3600)["best_spares"] == 0
 
 
 def test_the_fleet_report_uses_the_ledger_where_events_exist() -> None:
@@ -245,7 +246,7 @@ def test_advice_for_a_job_from_its_ledger() -> None:
                 detected=47.2, nodes=["node2"]),
         _launch(2, 2, 49, 56, [(12, 66, 67)], "ok", gone=80)])
     led = G.build_ledger(9, [rec], gpus_per_node=8)
-    adv = G.advise(led, node_mtbf_h=10.0, failures_seen=6)
+    adv = GA.advise(led, node_mtbf_h=10.0, failures_seen=6)
     # C = 1 s (mean save), used interval 10 s, node MTBF 36,000 s over 2 nodes: job MTBF
     # 18,000 s; Young sqrt(2 * 1 * 18000) = 189.7 s. R = 14 - 5 = 9 s per interruption.
     assert adv["job_mtbf_s"] == pytest.approx(18000) and adv["trust"] is True

@@ -94,6 +94,7 @@ def test_the_jobs_own_lost_node_is_the_same_failure() -> None:
 def test_the_job_advice_reads_the_same_mtbf() -> None:
     """`goodput.advise` with the fleet row's MTBF and count gives the verdict's inputs."""
     from bluevela.report import goodput as G
+    from bluevela.report import goodput_advice as GA
 
     facts = FleetFacts(jobs=[_job(11, 6900, "node3", 7000, 8000)], nodes_seen=set(NODES))
     rep = compute(facts, since=T, now=NOW, classes=CLASSES)
@@ -101,6 +102,6 @@ def test_the_job_advice_reads_the_same_mtbf() -> None:
     # one failure (the ledger's) in 3 nodes x 10 h in service
     assert cls["incidents"] == 1 and cls["mtbf_h"] == pytest.approx(30.0)
     led = G.build_ledger(11, facts.jobs[0].goodput, gpus_per_node=8)
-    adv = G.advise(led, cls["mtbf_h"], cls["incidents"])
+    adv = GA.advise(led, cls["mtbf_h"], cls["incidents"])
     assert adv["node_mtbf_s"] == pytest.approx(30 * 3600) and adv["failures_seen"] == 1
     assert adv["job_mtbf_s"] == pytest.approx(30 * 3600 / 3)

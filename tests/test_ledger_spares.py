@@ -11,6 +11,7 @@ import pytest
 
 from bluevela.launch.events import validate
 from bluevela.report import goodput as G
+from bluevela.report import goodput_bounds as GB
 from bluevela.report.fleet import FleetFacts, JobFacts, NodeClassInfo, compute
 
 T = 1_800_000_000.0
@@ -74,7 +75,7 @@ def test_without_a_failure_the_ledger_holds_slurms_allocation_exactly() -> None:
                     "slurm": {"submit": T, "start": T + 50, "time_limit_s": None},
                     "requeue": None,
                     "launches": [_launch(1, 1, 60, 70, NODES[:2], 1, "ok", 650)]})
-    alloc = G.Allocation(3, frozenset(NODES[:3]), T + 50, T + 650)
+    alloc = GB.Allocation(3, frozenset(NODES[:3]), T + 50, T + 650)
     led = G.build_ledger(9, [rec], gpus_per_node=8, alloc=alloc)
     # Slurm held 3 nodes for 600 s: 2 training + 1 spare
     assert led.allocated_node_hours() == pytest.approx(3 * 600 / 3600)
@@ -87,7 +88,7 @@ def test_a_forged_spare_count_is_held_to_slurms_node_count() -> None:
                     "requeue": None,
                     "launches": [_launch(1, 1, 60, 70, NODES[:2], 900, "ok", 650)]})
     led = G.build_ledger(9, [rec], gpus_per_node=8,
-                         alloc=G.Allocation(3, frozenset(NODES[:3]), T + 50, T + 650))
+                         alloc=GB.Allocation(3, frozenset(NODES[:3]), T + 50, T + 650))
     assert led.spares == 1 and led.spare_node_s == pytest.approx(600.0)
     assert any("spare count" in n for n in led.notes)
 

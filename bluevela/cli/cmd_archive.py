@@ -261,7 +261,8 @@ def show_cmd(ctx: click.Context, job_id: int, as_json: bool, efficiency: bool,
 
 def _show_efficiency(archive: Path, job: dict[str, Any], as_json: bool,
                      html_out: Path | None) -> None:
-    from bluevela.report.efficiency import job_efficiency, summary_lines
+    from bluevela.report.efficiency import job_efficiency
+    from bluevela.report.efficiency_text import summary_lines
 
     eff = job_efficiency(archive, job["job_id"], job=job)
     if html_out is not None:
@@ -283,7 +284,8 @@ def _show_efficiency(archive: Path, job: dict[str, Any], as_json: bool,
 
 
 def _show_goodput(archive: Path, job: dict[str, Any], as_json: bool) -> None:
-    from bluevela.report.goodput import fleet_advice, job_goodput, summary_lines
+    from bluevela.report.goodput import job_goodput, summary_lines
+    from bluevela.report.goodput_advice import fleet_advice
 
     ledger = job_goodput(archive, job["job_id"], job=job)
     ledger.advice = fleet_advice(archive, ledger, job)

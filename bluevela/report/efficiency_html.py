@@ -18,7 +18,7 @@ from bluevela.report.page import esc, fmt_duration, fmt_num
 if TYPE_CHECKING:
     import numpy as np
 
-    from bluevela.report.efficiency import Efficiency
+    from bluevela.report.efficiency_model import Efficiency, Straggler, StragglerLine, Thresholds
 
 def _fmt(v: float | None, unit: str = "", nd: int = 0) -> str:
     return fmt_num(v, nd, unit)
@@ -149,12 +149,12 @@ def _histogram(values: np.ndarray, names: Sequence[str], title: str, unit: str,
     return page.svg(fig, title, "hist")
 
 
-def _line_chart(line: dict[str, Any], times: np.ndarray, steady: np.ndarray) -> str:
+def _line_chart(line: StragglerLine, times: np.ndarray) -> str:
     """One straggler's series (red) against the job's 10-90 % band (grey) and median (black)."""
     import numpy as np
 
-    series, band = line["series"], line["band"]
-    name, unit, lo, hi = _UNITS.get(line["metric"], (line["metric"], "", None, None))
+    series, band = line.series, line.band
+    name, unit, lo, hi = _UNITS.get(line.metric, (line.metric, "", None, None))
     allv = np.concatenate([series[np.isfinite(series)], band[np.isfinite(band)]])
     if not len(allv):
         return ""
@@ -172,17 +172,14 @@ def _line_chart(line: dict[str, Any], times: np.ndarray, steady: np.ndarray) -> 
     ax.set_yticks([lo, (lo + hi) / 2, hi], [f"{v:.0f}{unit}" for v in (lo, (lo + hi) / 2, hi)])
     ax.set_xlim(0, span)
     _time_axis(ax, span)
-    ax.set_title(f"{line['label']}: {name} vs job median (10–90 % band)")
-    del steady
-    return page.svg(fig, line["label"], "line")
+    ax.set_title(f"{line.label}: {name} vs job median (10–90 % band)")
+    return page.svg(fig, line.label, "line")
 
 
-def _gpu_cell(s: Any) -> str:
+def _gpu_cell(s: Straggler) -> str:
     if s.gpu is not None:
         return str(s.gpu)
-    gpu_keys = ("util_pct", "power_w", "sm_clock_mhz", "hw_power_brake", "thermal",
-                "hw_slowdown")
-    return "all" if any(k in s.metrics for k in gpu_keys) else "CPU"
+    return "all" if any(f.on_gpu for f in s.findings) else "CPU"
 
 
 # The goodput ledger's phases (bluevela/report/goodput.py PHASES) on the time line.
@@ -258,27 +255,18 @@ def _ledger_section(led: dict[str, Any]) -> list[str]:
             "<p class='note'>Phases: docs/resilience.md, \"Where the time went\".</p>"]
 
 
-def render_html(eff: Efficiency, goodput: dict[str, Any] | None = None) -> str:
-    """The page for one job's efficiency analysis; with `goodput` (a `Ledger.to_dict()`),
-    the goodput ledger's time line of attempts and phases first."""
-    import numpy as np
-
-    d = eff.to_dict()
-    bins = eff.bins
-    times = np.asarray(bins.get("time", np.zeros(0)))
-    steady = np.asarray(bins.get("steady", np.zeros(0, bool)))
-    marked: dict[str, str] = {}
-    for s in eff.stragglers:
-        marked.setdefault(s.node, s.evidence)
-    g, cpu, en, rs = d["gpu"], d["cpu"], d["energy"], d["restarts"]
+def _header(eff: Efficiency) -> list[str]:
     start = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(eff.t0_unix_s or 0))
-    out = [f"<h1>Job {eff.job_id}: efficiency and stragglers</h1>",
-           f"<div class='sub'>{len(eff.nodes)} nodes × {eff.n_gpus} GPUs · {start} · "
-           f"{_dur(eff.duration_s)} at {eff.interval_s:g} s ({eff.n_samples} samples) · steady "
-           f"state {_dur(d['steady']['samples'] * eff.interval_s)} (by "
-           f"{esc(d['steady']['basis'])})</div>"]
-    if goodput is not None and goodput.get("pieces"):
-        out += _ledger_section(goodput)
+    return [f"<h1>Job {eff.job_id}: efficiency and stragglers</h1>",
+            f"<div class='sub'>{len(eff.nodes)} nodes × {eff.n_gpus} GPUs · {start} · "
+            f"{_dur(eff.duration_s)} at {eff.interval_s:g} s ({eff.n_samples} samples) · steady "
+            f"state {_dur(eff.steady['samples'] * eff.interval_s)} (by "
+            f"{esc(eff.steady['basis'])})</div>"]
+
+
+def _tiles(eff: Efficiency) -> str:
+    """The job's figures at a glance."""
+    g, cpu, en, rs = eff.gpu, eff.cpu, eff.energy, eff.restarts
     cards = []
     if g:
         cards += [(_fmt(g.get("util_steady_pct"), " %"), "GPU util, steady state"),
@@ -297,10 +285,12 @@ def render_html(eff: Efficiency, goodput: dict[str, Any] | None = None) -> str:
     n_str = len(eff.straggler_nodes)
     cards.append((f"<span class='{'bad' if n_str else 'ok'}'>{n_str}</span>",
                   "straggler node(s)"))
-    out.append("<div class='tiles'>" + "".join(
-        f"<div class='tile'><b>{v}</b><span>{esc(k)}</span></div>" for v, k in cards) + "</div>")
+    return "<div class='tiles'>" + "".join(
+        f"<div class='tile'><b>{v}</b><span>{esc(k)}</span></div>" for v, k in cards) + "</div>"
 
-    out.append("<h2>Stragglers</h2>")
+
+def _straggler_table(eff: Efficiency) -> list[str]:
+    out = ["<h2>Stragglers</h2>"]
     if eff.stragglers:
         out.append("<table><tr><th>node</th><th>GPU</th><th>evidence</th></tr>" + "".join(
             f"<tr><td class='bad'>{esc(s.node)}</td><td>{_gpu_cell(s)}</td>"
@@ -311,8 +301,16 @@ def render_html(eff: Efficiency, goodput: dict[str, Any] | None = None) -> str:
     if eff.missing:
         out.append("<p><b>No verdict (too few samples):</b> " + ", ".join(
             f"{esc(m['node'])} ({esc(m['why'])})" for m in eff.missing[:50]) + "</p>")
+    return out
 
-    for values, metric in bins.get("heats", []):
+
+def _heatmaps(eff: Efficiency, marked: dict[str, str], times: np.ndarray,
+              steady: np.ndarray) -> list[str]:
+    """A node x time heatmap per metric, coloured over the steady state's own range."""
+    import numpy as np
+
+    out = []
+    for values, metric in eff.bins.heats:
         title, unit, lo, hi = _UNITS[metric]
         if metric != "cpu_throttled_pct":  # colours over the steady state's own range
             fin = values[:, steady] if steady.any() else values
@@ -321,62 +319,95 @@ def render_html(eff: Efficiency, goodput: dict[str, Any] | None = None) -> str:
                             unit) if len(fin) else (0.0, 1.0)
         over = " (its lowest GPU in each bin)" if metric in ("util_pct", "power_w") else ""
         out.append(f"<h2>{esc(title)} per node over time</h2><p class='note'>One row per node"
-                   f"{over}, one column per {_dur(bins['bin_s'])}; colours {lo:.0f}–{hi:.0f}"
+                   f"{over}, one column per {_dur(eff.bins.bin_s)}; colours {lo:.0f}–{hi:.0f}"
                    f"{esc(unit)}; grey = no samples; the blue strip marks the steady state. "
                    "Stragglers marked on the right.</p>")
         out.append(_heatmap(values, title, lo or 0.0, 100.0 if hi is None else hi, eff.nodes,
                             marked, times, steady))
+    return out
 
-    out.append("<h2>Distributions over the job (steady state)</h2>")
+
+def _distributions(eff: Efficiency) -> list[str]:
+    """Histograms of the per-GPU and per-node steady figures, the stragglers' bars red."""
+    import numpy as np
+
+    out = ["<h2>Distributions over the job (steady state)</h2>"]
     gpu_names = [f"{nd} GPU {j}" for nd in eff.nodes for j in range(eff.n_gpus)]
-    for key, metrics, title, unit in (
-            ("gpu_util", ("util_pct",), "GPU utilisation per GPU", "%"),
-            ("gpu_power", ("power_w", "hw_power_brake"), "GPU power per GPU", " W")):
-        if key not in bins or not np.isfinite(bins[key]).any():
+    for values, metrics, title, unit in (
+            (eff.bins.gpu_util, ("util_pct",), "GPU utilisation per GPU", "%"),
+            (eff.bins.gpu_power, ("power_w", "hw_power_brake"), "GPU power per GPU", " W")):
+        if values is None or not np.isfinite(values).any():
             continue
         marks: dict[str, str] = {}
         for s in eff.stragglers:
-            if any(m in s.metrics for m in metrics):
+            if s.flags(metrics):
                 gpus = [s.gpu] if s.gpu is not None else range(eff.n_gpus)
                 marks.update({f"{s.node} GPU {j}": s.label for j in gpus})
-        out.append(_histogram(np.asarray(bins[key], float).ravel(), gpu_names, title, unit,
+        out.append(_histogram(np.asarray(values, float).ravel(), gpu_names, title, unit,
                               marks))
-    names = [p["node"] for p in d["per_node"]]
+    names = [p["node"] for p in eff.per_node]
     for key, metrics, title, unit in (
             ("cpu_busy_pct", ("cpu_busy_pct",), "CPU busy per node", "%"),
             ("cpu_throttled_pct", ("cpu_throttled",), "CPU throttled per node (share of time)",
              "%")):
-        vals = np.array([np.nan if p[key] is None else p[key] for p in d["per_node"]], float)
+        vals = np.array([np.nan if p[key] is None else p[key] for p in eff.per_node], float)
         if np.isfinite(vals).any():
-            marks = {s.node: s.node for s in eff.stragglers
-                     if any(m in s.metrics for m in metrics)}
+            marks = {s.node: s.node for s in eff.stragglers if s.flags(metrics)}
             out.append(_histogram(vals, names, title, unit, marks,
                                   from_zero=key == "cpu_throttled_pct"))
+    return out
 
-    if bins.get("lines"):
-        out.append("<h2>Stragglers over time</h2>")
-        out.extend(_line_chart(line, times, steady) for line in bins["lines"])
 
+def _how_decided(th: Thresholds) -> str:
+    return ("<h2>How stragglers are decided</h2><p class='note'>Over the steady state, "
+            "per GPU and per node: below the job's median by more than "
+            f"{th.mad_k:g} × MAD (scaled) and by at least {th.util_min_drop_pct:g} "
+            f"utilisation points / {th.power_min_drop_rel:.0%} power / "
+            f"{th.clock_min_drop_rel:.0%} SM clock / {th.cpu_busy_min_drop_pct:g} CPU "
+            f"busy points; or a HW throttle reason in ≥ {th.throttle_min_share:.0%} of "
+            f"samples while the job's median is ≤ {th.throttle_max_median_share:.0%}; or "
+            f"CPU throttled (> {th.cpu_throttled_sample_pct:g} % of an interval) in ≥ "
+            f"{th.cpu_throttled_min_share:.0%} of samples. Idle GPUs (util ≤ "
+            f"{th.idle_util_pct:g} % in ≥ {th.idle_min_share:.0%} of samples) are "
+            "listed, not compared.</p>")
+
+
+def _tail(eff: Efficiency) -> list[str]:
+    """Idle GPUs, restart gaps, how stragglers are decided, the analysis's notes."""
+    out = []
     if eff.idle_gpus:
         out.append(f"<h2>Idle GPUs ({len(eff.idle_gpus)})</h2><p>" + ", ".join(
             f"{esc(x['node'])} GPU {x['gpu']}" for x in eff.idle_gpus[:100])
             + (" …" if len(eff.idle_gpus) > 100 else "") + "</p>")
+    rs = eff.restarts
     out.append("<h2>Restarts</h2><p>" + (
         ", ".join(f"{_dur(x['duration_s'])} at +{_dur(x['start_unix_s'] - (eff.t0_unix_s or 0))}"
                   for x in rs["gaps"]) or "no gap") + f". <span class='note'>{esc(rs['source'])}"
         "</span></p>")
-    th = d["thresholds"]
-    out.append("<h2>How stragglers are decided</h2><p class='note'>Over the steady state, "
-               "per GPU and per node: below the job's median by more than "
-               f"{th['mad_k']:g} × MAD (scaled) and by at least {th['util_min_drop_pct']:g} "
-               f"utilisation points / {th['power_min_drop_rel']:.0%} power / "
-               f"{th['clock_min_drop_rel']:.0%} SM clock / {th['cpu_busy_min_drop_pct']:g} CPU "
-               f"busy points; or a HW throttle reason in ≥ {th['throttle_min_share']:.0%} of "
-               f"samples while the job's median is ≤ {th['throttle_max_median_share']:.0%}; or "
-               f"CPU throttled (> {th['cpu_throttled_sample_pct']:g} % of an interval) in ≥ "
-               f"{th['cpu_throttled_min_share']:.0%} of samples. Idle GPUs (util ≤ "
-               f"{th['idle_util_pct']:g} % in ≥ {th['idle_min_share']:.0%} of samples) are "
-               "listed, not compared.</p>")
-    for note in eff.notes:
-        out.append(f"<p class='note'>{esc(note)}</p>")
+    out.append(_how_decided(eff.thresholds))
+    out.extend(f"<p class='note'>{esc(note)}</p>" for note in eff.notes)
+    return out
+
+
+def render_html(eff: Efficiency, goodput: dict[str, Any] | None = None) -> str:
+    """The page for one job's efficiency analysis; with `goodput` (a `Ledger.to_dict()`),
+    the goodput ledger's time line of attempts and phases first."""
+    import numpy as np
+
+    times = np.asarray(eff.bins.time if eff.bins.time is not None else np.zeros(0))
+    steady = np.asarray(eff.bins.steady if eff.bins.steady is not None else np.zeros(0, bool))
+    marked: dict[str, str] = {}
+    for s in eff.stragglers:
+        marked.setdefault(s.node, s.evidence)
+    out = _header(eff)
+    if goodput is not None and goodput.get("pieces"):
+        out += _ledger_section(goodput)
+    out.append(_tiles(eff))
+    out += _straggler_table(eff)
+    out += _heatmaps(eff, marked, times, steady)
+    out += _distributions(eff)
+    if eff.bins.lines:
+        out.append("<h2>Stragglers over time</h2>")
+        out.extend(_line_chart(line, times) for line in eff.bins.lines)
+    out += _tail(eff)
     return page.document(f"Job {eff.job_id} efficiency", out)

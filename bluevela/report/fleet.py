@@ -762,6 +762,7 @@ def _build_ledgers(jobs: list[JobFacts], gpus_of: Mapping[str, int]
     """The goodput ledger (bluevela/report/goodput.py) of every job with supervisor events,
     with its GPUs per node."""
     from bluevela.report import goodput as G
+    from bluevela.report.goodput_bounds import Allocation
 
     out: list[tuple[JobFacts, Ledger, int]] = []
     for j in jobs:
@@ -771,9 +772,9 @@ def _build_ledgers(jobs: list[JobFacts], gpus_of: Mapping[str, int]
                      else a.first_prolog, "last_epilog_unix_s": None if math.isnan(a.last_epilog)
                      else a.last_epilog} for k, a in sorted(j.attempts.items())]
         gpus = max((gpus_of.get(n, 0) for n in j.nodes), default=0)
-        alloc = G.Allocation(j.num_nodes, frozenset(j.nodes),
-                             None if math.isnan(j.start) else j.start,
-                             None if math.isnan(j.end) else j.end)
+        alloc = Allocation(j.num_nodes, frozenset(j.nodes),
+                           None if math.isnan(j.start) else j.start,
+                           None if math.isnan(j.end) else j.end)
         # restart -> nodes whose prolog came and epilog never did (a batch node among them:
         # its loss, from the copy of its events another node kept)
         lost = ({k: a.prolog_nodes - a.epilog_nodes for k, a in j.attempts.items()}
@@ -836,6 +837,7 @@ def _ledgers(built: list[tuple[JobFacts, Ledger, int]], class_of: Mapping[str, s
     and the checkpoint interval / spare advice from the fleet's MTBF of the job's node class
     (which counts the ledgers' own node failures)."""
     from bluevela.report import goodput as G
+    from bluevela.report.goodput_advice import advise
 
     mtbf = {r["class"]: (r["mtbf_h"], r["incidents"]) for r in classes_out}
     rows: list[dict[str, Any]] = []
@@ -856,7 +858,7 @@ def _ledgers(built: list[tuple[JobFacts, Ledger, int]], class_of: Mapping[str, s
             cause_h[intr.cause.split(" (")[0]] += intr.lost_s * unit
         cls = class_of.get(j.nodes[0], UNKNOWN_CLASS) if j.nodes else UNKNOWN_CLASS
         node_mtbf_h, incidents = mtbf.get(cls, (None, 0))
-        advice = G.advise(led, node_mtbf_h, int(incidents))
+        advice = advise(led, node_mtbf_h, int(incidents))
         size = _size_bucket(led.nodes)
         b = by_size[size]
         b[0] += led.phases["productive"] * unit

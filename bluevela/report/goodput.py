@@ -5,6 +5,8 @@ Input: the supervisor's events of each Slurm attempt (bluevela/launch/events.py)
 epilog of the supervisor's node put in its report (`goodput_events`), and the archive's
 prolog/epilog times of each attempt for attempts without events. Pure logic over those
 (`build_ledger`), unit-tested with hand-computed numbers; `job_goodput` reads the archive.
+Each record is first held to what the archive saw of the job (report/goodput_bounds.py); the
+checkpoint-interval and spare advice from a ledger is report/goodput_advice.py.
 
 The time line, from submission to the end of the last step, is cut at the events into
 consecutive pieces, each given one phase, so the phases add up to the wall time exactly:
@@ -35,11 +37,12 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bluevela.report.goodput_bounds import Allocation, allocation_of, bound_record
 
 logger = logging.getLogger(__name__)
 
@@ -54,111 +57,6 @@ PHASE_LABELS = {
 IDLE_SPARE = "idle_spare"  # the spares' line beside the phases (never one of PHASES)
 IDLE_SPARE_LABEL = "idle spare"
 TIME_LIMIT_WINDOW_S = 300.0  # a SIGUSR1 this close to the limit is the time limit's signal
-# The events are the job owner's own words: every record is clamped to what the archive
-# (root's hooks) saw of the job before it is used (`bound_record`). The slack covers the
-# prolog's run before its report's time stamp and the epilog's after the job, and clock skew.
-CLOCK_SLACK_S = 120.0
-# The one time the archive cannot check: the submission. The queue wait a record claims is
-# at most this long before the attempt's first prolog.
-MAX_QUEUE_S = 7 * 86400.0
-_HANG_NODE = re.compile(r"^hang: rank [0-9]+ on (\S+)")
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """What root's hooks reported of a job (never the job's owner): Slurm's node count, the
-    node names of its reports and nodelists, and its first prolog / last epilog times."""
-
-    num_nodes: int
-    nodes: frozenset[str]
-    start: float | None
-    end: float | None
-
-
-def bound_record(rec: dict[str, Any], alloc: Allocation, lo: float | None, hi: float | None
-                 ) -> tuple[dict[str, Any], list[str]]:
-    """A validated record clamped to the job's allocation: every time within the attempt's
-    first prolog (`lo`) and last epilog (`hi`) +- CLOCK_SLACK_S (the submission at most
-    MAX_QUEUE_S before), node counts at most Slurm's, node names only the job's (a cause may
-    name no other node), spares at most Slurm's count less the training nodes. Returns the clamped copy and a note per change.
-
-    Raises:
-        ValueError: the archive has no time of the attempt to hold the record to.
-    """
-    lo = lo if lo is not None else alloc.start
-    hi = hi if hi is not None else alloc.end
-    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
-        raise ValueError(f"restart {rec['restart']}: no prolog/epilog time in the archive to "
-                         "check its goodput events against")
-    lo, hi = min(lo, hi) - CLOCK_SLACK_S, max(lo, hi) + CLOCK_SLACK_S
-    notes: list[str] = []
-    changed: set[str] = set()
-
-    def t(value: float | None, what: str, low: float = lo) -> float | None:
-        if value is None:
-            return None
-        out = min(max(value, low), hi)
-        if out != value:
-            changed.add(what)
-        return out
-
-    def names(values: list[str], what: str) -> list[str]:
-        kept = [n for n in values if n in alloc.nodes] if alloc.nodes else list(values)
-        if len(kept) != len(values):
-            changed.add(what)
-        return kept
-
-    cap = max(alloc.num_nodes, len(alloc.nodes), 1)
-    out = dict(rec)
-    out["opened"] = t(rec["opened"], "times")
-    out["requeue"] = t(rec["requeue"], "times")
-    if rec.get("gone") is not None:
-        out["gone"] = t(rec["gone"], "times")
-    slurm = dict(rec["slurm"])
-    slurm["start"] = t(slurm["start"], "times")
-    slurm["submit"] = t(slurm["submit"], "submit time", lo - MAX_QUEUE_S)
-    if slurm["submit"] is not None:
-        slurm["submit"] = min(slurm["submit"], hi)
-    out["slurm"] = slurm
-    launches = []
-    for la in rec["launches"]:
-        la = dict(la)
-        la["start"] = t(la["start"], "times")
-        la["first_progress"] = t(la["first_progress"], "times")
-        if la["n_nodes"] > cap:
-            changed.add("node count")
-        la["n_nodes"] = min(la["n_nodes"], cap)
-        spares = min(la["spares"], max(0, cap - la["n_nodes"]))  # spares + training <= Slurm's
-        if spares != la["spares"]:
-            changed.add("spare count")
-        la["spares"] = spares
-        la["nodes"] = names(la["nodes"], "node names")
-        la["ckpts"] = [[s, t(a, "times"), t(b, "times")] for s, a, b in la["ckpts"]]
-        la["ckpt_more"] = [la["ckpt_more"][0], min(la["ckpt_more"][1], hi - lo)]
-        end = la["end"]
-        if end is not None:
-            end = dict(end)
-            for k in ("failed", "detected", "gone"):
-                end[k] = t(end[k], "times")
-            end["nodes"] = names(end["nodes"], "cause nodes")
-            m = _HANG_NODE.match(end["cause"])
-            if m and alloc.nodes and m.group(1) not in alloc.nodes:
-                end["cause"] = "hang (the node it named is not one of the job's)"
-                changed.add("cause nodes")
-            la["end"] = end
-        launches.append(la)
-    out["launches"] = launches
-    for what in sorted(changed):
-        notes.append(f"restart {rec['restart']}: goodput events clamped to the allocation "
-                     f"({what} outside what the archive saw of the job)")
-    return out, notes
-
-
-def allocation_of(job: dict[str, Any]) -> Allocation:
-    """The `Allocation` of a `query.show_job` result."""
-    nodes = frozenset(str(n.get("node")) for n in job.get("nodes") or [] if n.get("node"))
-    return Allocation(int(job.get("num_nodes") or 0), nodes, job.get("start_unix_s"),
-                      job.get("end_unix_s"))
 
 
 @dataclass(frozen=True)
@@ -300,6 +198,52 @@ def _batch_node_end(rec: dict[str, Any], la: dict[str, Any], slurm_end: float | 
                      "epilog never did)"}
 
 
+@dataclass
+class _Attempts:
+    """The Slurm attempts a ledger is built from: the event records (restart -> record), the
+    archive's times of each attempt, and the nodes each attempt lost with no epilog."""
+
+    records: dict[int, dict[str, Any]]
+    times: Mapping[int, Mapping[str, Any]]
+    lost: Mapping[int, Collection[str]]
+
+    def restarts(self) -> list[int]:
+        return sorted(set(self.records) | set(self.times))
+
+    def start(self, k: int) -> float | None:
+        """When attempt `k` started: its record's Slurm start or first launch, else the
+        archive's first prolog."""
+        rec = self.records.get(k)
+        if rec is not None:
+            s = rec["slurm"].get("start")
+            first = rec["launches"][0]["start"] if rec["launches"] else rec["opened"]
+            return min(s if s is not None else rec["opened"], first)
+        t = self.times.get(k, {}).get("first_prolog_unix_s")
+        return float(t) if t is not None else None
+
+    def last_epilog(self, k: int) -> float | None:
+        return self.times.get(k, {}).get("last_epilog_unix_s")
+
+
+@dataclass
+class _Build:
+    """A ledger under construction: the time line, the bv attempt it is at, and what the
+    walk gathers on the way."""
+
+    line: _Line
+    notes: list[str]
+    attempt: int = 0  # bv attempt (banner number); 0 before the first
+    n_train: int = 0
+    interruptions: list[Interruption] = field(default_factory=list)
+    cut: list[int] = field(default_factory=list)  # per interruption: its first piece's index
+    ckpt_durations: list[float] = field(default_factory=list)
+    ckpt_gaps: list[float] = field(default_factory=list)
+    spares_of: dict[tuple[int, int], int] = field(default_factory=dict)  # (restart, attempt)
+
+    def to(self, phase: str, until: float | None, restart: int) -> None:
+        self.line.to(phase, until, self.attempt, restart)
+
+
 def build_ledger(job_id: int, records: Sequence[dict[str, Any]],
                  attempts: Sequence[dict[str, Any]] = (), *, gpus_per_node: int = 0,
                  end: float | None = None, alloc: Allocation | None = None,
@@ -316,251 +260,166 @@ def build_ledger(job_id: int, records: Sequence[dict[str, Any]],
         ValueError: neither events nor attempt times to build a time line from.
     """
     times = {int(a["restart"]): a for a in attempts}
-    bound_notes: list[str] = []
+    notes: list[str] = []
     if alloc is not None:
-        bounded = []
-        for r in records:
-            att = times.get(int(r["restart"]), {})
-            try:
-                clamped, why = bound_record(r, alloc, att.get("first_prolog_unix_s"),
-                                            att.get("last_epilog_unix_s"))
-            except ValueError as exc:
-                bound_notes.append(f"goodput events left out: {exc}")
-                continue
-            bounded.append(clamped)
-            bound_notes.extend(why)
-        records = bounded
-    by_restart = {int(r["restart"]): r for r in records}
-    restarts = sorted(set(by_restart) | set(times))
+        records, notes = _bounded(records, times, alloc)
+    att = _Attempts({int(r["restart"]): r for r in records}, times, lost or {})
+    restarts = att.restarts()
     if not restarts:
         raise ValueError(f"job {job_id}: no goodput events and no attempts archived")
-
-    def attempt_start(k: int) -> float | None:
-        rec = by_restart.get(k)
-        if rec is not None:
-            s = rec["slurm"].get("start")
-            first = rec["launches"][0]["start"] if rec["launches"] else rec["opened"]
-            return min(s if s is not None else rec["opened"], first)
-        t = times.get(k, {}).get("first_prolog_unix_s")
-        return float(t) if t is not None else None
-
-    first = by_restart.get(restarts[0])
+    first = att.records.get(restarts[0])
     submit = first["slurm"].get("submit") if first is not None else None
-    start0 = attempt_start(restarts[0])
-    origin = submit if submit is not None else start0
+    origin = submit if submit is not None else att.start(restarts[0])
     if origin is None:
         raise ValueError(f"job {job_id}: no start time known")
-    line = _Line(origin)
-    interruptions: list[Interruption] = []
-    notes: list[str] = bound_notes
-    n_train = 0
-    ckpt_durations: list[float] = []
-    ckpt_gaps: list[float] = []
-    bv_attempt = 0
-    cut: list[int] = []  # per interruption: where its pieces start in line.pieces
-    spares_of: dict[tuple[int, int], int] = {}  # (restart, attempt) -> its launch's spares
+    b = _Build(_Line(origin), notes)
     if submit is None and first is not None:
         notes.append("no submit time (scontrol was not answered): the queue wait is unknown")
     for i, k in enumerate(restarts):
-        s_k = attempt_start(k)
-        rec = by_restart.get(k)
-        line.to("queue_hold", s_k, bv_attempt, k)
+        s_k = att.start(k)
+        rec = att.records.get(k)
+        b.to("queue_hold", s_k, k)
         if rec is None:
-            nxt = attempt_start(restarts[i + 1]) if i + 1 < len(restarts) else None
-            stop = nxt if nxt is not None else (times.get(k, {}).get("last_epilog_unix_s")
-                                                or end)
-            cut.append(len(line.pieces))
-            line.to("unattributed", stop, bv_attempt + 1, k)
-            bv_attempt += 1
-            interruptions.append(Interruption(
-                bv_attempt, k, "no-record", "no supervisor record",
-                "no goodput events for this Slurm attempt: its supervisor's node died with "
-                "them (a batch node failure), or the job did not run bv's supervisor", s_k))
+            nxt = att.start(restarts[i + 1]) if i + 1 < len(restarts) else None
+            _add_unrecorded(b, k, s_k, nxt if nxt is not None else (att.last_epilog(k) or end))
             continue
-        limit = rec["slurm"].get("time_limit_s")
         for la in rec["launches"]:
-            bv_attempt = la["attempt"]
-            n_train = max(n_train, la["n_nodes"])
-            spares_of[(k, bv_attempt)] = la["spares"]
-            phase = "startup" if la is rec["launches"][0] else "teardown_relaunch"
-            line.to(phase, la["start"], bv_attempt, k)
-            p = la["first_progress"]
-            e = la["end"]
-            ckpts = la["ckpts"]
-            batch_lost = (e is None and la is rec["launches"][-1]
-                          and rec["host"] in (lost or {}).get(k, ()))
-            if batch_lost:
-                e = _batch_node_end(rec, la, times.get(k, {}).get("last_epilog_unix_s"))
-            if e is None:  # the supervisor was killed mid-step (its node, or SIGKILL)
-                line.to("startup", p, bv_attempt, k)
-                for _, t0, t1 in ckpts:
-                    line.to("productive", t0, bv_attempt, k)
-                    line.to("checkpoint", t1, bv_attempt, k)
-                notes.append(f"attempt {bv_attempt}: no end recorded (the supervisor was "
-                             "killed); the rest of it is unattributed")
-                continue
-            kind = e["kind"]
-            failed, detected, gone = e["failed"], e["detected"], e["gone"]
-            if p is None:  # never made progress: all of it was start-up
-                line.to("startup", failed or gone, bv_attempt, k)
-                work_end = failed or gone
-            else:
-                line.to("startup", p, bv_attempt, k)
-                if kind == "ok":
-                    work_end = gone
-                else:
-                    work_end = failed if failed is not None else gone
-                    if kind in ("signal", "terminated"):
-                        after = [c for c in ckpts if c[2] >= work_end]
-                        if after:  # saved on the signal: nothing is lost
-                            work_end = max(c[2] for c in after)
-            kept = [c for c in ckpts if c[2] <= work_end + 1e-6]
-            prev_end: float | None = None
-            for _, t0, t1 in kept:
-                line.to("productive", t0, bv_attempt, k)
-                line.to("checkpoint", t1, bv_attempt, k)
-                ckpt_durations.append(t1 - t0)
-                if prev_end is not None:
-                    ckpt_gaps.append(t0 - prev_end)
-                prev_end = t1
-            if kind == "ok":
-                line.to("productive", work_end, bv_attempt, k)
-            else:
-                redone_from = line.cursor
-                line.to("redone", work_end, bv_attempt, k)
-                redone = max(0.0, work_end - redone_from) if p is not None else 0.0
-                nodes = e["nodes"]
-                interruptions.append(Interruption(
-                    bv_attempt, k, kind,
-                    _cause_of(kind, e["cause"], nodes, failed, s_k, limit)
-                    + (" (the batch node: the supervisor died with it)" if batch_lost else ""),
-                    e["cause"], failed, list(nodes), redone))
-                cut.append(len(line.pieces) - (1 if redone > 0 else 0))
-                line.to("detection", detected, bv_attempt, k)
-            line.to("teardown_relaunch", gone, bv_attempt, k)
-            if la is rec["launches"][-1] and rec.get("requeue") is not None:
-                line.to("teardown_relaunch", rec["requeue"], bv_attempt, k)
+            _add_launch(b, att, rec, la, s_k)
     if end is not None:
-        line.to("unattributed", end, bv_attempt, restarts[-1])
-    # What each interruption cost: its re-done work and every piece after it that is not
-    # work (detection, teardown, hold, start-up) until work goes on again.
-    for intr, at in zip(interruptions, cut, strict=True):
+        b.to("unattributed", end, restarts[-1])
+    _charge_interruptions(b)
+    return _ledger_of(job_id, b, origin, gpus_per_node)
+
+
+def _bounded(records: Sequence[dict[str, Any]], times: Mapping[int, Mapping[str, Any]],
+             alloc: Allocation) -> tuple[list[dict[str, Any]], list[str]]:
+    """Each record clamped to the allocation (`bound_record`), and the notes: what was
+    clamped, and the records the archive has no time for (left out)."""
+    bounded, notes = [], []
+    for r in records:
+        att = times.get(int(r["restart"]), {})
+        try:
+            clamped, why = bound_record(r, alloc, att.get("first_prolog_unix_s"),
+                                        att.get("last_epilog_unix_s"))
+        except ValueError as exc:
+            notes.append(f"goodput events left out: {exc}")
+            continue
+        bounded.append(clamped)
+        notes.extend(why)
+    return bounded, notes
+
+
+def _add_unrecorded(b: _Build, k: int, started: float | None, stop: float | None) -> None:
+    """A Slurm attempt without events: one bv attempt, unattributed up to `stop`."""
+    b.cut.append(len(b.line.pieces))
+    b.attempt += 1
+    b.to("unattributed", stop, k)
+    b.interruptions.append(Interruption(
+        b.attempt, k, "no-record", "no supervisor record",
+        "no goodput events for this Slurm attempt: its supervisor's node died with "
+        "them (a batch node failure), or the job did not run bv's supervisor", started))
+
+
+def _add_launch(b: _Build, att: _Attempts, rec: dict[str, Any], la: dict[str, Any],
+                started: float | None) -> None:
+    """One launch of a recorded attempt onto the time line: its start-up, its work and
+    saves up to the failure (or the exit), and the interruption it ended with."""
+    k = int(rec["restart"])
+    b.attempt = la["attempt"]
+    b.n_train = max(b.n_train, la["n_nodes"])
+    b.spares_of[(k, b.attempt)] = la["spares"]
+    last = la is rec["launches"][-1]
+    b.to("startup" if la is rec["launches"][0] else "teardown_relaunch", la["start"], k)
+    e = la["end"]
+    batch_lost = e is None and last and rec["host"] in att.lost.get(k, ())
+    if batch_lost:
+        e = _batch_node_end(rec, la, att.last_epilog(k))
+    if e is None:  # the supervisor was killed mid-step (its node, or SIGKILL)
+        b.to("startup", la["first_progress"], k)
+        for _, t0, t1 in la["ckpts"]:
+            b.to("productive", t0, k)
+            b.to("checkpoint", t1, k)
+        b.notes.append(f"attempt {b.attempt}: no end recorded (the supervisor was killed); "
+                       "the rest of it is unattributed")
+        return
+    _add_ended(b, la, e, k, started, rec["slurm"].get("time_limit_s"), batch_lost)
+    b.to("teardown_relaunch", e["gone"], k)
+    if last and rec.get("requeue") is not None:
+        b.to("teardown_relaunch", rec["requeue"], k)
+
+
+def _add_ended(b: _Build, la: dict[str, Any], e: dict[str, Any], k: int,
+               started: float | None, limit: float | None, batch_lost: bool) -> None:
+    """A launch with an end: start-up to its first progress, work and saves up to the
+    failure, then re-done work and detection (an `Interruption`), or work to the exit."""
+    p = la["first_progress"]
+    work_end = _work_end(e, p, la["ckpts"])
+    b.to("startup", p if p is not None else work_end, k)
+    prev_end: float | None = None
+    for _, t0, t1 in (c for c in la["ckpts"] if c[2] <= work_end + 1e-6):
+        b.to("productive", t0, k)
+        b.to("checkpoint", t1, k)
+        b.ckpt_durations.append(t1 - t0)
+        if prev_end is not None:
+            b.ckpt_gaps.append(t0 - prev_end)
+        prev_end = t1
+    if e["kind"] == "ok":
+        b.to("productive", work_end, k)
+        return
+    redone_from = b.line.cursor
+    b.to("redone", work_end, k)
+    redone = max(0.0, work_end - redone_from) if p is not None else 0.0
+    cause = _cause_of(e["kind"], e["cause"], e["nodes"], e["failed"], started, limit)
+    if batch_lost:
+        cause += " (the batch node: the supervisor died with it)"
+    b.interruptions.append(Interruption(b.attempt, k, e["kind"], cause, e["cause"],
+                                        e["failed"], list(e["nodes"]), redone))
+    b.cut.append(len(b.line.pieces) - (1 if redone > 0 else 0))
+    b.to("detection", e["detected"], k)
+
+
+def _work_end(e: dict[str, Any], progress: float | None, ckpts: list[list[float]]) -> float:
+    """Where a launch's work ends: the exit for a clean one; else the failure (the end of a
+    save made on the signal, which loses nothing); the failure for one that never made
+    progress."""
+    failed, gone = e["failed"], e["gone"]
+    if progress is None:
+        return failed or gone
+    if e["kind"] == "ok":
+        return gone
+    work_end = failed if failed is not None else gone
+    if e["kind"] in ("signal", "terminated"):
+        after = [c[2] for c in ckpts if c[2] >= work_end]
+        if after:  # saved on the signal: nothing is lost
+            work_end = max(after)
+    return work_end
+
+
+def _charge_interruptions(b: _Build) -> None:
+    """What each interruption cost: its re-done work and every piece after it that is not
+    work (detection, teardown, hold, start-up) until work goes on again."""
+    for intr, at in zip(b.interruptions, b.cut, strict=True):
         if at < 0:
             continue
-        for piece in line.pieces[at:]:
+        for piece in b.line.pieces[at:]:
             if piece.phase in ("productive", "checkpoint"):
                 break
             intr.lost_s += piece.seconds
+
+
+def _ledger_of(job_id: int, b: _Build, origin: float, gpus_per_node: int) -> Ledger:
     phases = dict.fromkeys(PHASES, 0.0)
     spare_s = 0.0
-    for piece in line.pieces:
+    for piece in b.line.pieces:
         phases[piece.phase] += piece.seconds
         if piece.phase != "queue_hold":  # no node is allocated in the queue or the hold
-            spare_s += piece.seconds * spares_of.get((piece.restart, piece.attempt), 0)
-    return Ledger(job_id, origin, line.cursor, n_train, gpus_per_node, phases, line.pieces,
-                  interruptions, len(ckpt_durations),
-                  sum(ckpt_durations) / len(ckpt_durations) if ckpt_durations else None,
-                  sum(ckpt_gaps) / len(ckpt_gaps) if ckpt_gaps else None, notes,
-                  spare_node_s=spare_s, spares=max(spares_of.values(), default=0))
-
-
-# --------------------------------------------------------------------------------------------
-# Advice: the checkpoint interval and the spare count
-
-
-def young_interval(cost_s: float, mtbf_s: float) -> float:
-    """Young (1974): the interval between checkpoints that minimises the expected loss,
-    sqrt(2 C M), for a checkpoint cost C and a mean time between failures M."""
-    return math.sqrt(2.0 * cost_s * mtbf_s)
-
-
-def daly_interval(cost_s: float, mtbf_s: float) -> float:
-    """Daly (2006), the higher-order optimum: sqrt(2CM) [1 + sqrt(C/2M)/3 + C/(18M)] - C
-    for C < 2M, else M."""
-    if cost_s >= 2.0 * mtbf_s:
-        return mtbf_s
-    r = math.sqrt(cost_s / (2.0 * mtbf_s))
-    return math.sqrt(2.0 * cost_s * mtbf_s) * (1.0 + r / 3.0 + cost_s / (18.0 * mtbf_s)) - cost_s
-
-
-def expected_waste_fraction(interval_s: float, cost_s: float, restart_s: float,
-                            mtbf_s: float) -> float:
-    """The first-order share of time lost: C/tau (saving) + (tau + C)/(2M) (re-done work,
-    half an interval per failure on average) + R/M (detection, teardown, restart)."""
-    if interval_s <= 0 or mtbf_s <= 0:
-        return 1.0
-    return min(1.0, cost_s / interval_s + (interval_s + cost_s) / (2.0 * mtbf_s)
-               + restart_s / mtbf_s)
-
-
-MIN_FAILURES = 5  # fewer failures observed: the fleet's MTBF is "too short a history to trust"
-
-
-def interval_advice(cost_s: float | None, used_interval_s: float | None, node_mtbf_s: float | None,
-                    failures_seen: int, nodes: int, restart_s: float, job_s: float,
-                    gpus: int) -> dict[str, Any]:
-    """The checkpoint interval to use for a job of `nodes` nodes: the job's MTBF is the
-    node MTBF over the node count (independent failures)."""
-    out: dict[str, Any] = {"model": "Young/Daly", "checkpoint_cost_s": cost_s,
-                           "interval_used_s": used_interval_s, "node_mtbf_s": node_mtbf_s,
-                           "failures_seen": failures_seen, "min_failures": MIN_FAILURES,
-                           "nodes": nodes, "restart_s": restart_s}
-    if cost_s is None:
-        out["verdict"] = "no advice: the job recorded no checkpoint (its cost is unknown)"
-        return out
-    if node_mtbf_s is None or nodes < 1:
-        out["verdict"] = ("no advice: no failure of this node class in the fleet's history "
-                          "(too short to measure an MTBF)")
-        return out
-    job_mtbf = node_mtbf_s / nodes
-    tau_y, tau_d = young_interval(cost_s, job_mtbf), daly_interval(cost_s, job_mtbf)
-    out.update({"job_mtbf_s": job_mtbf, "young_interval_s": tau_y, "daly_interval_s": tau_d,
-                "trust": failures_seen >= MIN_FAILURES})
-    if used_interval_s:
-        w_used = expected_waste_fraction(used_interval_s, cost_s, restart_s, job_mtbf)
-        w_best = expected_waste_fraction(tau_d, cost_s, restart_s, job_mtbf)
-        out["expected_waste_used"] = w_used
-        out["expected_waste_daly"] = w_best
-        out["gpu_hours_saved"] = max(0.0, (w_used - w_best) * job_s * nodes * gpus / 3600.0)
-        out["node_hours_saved"] = max(0.0, (w_used - w_best) * job_s * nodes / 3600.0)
-    out["verdict"] = (f"checkpoint every {tau_d:.0f} s (Daly; Young {tau_y:.0f} s)"
-                      + ("" if out["trust"] else f": only {failures_seen} failure(s) in the "
-                         f"fleet's history, fewer than {MIN_FAILURES}: too short to trust"))
-    return out
-
-
-def spare_advice(nodes: int, node_mtbf_s: float, job_s: float, *, spare_swap_s: float = 5.0,
-                 requeue_s: float = 120.0, startup_s: float = 60.0, max_spares: int = 8
-                 ) -> dict[str, Any]:
-    """The number of hot spares that maximises expected goodput for a job of `nodes` nodes
-    and `job_s` seconds of work. The job sees K ~ Poisson(n T / M) node failures; the first
-    s of them cost `spare_swap_s` each (a spare in the allocation), the rest a requeue hold
-    plus start-up each; every spare is allocated (and idle) for the whole run:
-
-        E[loss(s)] = E[min(K, s)] * swap + E[max(K - s, 0)] * (requeue + start-up)
-        G(s) = (T n) / ((T + E[loss(s)]) (n + s))
-
-    (the useful node-seconds over the node-seconds allocated). Re-done work is the same
-    with or without spares and is left out.
-    """
-    from math import exp, factorial
-
-    lam = nodes * job_s / node_mtbf_s if node_mtbf_s > 0 else 0.0
-    rows = []
-    for s in range(max_spares + 1):
-        # E[min(K, s)] and E[max(K - s, 0)] for K ~ Poisson(lam)
-        p_k = [exp(-lam) * lam**k / factorial(k) for k in range(s + 1)]
-        e_min = sum(k * p for k, p in enumerate(p_k)) + s * max(0.0, 1.0 - sum(p_k))
-        e_over = max(0.0, lam - e_min)
-        loss = e_min * spare_swap_s + e_over * (requeue_s + startup_s)
-        goodput = (job_s * nodes) / ((job_s + loss) * (nodes + s))
-        rows.append({"spares": s, "expected_failures_covered": e_min,
-                     "expected_requeues": e_over, "expected_loss_s": loss,
-                     "expected_goodput": goodput})
-    best = max(rows, key=lambda r: r["expected_goodput"])
-    return {"model": "Poisson failures, spare swap vs requeue", "expected_failures": lam,
-            "spare_swap_s": spare_swap_s, "requeue_s": requeue_s, "startup_s": startup_s,
-            "best_spares": best["spares"], "table": rows}
+            spare_s += piece.seconds * b.spares_of.get((piece.restart, piece.attempt), 0)
+    durations, gaps = b.ckpt_durations, b.ckpt_gaps
+    return Ledger(job_id, origin, b.line.cursor, b.n_train, gpus_per_node, phases,
+                  b.line.pieces, b.interruptions, len(durations),
+                  sum(durations) / len(durations) if durations else None,
+                  sum(gaps) / len(gaps) if gaps else None, b.notes,
+                  spare_node_s=spare_s, spares=max(b.spares_of.values(), default=0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -686,57 +545,6 @@ def ledger_or_none(archive_dir: Path, job: dict[str, Any]) -> dict[str, Any] | N
     except ArchiveError as exc:
         logger.info("no goodput ledger for job %s: %s", job.get("job_id"), exc)
         return None
-
-
-ADVICE_WINDOW_S = 30 * 86400.0  # the fleet history the advice's MTBF is measured over
-
-
-def advise(ledger: Ledger, node_mtbf_h: float | None, failures_seen: int) -> dict[str, Any]:
-    """The checkpoint-interval and spare advice for this job (pure): its measured
-    checkpoint cost, interval and interruption cost, the class's node MTBF."""
-    restart_s = (sum(i.lost_s - i.redone_s for i in ledger.interruptions)
-                 / len(ledger.interruptions)) if ledger.interruptions else 0.0
-    out = interval_advice(ledger.checkpoint_mean_s, ledger.checkpoint_interval_s,
-                          node_mtbf_h * 3600.0 if node_mtbf_h else None, failures_seen,
-                          max(ledger.nodes, 1), restart_s, ledger.phases["productive"],
-                          ledger.gpus_per_node)
-    if node_mtbf_h:
-        starts = ledger.phases["startup"] / max(1, len(ledger.interruptions) + 1)
-        sp = spare_advice(max(ledger.nodes, 1), node_mtbf_h * 3600.0,
-                          max(ledger.phases["productive"], 1.0), startup_s=starts)
-        out["spares"] = {k: sp[k] for k in ("best_spares", "expected_failures", "model",
-                                            "spare_swap_s", "requeue_s", "startup_s")}
-    return out
-
-
-def fleet_advice(archive_dir: Path, ledger: Ledger, job: dict[str, Any],
-                 now: float | None = None) -> dict[str, Any]:
-    """`advise` with the MTBF of the job's node class over the last 30 days of the fleet
-    report (bluevela/report/fleet.py); no advice (said so) when that cannot be read."""
-    import time as _time
-
-    from bluevela.errors import BluevelaError
-    from bluevela.report.fleet import UNKNOWN_CLASS, classes_of, fleet_report
-
-    now = _time.time() if now is None else now
-    try:
-        from bluevela.site import load_site
-
-        site = load_site()
-    except Exception:  # noqa: BLE001 - without a site every node is in no class
-        site = None
-    try:
-        rep = fleet_report(archive_dir, since=now - ADVICE_WINDOW_S, now=now, site=site)
-    except BluevelaError as exc:
-        return {"verdict": f"no advice: the fleet's history could not be read ({exc})"}
-    first = (job.get("nodes") or [{}])[0].get("node")
-    cls = next((name for name, info in classes_of(site).items() if first in info.nodes),
-               UNKNOWN_CLASS)
-    row = next((r for r in rep["mtbf"]["by_class"] if r["class"] == cls), None)
-    out = advise(ledger, row["mtbf_h"] if row else None, int(row["incidents"]) if row else 0)
-    out["node_class"] = cls
-    out["history_days"] = ADVICE_WINDOW_S / 86400.0
-    return out
 
 
 def _gpus_per_node(job: dict[str, Any]) -> int:
