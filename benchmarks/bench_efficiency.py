@@ -4,7 +4,7 @@ at 10 s (8,640 samples), the HTML page's size, and whether the planted straggler
 The job's series is synthetic: each node's day from bench_telemetry's generator (`_node_rows`:
 GPU util 90-100 % with checkpoint dips, power following util, drifting temperatures, SM clock
 with occasional SW-power-cap dips), written straight into the archive layout with
-`bluevela.archive.series`'s own dataset layout (chunk per node, shuffle + gzip), without the
+`bluevela.archive.series_layout.write_rows` (chunk per node, shuffle + gzip), without the
 spool/ingest path (bench_telemetry measures that). Planted: gpu0418 GPU 3 power-braked (410 W,
 HW power brake 38 % of samples), gpu0734 GPU 6 thermally throttled (HW thermal slowdown in half
 the samples, SM clock 1,400 MHz), gpu0082 all GPUs 20 points lower utilisation, gpu0251 GPU 7
@@ -93,27 +93,29 @@ def _node_day(node_rows: Any, rng: Any, i: int, name: str) -> tuple[dict[str, An
 
 def write_job(path: Path, n_nodes: int) -> list[str]:
     """The synthetic job's series file, one node at a time (bounded memory)."""
-    import h5py
     import numpy as np
 
-    from bluevela.archive import series
+    from bluevela.archive import series_layout as series
 
     node_rows = _telemetry_generator()
     nodes = [f"gpu{i:04d}" for i in range(1, n_nodes + 1)]
     if n_nodes < 1000:  # keep the planted names
         keep = sorted({"gpu0418", "gpu0734", "gpu0082", "gpu0251", "gpu0501", "gpu1000"})
         nodes = sorted(set(nodes[:n_nodes - len(keep)]) | set(keep))
-    plan = series._Plan(JOB, 10.0, T0, T, nodes, G, 0, list(series.GPU_METRICS), [],
-                        list(series.NODE_METRICS), {})
+    plan = series.SeriesPlan(JOB, 10.0, T0, T, nodes, G, 0, list(series.GPU_METRICS), [],
+                             list(series.NODE_METRICS), {})
     rng = np.random.default_rng(2026)
-    with h5py.File(path, "w", libver="latest") as f:
-        series._create(f, plan)
+    times = T0 + np.arange(T, dtype=np.float64) * 10.0
+
+    def rows() -> Iterator[series.NodeWindow]:
         for i, name in enumerate(nodes):
             gpu, node = _node_day(node_rows, rng, i, name)
-            for m, v in gpu.items():
-                f[f"gpu/{m}"][i] = v.astype(np.float32)
-            for m, v in node.items():
-                f[f"node/{m}"][i] = v.astype(np.float32)
+            yield series.NodeWindow(name, 10.0, times,
+                                    {m: v.astype(np.float32) for m, v in gpu.items()}, {},
+                                    {m: v.astype(np.float32) for m, v in node.items()},
+                                    [], [], {})
+
+    series.write_rows(path, plan, rows())
     return nodes
 
 
