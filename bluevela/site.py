@@ -1,9 +1,7 @@
-"""The site model: site.yaml parsed, validated and queried.
+"""The site model: what site.yaml describes, validated and queried.
 
-The file is found from `--site`, then `$BV_SITE`, then `./site.yaml`, then
-`/etc/bluevela/site.yaml`; root hooks never look in the current directory
-(`find_site_path(cwd=False)`). Validation errors come back as `PATH:LINE: message` lines.
-Paths can be overridden per process by `BV_SPOOL_DIR`, `BV_ARCHIVE_DIR`, `BV_STATE_DIR` and
+`load_site` finds, reads and validates the file (bluevela/site_file.py: the search order, the
+`PATH:LINE` errors, the cache). Paths can be overridden per process by `BV_SPOOL_DIR`, `BV_ARCHIVE_DIR`, `BV_STATE_DIR` and
 `BV_METRICS_DIR` (the dev cluster gives every node its own), the node class by `BV_NODE_CLASS`.
 
 The model is frozen standard dataclasses: pydantic validates them (constraints are
@@ -21,9 +19,9 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from bluevela.errors import BluevelaError, SiteConfigError
+from bluevela.errors import SiteConfigError
 
 if TYPE_CHECKING:
     from annotated_types import Ge, Gt, Le, MinLen
@@ -33,12 +31,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ETC_SITE = Path("/etc/bluevela/site.yaml")
-SEARCH_PATHS = (Path("site.yaml"), ETC_SITE)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Unknown keys are errors: a typo in site.yaml must not pass silently.
 _STRICT = {"extra": "forbid"}
-T = TypeVar("T")
 
 
 def _constraint(*_args: Any) -> None:
@@ -543,246 +538,13 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def validate(cls: type[T], data: Any) -> T:
-    """Validate `data` (parsed YAML) as `cls` with pydantic, imported only here.
-
-    Raises:
-        pydantic.ValidationError: as pydantic reports it (parse_site maps it to lines).
-    """
-    from pydantic import TypeAdapter
-
-    # The annotations resolve in this module's namespace: give pydantic the real constraints.
-    globals().update(_annotation_names(real=True))
-    return TypeAdapter(cls).validate_python(data)
-
-
-def _build(cls: type[T], data: dict[str, Any]) -> T:
-    """Rebuild a dataclass from its own `to_dict()` (the cache) without pydantic."""
-    import typing
-
-    hints = typing.get_type_hints(cls, localns=_annotation_names(real=False))
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.name not in data:
-            continue
-        value, ann = data[f.name], hints[f.name]
-        origin, args = typing.get_origin(ann), typing.get_args(ann)
-        if dataclasses.is_dataclass(ann):
-            value = _build(ann, value)  # type: ignore[arg-type]
-        elif origin is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]):
-            value = {k: _build(args[1], v) for k, v in value.items()}  # type: ignore[arg-type]
-        elif ann is Path or Path in args:
-            value = None if value is None else Path(value)
-        values[f.name] = value
-    return cls(**values)
-
-
-def find_site_path(explicit: str | os.PathLike[str] | None = None, *,
-                   cwd: bool = True) -> Path:
-    """Resolve the site file: `explicit`, `$BV_SITE`, `./site.yaml`, `/etc/bluevela/site.yaml`.
-
-    Args:
-        explicit: a path given on the command line.
-        cwd: look in the current directory. Root entry points (the hooks, EpilogSlurmctld)
-            pass False: they run from slurmd's working directory, which others may write, so
-            only what root configured counts (`$BV_SITE` from hook.env, else
-            /etc/bluevela/site.yaml), and it must be an absolute path.
-    """
-    if not cwd:
-        chosen = os.fspath(explicit) if explicit else os.environ.get("BV_SITE") or str(ETC_SITE)
-        if not os.path.isabs(chosen):
-            raise SiteConfigError(f"site file {chosen!r} is not an absolute path (a root hook "
-                                  "never reads a site file relative to its working directory)")
-        return Path(chosen)
-    if explicit:
-        return Path(explicit)
-    env = os.environ.get("BV_SITE")
-    if env:
-        return Path(env)
-    for candidate in SEARCH_PATHS:
-        if candidate.is_file():
-            return candidate
-    raise SiteConfigError(
-        "no site file: pass --site, set BV_SITE, or create ./site.yaml or /etc/bluevela/site.yaml"
-    )
-
-
-def _line_of(root: Any, loc: tuple[int | str, ...]) -> int | None:
-    """1-based line of the YAML node at pydantic error location `loc` (deepest node found)."""
-    import yaml
-
-    node = root
-    line = node.start_mark.line + 1 if node is not None else None
-    for key in loc:
-        if isinstance(node, yaml.MappingNode):
-            nxt = None
-            for k, v in node.value:
-                if k.value == key:
-                    nxt = v
-                    line = k.start_mark.line + 1
-                    break
-            if nxt is None:
-                break
-            node = nxt
-        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
-            node = node.value[key]
-            line = node.start_mark.line + 1
-        else:
-            break
-    return line
-
-
-def parse_site(text: str, source: Path) -> Site:
-    """Parse and validate site.yaml text.
-
-    Raises:
-        SiteConfigError: with `PATH:LINE: message` problems.
-    """
-    import yaml
-
-    from bluevela.util.term import printable
-
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    try:
-        root = yaml.compose(text, Loader=loader)
-        data = yaml.load(text, Loader=loader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else 1
-        problem = getattr(exc, "problem", None) or (str(exc).splitlines() or ["?"])[0]
-        # The file may be anything (`bv --site /etc/shadow ...`): quote none of its content
-        # (a quoted single character, as in "found character '\t'", says nothing).
-        problem = printable(re.sub(r"'[^']{4,}'|\"[^\"]{4,}\"", "'...'", problem))
-        msg = f"{source}:{line}: YAML syntax error: {problem}"
-        raise SiteConfigError(msg, [msg]) from exc
-    if not isinstance(data, dict):
-        msg = f"{source}:1: the site file must be a mapping"
-        raise SiteConfigError(msg, [msg])
-    if not {"cluster", "node_classes"} & {k for k in data if isinstance(k, str)}:
-        # Some other file that happens to parse as a mapping: say so without echoing its keys.
-        msg = (f"{source}:1: not a bluevela site description (no 'cluster:' or "
-               "'node_classes:' at the top level)")
-        raise SiteConfigError(msg, [msg])
-    from pydantic import ValidationError
-
-    def shown(part: object) -> str:
-        """A location part as shown: a key of the file only when it looks like a name."""
-        text = str(part)
-        return text if re.fullmatch(r"[A-Za-z0-9_./\[\]-]{1,64}", text) else "<key>"
-
-    try:
-        site = validate(Site, data)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            loc = tuple(err["loc"])
-            line = _line_of(root, loc) or 1
-            where = ".".join(shown(p) for p in loc) or "(top)"
-            message = printable(err["msg"].removeprefix("Value error, "))
-            problems.append(f"{source}:{line}: {where}: {message}")
-        raise SiteConfigError(problems[0], problems) from exc
-    _set_source(site, source)
-    return site
-
-
-def _set_source(site: Site, source: Path) -> None:
-    site.__dict__["_source"] = source  # frozen, but not a field: bookkeeping only
-
-
-def _cache_dir() -> Path | None:
-    """Where validated sites are cached: `$BV_CACHE_DIR`, root: /var/cache/bluevela,
-    others: ~/.cache/bluevela. `BV_CACHE_DIR=off` disables the cache."""
-    env = os.environ.get("BV_CACHE_DIR")
-    if env:
-        return None if env == "off" else Path(env)
-    if os.geteuid() == 0:
-        return Path("/var/cache/bluevela")
-    home = os.environ.get("HOME")
-    return Path(home) / ".cache" / "bluevela" if home else None
-
-
-def _cache_key(path: Path, st: os.stat_result) -> dict[str, Any]:
-    from bluevela import __version__
-
-    # The model's own source is part of the key: a changed model never reads an old cache.
-    model = os.stat(__file__)
-    return {"path": str(path.resolve()), "mtime_ns": st.st_mtime_ns, "size": st.st_size,
-            "ino": st.st_ino, "version": __version__, "model_mtime_ns": model.st_mtime_ns}
-
-
-def _read_cache(cache: Path, key: dict[str, Any]) -> Site | None:
-    """The cached site when the cache file is ours, private, and its key matches."""
-    import json
-    import stat as stat_mod
-
-    from bluevela.util.fs import read_no_follow
-
-    try:
-        st = os.lstat(cache)
-        if (not stat_mod.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
-                or st.st_mode & 0o022):
-            return None
-        doc = json.loads(read_no_follow(cache, limit=4 << 20))
-    except (OSError, ValueError, BluevelaError):
-        return None
-    if not isinstance(doc, dict) or doc.get("key") != key:
-        return None
-    try:
-        site = _build(Site, doc["site"])
-    except (KeyError, TypeError, AttributeError, ValueError):
-        return None
-    return site
-
-
-def _write_cache(cache: Path, key: dict[str, Any], site: Site) -> None:
-    import json
-
-    from bluevela.util.fs import atomic_write
-
-    try:
-        cache.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        body = {"key": key, "site": to_dict(site)}
-        atomic_write(cache, json.dumps(body).encode(), 0o600)
-    except (OSError, BluevelaError) as exc:
-        logger.debug("site cache not written (%s): %s", cache, exc)
-
-
 def load_site(explicit: str | os.PathLike[str] | None = None, *, cwd: bool = True) -> Site:
-    """Find (`find_site_path`; `cwd=False` for root entry points), read and validate the
-    site file.
-
-    A validated site is cached (JSON, keyed by the file's path, inode, size and mtime, and the
-    model's own version) so the prolog and `bv submit` skip YAML parsing and validation when
-    the file has not changed.
+    """The site file found, read and validated (`site_file.load_site`: the search order, the
+    cache, the `PATH:LINE` errors).
 
     Raises:
         SiteConfigError: when missing, unreadable or invalid.
     """
-    import zlib  # not hashlib: loading OpenSSL's _hashlib costs every `bv` call ~2 ms
+    from bluevela.site_file import load_site as load
 
-    path = find_site_path(explicit, cwd=cwd)
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise SiteConfigError(f"{path}: cannot read site file: {exc.strerror}") from exc
-    cache_dir = _cache_dir()
-    cache = key = None
-    if cache_dir is not None:
-        key = _cache_key(path, st)
-        # the cache file holds its whole key: a name shared by two paths is only a miss
-        digest = f"{zlib.crc32(key['path'].encode()):08x}"
-        cache = cache_dir / f"site-{digest}.json"
-        cached = _read_cache(cache, key)
-        if cached is not None:
-            _set_source(cached, path)
-            return cached
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SiteConfigError(f"{path}: cannot read site file: {exc.strerror}") from exc
-    except UnicodeDecodeError as exc:
-        raise SiteConfigError(f"{path}:1: not UTF-8 text") from exc
-    site = parse_site(text, path)
-    if cache is not None and key is not None:
-        _write_cache(cache, key, site)
-    return site
+    return load(explicit, cwd=cwd)

@@ -121,6 +121,10 @@ def test_health_judges_one_node_only() -> None:
 
 def test_site_imports_no_check() -> None:
     assert _violations("site.py", ("bluevela.health",)) == []
+    assert _violations("site_file.py", ("bluevela.health",)) == []
+    # the model does not import its file reader at module level (load_site asks for it lazily)
+    src = (PKG / "site.py").read_text()
+    assert "\nfrom bluevela.site_file" not in src and "\nimport bluevela.site_file" not in src
     # the registry both import is a leaf: at run time only `errors` (it loads the built-in
     # checks by module name when asked for them)
     leaf = {n for n in imports(PKG / "checks_registry.py", runtime_only=True)
@@ -199,7 +203,7 @@ def test_analyses_import_without_matplotlib() -> None:
     assert res.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("module", ["bluevela.site", "bluevela.health.runner"])
+@pytest.mark.parametrize("module", ["bluevela.site", "bluevela.site_file", "bluevela.health.runner"])
 def test_no_module_level_cycle_through_site(module: str) -> None:
     """Importing the model, or the checks' runner, first: each works on its own (no import
     cycle between the model and the checks)."""

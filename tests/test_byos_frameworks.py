@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.launch.supervisor import free_port
+from bluevela.launch.agent import free_port
 from bluevela.runtime.world import training_env
 
 RANK = {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "1",

@@ -178,7 +178,7 @@ def test_agent_stops_a_worker_without_a_handler_with_sigterm(tmp_path: Path) -> 
     env.update(SRUN_ENV, BV_SUPERVISOR=f"127.0.0.1:{listen.getsockname()[1]}",
                SLURMD_NODENAME="node1", BV_RDZV_NODE="node1", BV_USR1_WAIT_S="1",
                PYTHONPATH=str(REPO), **{SECRET_ENV: secret})
-    agent = subprocess.Popen([sys.executable, "-P", "-m", "bluevela.launch.supervisor", "agent",
+    agent = subprocess.Popen([sys.executable, "-P", "-m", "bluevela.launch.agent",
                               "--", str(torchrun), "--nproc-per-node=1", str(tmp_path)],
                              env=env, cwd=REPO)
     try:

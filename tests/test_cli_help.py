@@ -128,7 +128,7 @@ def test_yaml_syntax_error_has_line(tmp_path: object) -> None:
 def test_site_search_order(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
     from pathlib import Path
 
-    from bluevela.site import find_site_path
+    from bluevela.site_file import find_site_path
 
     d = Path(str(tmp_path))
     monkeypatch.chdir(d)

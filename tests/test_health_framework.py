@@ -127,7 +127,7 @@ def test_drain_prefix_must_be_distinctive(prefix: str, tmp_path: Path) -> None:
     """`drain_prefix: ""` made every operator's drain count as ours (resumed, counted by the
     breaker); a prefix must be non-empty, contain a letter, end with ':', no whitespace."""
     from bluevela.errors import SiteConfigError
-    from bluevela.site import parse_site
+    from bluevela.site_file import parse_site
 
     with pytest.raises(SiteConfigError, match="drain_prefix"):
         parse_site(_site_text(drain_prefix=repr(prefix)), tmp_path / "site.yaml")
@@ -138,7 +138,7 @@ def test_drain_prefix_must_be_distinctive(prefix: str, tmp_path: Path) -> None:
 def test_unknown_check_in_a_tier_is_a_validation_error(tmp_path: Path) -> None:
     """A typo in a tier (`ibb`) used to validate, and the hooks then ran without that check."""
     from bluevela.errors import SiteConfigError
-    from bluevela.site import parse_site
+    from bluevela.site_file import parse_site
 
     tiers = ("{quick: {checks: [gpu, ibb, node], cap_s: 5, check_timeout_s: 3}, "
              "full: {checks: [gpu, ib, node, nccl], cap_s: 180, check_timeout_s: 120}}")

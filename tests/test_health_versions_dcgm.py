@@ -31,7 +31,8 @@ from bluevela.health.context import ProbeContext
 from bluevela.health.metrics import render
 from bluevela.health.result import Status
 from bluevela.health.runner import plan_tier, run_checks
-from bluevela.site import NodeClass, Site, VersionPins, parse_site
+from bluevela.site import NodeClass, Site, VersionPins
+from bluevela.site_file import parse_site
 from tests.fixture_trees import materialized
 
 REPO = Path(__file__).resolve().parent.parent

@@ -23,7 +23,7 @@ import pytest
 
 from bluevela.errors import SiteConfigError
 from bluevela.hooks.env import fixture_warning
-from bluevela.site import ETC_SITE, find_site_path
+from bluevela.site_file import ETC_SITE, find_site_path
 from tests.conftest import DevCluster
 from tests.fixture_trees import materialized
 

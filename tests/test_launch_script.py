@@ -98,7 +98,7 @@ def test_hostile_values_run_nothing(value: str, tmp_path: Path) -> None:
     # the environment (issue 23).
     assert "--rdzv-backend=c10d" in argv and "77" not in argv
     assert not any(a.startswith(("--rdzv-endpoint", "--rdzv-id", "--rdzv-node")) for a in argv)
-    assert "-P" in argv[:argv.index("agent")]
+    assert "-P" in argv[:argv.index("bluevela.launch.agent")]
     assert Path(f"{out}.env").read_text() == value
     for f in ("/tmp/bv-pwned-semicolon", "/tmp/bv-pwned-subst", "/tmp/bv-pwned-backtick"):
         assert not Path(f).exists(), f"hostile value executed: {f}"

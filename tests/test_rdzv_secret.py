@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.launch.supervisor import descendants
+from bluevela.launch.proctree import descendants
 from tests.supervisor_standins import Job
 
 # What another user runs: every process's argv (world-readable) and environment (owner-only).

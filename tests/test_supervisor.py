@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
+from bluevela.launch.agent import endpoint_env
+from bluevela.launch.proctree import catches
 from bluevela.launch.supervisor import (
     BANNER_RE,
     END_RE,
     History,
     RankBeat,
     banner,
-    catches,
     choose_nodes,
     end_line,
-    endpoint_env,
     find_hang,
     new_rdzv_id,
     previous_cause,
@@ -211,7 +211,7 @@ class AgentPeer:
         env.update(BV_SUPERVISOR=f"127.0.0.1:{self.listen.getsockname()[1]}",
                    SLURMD_NODENAME=node, BV_RDZV_NODE=node, **{SECRET_ENV: secret})
         self.agent = subprocess.Popen(
-            [sys.executable, "-P", "-m", "bluevela.launch.supervisor", "agent",
+            [sys.executable, "-P", "-m", "bluevela.launch.agent",
              "--", str(torchrun), str(tmp_path)], env=env, cwd=REPO)
         self.sock, _ = self.listen.accept()
         self.sock.settimeout(20)

@@ -43,7 +43,7 @@ class State:
 
     def site_or_none(self) -> Site | None:
         """The site when one can be found; None when there is no site file at all."""
-        from bluevela.site import find_site_path
+        from bluevela.site_file import find_site_path
 
         try:
             find_site_path(self.site_path)

@@ -1,0 +1,373 @@
+"""The node agent: the one task ``srun`` starts on each node of a step.
+
+    python3 -P -m bluevela.launch.agent -- torchrun [options] script [args]
+
+The supervisor (bluevela/launch/supervisor.py) starts it with ``srun`` for every step, with
+the step's secret, the supervisor's address and the rendezvous node in the environment. The
+agent connects back (the signed line channel of bluevela/launch/wire.py), says hello (with a
+free port for the c10d store on the rendezvous node), pings every second, and moves through
+four phases:
+
+- WAITING: no torchrun yet. ``go`` (with the store's port) starts torchrun; ``abort`` ends
+  the agent with 1.
+- RUNNING: torchrun runs. ``usr1`` (or a SIGUSR1 from srun) sends SIGUSR1 to every worker
+  once it handles it (a worker that never does gets torchrun's SIGTERM stop after
+  ``BV_USR1_WAIT_S``); ``abort`` moves to ABORTING.
+- ABORTING: torchrun's group got SIGTERM; ABORT_KILL_S later everything under it is killed.
+- DONE: torchrun ended (or could not start): one ``exit`` message with its status, then the
+  agent exits with it. When the supervisor is gone the agent kills torchrun's tree and ends.
+
+The goodput events the supervisor streams (``ev``) are appended to this node's copy
+(`events_copy.CopyWriter`) in any phase. Standard library only: it runs on every node of a job.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+from bluevela.launch.events_copy import CopyWriter
+from bluevela.launch.proctree import catches, kill_group, kill_tree, signal_pid, worker_pids
+from bluevela.launch.rdzv_guard import guarded_argv
+from bluevela.launch.wire import (
+    SECRET_ENV,
+    Channel,
+    ChannelError,
+    derive,
+    parse_challenge,
+    printable,
+    safe_name,
+    secret_from_env,
+)
+from bluevela.runtime.world import training_env
+
+SUPERVISOR_ENV = "BV_SUPERVISOR"  # HOST:PORT of the supervisor's line channel
+# torchrun's rendezvous, in the environment only (/proc/PID/environ: the owner and root).
+RDZV_ENDPOINT_ENV = "PET_RDZV_ENDPOINT"
+RDZV_NODE_ENV = "BV_RDZV_NODE"  # the step's first node, where the store runs
+PING_S = 1.0
+TICK_S = 0.2
+CONNECT_FOR_S = 30.0
+# An aborted step is broken (a peer is gone, or it hangs): no checkpoint can complete, so
+# torchrun's SIGTERM is followed by SIGKILL to everything under it soon after.
+ABORT_KILL_S = 0.5
+# Then a node with a worker that never installed a SIGUSR1 handler gets torchrun's own stop
+# (SIGTERM to torchrun: forwarded to the workers, SIGKILL 30 s later), never SIGUSR1's kill.
+USR1_UNCAUGHT_S = 30.0
+USR1_WAIT_ENV = "BV_USR1_WAIT_S"  # the job's own value for it (bv submit --env), 0-600 s
+
+
+def agent_argv() -> list[str]:
+    """The agent's command, before torchrun's argv. -P: the job's working directory is not on
+    the agent's import path (a module planted there, e.g. select.py, would run as the job's
+    user inside every node agent)."""
+    return [sys.executable, "-P", "-m", "bluevela.launch.agent", "--"]
+
+
+def endpoint_env(host: str, port: int) -> dict[str, str]:
+    """torchrun's ``--rdzv-endpoint``, through the environment (the agent adds it once the
+    rendezvous node's agent has found a free port there)."""
+    return {RDZV_ENDPOINT_ENV: f"{host}:{port}"}
+
+
+def free_port() -> int:
+    """A TCP port free on this node now, the kernel's pick: torchrun's c10d store binds it
+    moments later. A fixed port (29500) could be taken first by any user of the node."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])
+
+
+def _log(line: str) -> None:
+    sys.stderr.write(f"bv supervisor: {line}\n")
+    sys.stderr.flush()
+
+
+def _seconds(text: str | None, default: float) -> float:
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        return default
+    return value if 0 <= value <= 600 else default
+
+
+# --------------------------------------------------------------------------------------------
+# The channel to the supervisor
+
+
+def _read_challenge(sock: socket.socket) -> bytes | None:
+    line = b""
+    while not line.endswith(b"\n") and len(line) < 128:
+        chunk = sock.recv(1)
+        if not chunk:
+            return None
+        line += chunk
+    return parse_challenge(line)
+
+
+def connect(addr: str, node: str, key: bytes) -> Channel | None:
+    """The signed channel to the supervisor at `addr` (HOST:PORT), retried for
+    CONNECT_FOR_S; None (said on stderr) when it cannot be reached."""
+    host, _, port = addr.rpartition(":")
+    deadline = time.monotonic() + CONNECT_FOR_S
+    while True:
+        sock: socket.socket | None = None
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            nonce = _read_challenge(sock)
+            if nonce is None:
+                raise OSError("no challenge from the supervisor")
+            return Channel(sock, key, nonce, b"a")
+        except (OSError, ValueError) as exc:
+            if sock is not None:
+                sock.close()
+            if time.monotonic() > deadline:
+                _log(f"agent on {safe_name(node)}: cannot reach the supervisor at "
+                     f"{safe_name(addr)}: {exc}")
+                return None
+            time.sleep(0.2)
+
+
+def _receive(chan: Channel) -> list[dict[str, object]] | None:
+    """The supervisor's messages now readable; None when it is gone or its line does not
+    verify (then the channel cannot be trusted either)."""
+    try:
+        data = chan.sock.recv(65536)
+    except (BlockingIOError, InterruptedError):
+        return []
+    except OSError:
+        return None
+    if not data:
+        return None
+    try:
+        return chan.feed(data)
+    except ChannelError as exc:
+        _log(f"agent: {exc} from the supervisor")
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# The state machine
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting for go"
+    RUNNING = "running"
+    ABORTING = "aborting"
+    DONE = "done"
+
+
+class Agent:
+    """One node's agent on a connected channel; `run()` returns its exit status."""
+
+    def __init__(self, chan: Channel, node: str, torchrun: Sequence[str],
+                 env: Mapping[str, str]) -> None:
+        self.chan = chan
+        self.node = node
+        self.torchrun = list(torchrun)
+        self.env = env
+        self.rdzv_node = env.get(RDZV_NODE_ENV, "") or node
+        self.copy = CopyWriter(env, node)  # the goodput events, when this node keeps them
+        self.usr1_wait = _seconds(env.get(USR1_WAIT_ENV), USR1_UNCAUGHT_S)
+        self.phase = Phase.WAITING
+        self.code = 1  # the exit status, once DONE
+        self.proc: subprocess.Popen[bytes] | None = None  # torchrun, once the supervisor says go
+        self.want_usr1 = False
+        self.usr1_at: float | None = None
+        self.signalled: set[int] = set()  # workers sent SIGUSR1
+        self.termed = 0  # workers that had no SIGUSR1 handler: torchrun was sent SIGTERM for them
+        self.aborting_at = 0.0
+        self.last_ping = 0.0
+        self.wake_r = -1
+
+    def hello(self) -> None:
+        msg: dict[str, object] = {"t": "hello", "node": self.node, "pid": os.getpid()}
+        if self.node == self.rdzv_node:
+            msg["port"] = free_port()
+        self.chan.send(msg)
+
+    def run(self) -> int:
+        sel = self._install()
+        while self.phase is not Phase.DONE:
+            self._tick({key.fileobj for key, _ in sel.select(TICK_S)})
+        return self.code
+
+    def _install(self) -> selectors.BaseSelector:
+        """Signals wake the select loop; SIGUSR1 (srun may forward one) is handled in it."""
+        self.chan.sock.setblocking(False)
+        signal.signal(signal.SIGUSR1, lambda *_: None)
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        os.set_blocking(wake_r, False)
+        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        # SIGTERM: Slurm signals torchrun and the workers directly (proctrack); stay to report.
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        signal.signal(signal.SIGINT, lambda *_: None)
+        self.wake_r = wake_r
+        sel = selectors.DefaultSelector()
+        sel.register(self.chan.sock, selectors.EVENT_READ)
+        sel.register(wake_r, selectors.EVENT_READ)
+        return sel
+
+    def _tick(self, ready: set[object]) -> None:
+        if self.wake_r in ready:
+            self._read_signals()
+        self.chan.flush()  # lines a slow reader left pending: whole lines only (wire.Channel)
+        if self.chan.broken is not None:
+            _log(f"agent on {safe_name(self.node)}: the channel to the supervisor broke "
+                 f"({self.chan.broken})")
+        if self.chan.broken is not None or self.chan.sock in ready:
+            msgs = None if self.chan.broken is not None else _receive(self.chan)
+            if msgs is None:
+                self._supervisor_gone()
+                return
+            for msg in msgs:
+                self._on_msg(msg)
+                if self.phase is Phase.DONE:
+                    return
+        if self.proc is None:
+            if self.phase is Phase.ABORTING:
+                self._finish(1)
+                return
+        else:
+            self._watch(self.proc)
+            if self.phase is Phase.DONE:
+                return
+        self._ping()
+
+    def _read_signals(self) -> None:
+        try:
+            if signal.SIGUSR1 in os.read(self.wake_r, 1024):
+                self.want_usr1 = True
+        except BlockingIOError:
+            pass
+
+    def _on_msg(self, msg: dict[str, object]) -> None:
+        kind = msg.get("t")
+        if kind in ("ev", "ev_synced"):
+            self.copy.feed(msg)
+        elif kind == "usr1":
+            self.want_usr1 = True
+        elif kind == "go" and self.phase is Phase.WAITING:
+            port = msg.get("port")
+            if isinstance(port, int) and 1 <= port <= 65535:
+                self._start(port)
+        elif kind == "abort" and self.phase in (Phase.WAITING, Phase.RUNNING):
+            self.phase = Phase.ABORTING
+            self.aborting_at = time.monotonic()
+            if self.proc is not None:
+                kill_group(self.proc, signal.SIGTERM)
+
+    def _start(self, port: int) -> None:
+        try:
+            # torch's own torchrun runs with its rendezvous state unpickled through an
+            # allow-list: the store has no authentication.
+            self.proc = subprocess.Popen(
+                guarded_argv(self.torchrun) or self.torchrun, start_new_session=True,
+                env={**training_env(self.env, self.torchrun),
+                     **endpoint_env(self.rdzv_node, port)})
+        except OSError as exc:
+            # A missing or unrunnable torchrun is the step's failure (the shell's 127/126),
+            # not a lost node: no relaunch or requeue would mend it.
+            why = (f"cannot start {printable(self.torchrun[0])} on {safe_name(self.node)}: "
+                   f"{exc.strerror or exc}")
+            _log(f"agent: {why}")
+            self._finish(127 if exc.errno == errno.ENOENT else 126, why)
+            return
+        self.phase = Phase.RUNNING
+
+    def _watch(self, proc: subprocess.Popen[bytes]) -> None:
+        """RUNNING or ABORTING: forward SIGUSR1, kill an aborted tree, report torchrun's end."""
+        if self.want_usr1:
+            self._forward_usr1(proc)
+        if (self.phase is Phase.ABORTING
+                and time.monotonic() - self.aborting_at > ABORT_KILL_S):
+            kill_tree(proc)
+        rc = proc.poll()
+        if rc is not None:
+            self._finish(rc if rc >= 0 else 128 - rc)
+
+    def _forward_usr1(self, proc: subprocess.Popen[bytes]) -> None:
+        """A worker still importing has no handler yet and SIGUSR1 would kill it: wait for its
+        handler (bluevela.runtime, or bv's framework integration), `usr1_wait` at most; a
+        worker that never installs one is not killed by a signal it did not ask for: torchrun
+        gets SIGTERM, the stop torchrun users expect (docs/byos.md)."""
+        if self.usr1_at is None:
+            self.usr1_at = time.monotonic()
+        late = time.monotonic() - self.usr1_at > self.usr1_wait
+        uncaught = 0
+        for pid in worker_pids(proc.pid):
+            if pid in self.signalled:
+                continue
+            if catches(pid, signal.SIGUSR1):
+                if signal_pid(pid, signal.SIGUSR1):
+                    self.signalled.add(pid)
+            elif late:
+                uncaught += 1
+        if uncaught and not self.termed:
+            self.termed = uncaught
+            _log(f"agent on {safe_name(self.node)}: {uncaught} worker(s) without a SIGUSR1 "
+                 f"handler after {self.usr1_wait:.0f} s: SIGTERM to torchrun (it stops its "
+                 "workers, SIGKILL 30 s later)")
+            signal_pid(proc.pid, signal.SIGTERM)
+
+    def _ping(self) -> None:
+        if time.monotonic() - self.last_ping >= PING_S:
+            self.chan.send({"t": "ping"})
+            self.last_ping = time.monotonic()
+
+    def _finish(self, code: int, why: str = "") -> None:
+        """DONE: the one exit message (torchrun's status, or why it could not start)."""
+        msg: dict[str, object] = {"t": "exit", "rc": code, "node": self.node,
+                                  "signalled": len(self.signalled), "termed": self.termed}
+        if why:
+            msg["why"] = why
+        self.chan.send(msg)
+        self.chan.close(linger_s=5.0)
+        self.code = code
+        self.phase = Phase.DONE
+
+    def _supervisor_gone(self) -> None:
+        """DONE without a report: do not leave training running."""
+        self.copy.gone()
+        if self.proc is not None:
+            kill_tree(self.proc)
+            self.proc.wait()
+        self.code = 1
+        self.phase = Phase.DONE
+
+
+# --------------------------------------------------------------------------------------------
+# Entry
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--"]:
+        args = args[1:]
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    if not args:
+        _log("agent: no torchrun command")
+        return 2
+    secret = secret_from_env()
+    if secret is None:
+        _log(f"agent on {safe_name(node)}: no job secret ({SECRET_ENV}) in the environment")
+        return 1
+    chan = connect(os.environ.get(SUPERVISOR_ENV, ""), node, derive(secret, b"line"))
+    if chan is None:
+        return 1
+    agent = Agent(chan, node, args, os.environ)
+    agent.hello()
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
