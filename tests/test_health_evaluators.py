@@ -27,7 +27,8 @@ from bluevela.health.checks.ib import (
 )
 from bluevela.health.checks.node import evaluate_node, parse_meminfo, parse_mounts, probe_node
 from bluevela.health.context import ProbeContext
-from bluevela.health.nvml import ISSUE11_GPU_FIELDS, bus_key, load_snapshot, parse_xids
+from bluevela.health.kmsg import bus_key, parse_xids
+from bluevela.health.nvml import ISSUE11_GPU_FIELDS, load_snapshot
 from bluevela.health.result import Status
 from bluevela.health.runner import run_checks
 from bluevela.health.state import IB_COUNTERS

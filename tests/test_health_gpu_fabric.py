@@ -22,12 +22,11 @@ import pytest
 from bluevela.checks_registry import get_check
 from bluevela.health.checks import gpu_fabric
 from bluevela.health.context import ProbeContext
+from bluevela.health.kmsg import kmsg_record_line, parse_sxids
 from bluevela.health.nvml import (
     _gather_gpu_issue11,
     cuda_version_text,
-    kmsg_record_line,
     load_snapshot,
-    parse_sxids,
     short_pci,
 )
 from bluevela.health.result import CheckResult, Status

@@ -352,7 +352,7 @@ def _write(path: Path, data: object) -> Path:
 def test_kmsg_records_keep_their_time_since_boot() -> None:
     """/dev/kmsg's record format (priority,sequence,usec,flags;message): the time is kept in
     dmesg's form so the XID window can date the line."""
-    from bluevela.health.nvml import kmsg_record_line, parse_xids
+    from bluevela.health.kmsg import kmsg_record_line, parse_xids
 
     rec = ("4,10233,86012345678,-;NVRM: Xid (PCI:0000:5d:00): 79, pid='<unknown>', "
            "name=<unknown>, GPU has fallen off the bus.\n SUBSYSTEM=pci\n")

@@ -77,7 +77,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -85,6 +84,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from bluevela.health.kmsg import bus_key, read_kmsg_nvrm, read_marked_lines
 from bluevela.health.throttle import HW_SLOWDOWNS
 
 logger = logging.getLogger(__name__)
@@ -93,11 +93,6 @@ SCHEMA = 1
 KIND = "nvml_snapshot"
 
 
-_XID = re.compile(r"NVRM: Xid \(PCI:([0-9A-Fa-f:.]+)\): (\d+)")
-# nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 24007, Fatal, Link 30 sourcetrack timeout error
-_SXID = re.compile(r"(nvidia-nvswitch\d*): SXid \(PCI:([0-9A-Fa-f:.]+)\): (\d+), "
-                   r"(Fatal|Non-fatal)?,?\s*(.*)$", re.IGNORECASE)
-KMSG_MARKS = ("NVRM", "SXid")  # the kernel log lines the gpu check keeps
 # nvmlDeviceGetNvLinkErrorCounter counters (nvml.h nvmlNvLinkErrorCounter_t), by our name.
 NVLINK_COUNTERS = {"replay": "NVML_NVLINK_ERROR_DL_REPLAY",
                    "recovery": "NVML_NVLINK_ERROR_DL_RECOVERY",
@@ -127,7 +122,6 @@ ECC_LOCATION_FIELDS = tuple(f for f, *_ in ECC_LOCATIONS)
 ISSUE11_GPU_FIELDS = ("vbios_version", "nvlink_state", "nvlink_errors", "fabric_state",
                       "fabric_status", *ECC_LOCATION_FIELDS, "row_remap_histogram",
                       "clocks_violation", "app_clock_sm_mhz", "app_clock_mem_mhz")
-_STAMP = re.compile(r"^\s*\[\s*([0-9]+(?:\.[0-9]+)?)\]")
 
 
 class NVMLInitError(RuntimeError):
@@ -224,31 +218,6 @@ class GPUInfo:
 
 
 @dataclass(frozen=True)
-class Xid:
-    pci: str
-    code: int
-    line: str
-    at_s: float | None = None  # the kernel record's time since boot, when the line has one
-
-    @property
-    def bus(self) -> str:
-        return bus_key(self.pci)
-
-
-@dataclass(frozen=True)
-class SXid:
-    """An NVSwitch error line (`nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 24007, Fatal, ...`)."""
-
-    switch: str  # nvidia-nvswitch0
-    pci: str
-    code: int
-    fatal: bool | None  # the driver's own word: Fatal / Non-fatal; None when the line has none
-    text: str  # what follows (`Link 30 sourcetrack timeout error`)
-    line: str
-    at_s: float | None = None
-
-
-@dataclass(frozen=True)
 class NVMLSnapshot:
     """A parsed snapshot (live or replayed)."""
 
@@ -264,13 +233,6 @@ class NVMLSnapshot:
     uptime_s: float | None = None  # CLOCK_MONOTONIC when recorded (dates kmsg lines)
     recheck_after_s: float | None = None
     cuda_driver_version: str | None = None  # "12.4" (NVML's 12040)
-
-
-def bus_key(pci: str) -> str:
-    """'00000000:18:00.0' and '0000:18:00' (XID form) both -> '18:00'."""
-    head = pci.split(".")[0].lower()
-    parts = head.split(":")
-    return ":".join(parts[-2:]) if len(parts) >= 2 else head
 
 
 def short_pci(pci: str | None) -> str:
@@ -290,33 +252,6 @@ def cuda_version_text(value: Any) -> str | None:
     if v is None or v <= 0:
         return None
     return f"{v // 1000}.{(v % 1000) // 10}"
-
-
-def parse_sxids(lines: list[str] | tuple[str, ...] | None) -> list[SXid]:
-    """NVSwitch SXid events in kernel log lines; the driver says Fatal or Non-fatal itself."""
-    out = []
-    for line in lines or ():
-        m = _SXID.search(line)
-        if m:
-            stamp = _STAMP.match(line)
-            word = (m.group(4) or "").lower()
-            out.append(SXid(m.group(1), m.group(2), int(m.group(3)),
-                            True if word == "fatal" else False if word else None,
-                            m.group(5).strip(), line.strip(),
-                            float(stamp.group(1)) if stamp else None))
-    return out
-
-
-def parse_xids(lines: list[str] | tuple[str, ...] | None) -> list[Xid]:
-    """NVIDIA XID events in kernel log lines (`NVRM: Xid (PCI:0000:18:00): 79, ...`)."""
-    out = []
-    for line in lines or ():
-        m = _XID.search(line)
-        if m:
-            stamp = _STAMP.match(line)
-            out.append(Xid(m.group(1), int(m.group(2)), line.strip(),
-                           float(stamp.group(1)) if stamp else None))
-    return out
 
 
 # -- parsing ----------------------------------------------------------------------------------
@@ -491,59 +426,14 @@ def load_snapshot(path: Path) -> NVMLSnapshot:
 # -- live recording ---------------------------------------------------------------------------
 
 
-def read_kmsg_nvrm(path: str = "/dev/kmsg", max_records: int = 200_000) -> list[str]:
-    """NVRM (and NVSwitch SXid) lines of the kernel ring buffer, read without blocking (root only), each with its
-    record's time since boot in dmesg's form (`[  812.345678] NVRM: Xid ...`).
-
-    Raises:
-        OSError: /dev/kmsg cannot be opened (not root, dmesg_restrict, no such device).
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    lines: list[str] = []
-    try:
-        for _ in range(max_records):
-            try:
-                rec = os.read(fd, 8192)
-            except BlockingIOError:
-                break
-            except BrokenPipeError:
-                continue  # the record was overwritten while we read: skip it
-            if not rec:
-                break
-            line = kmsg_record_line(rec.decode("utf-8", "replace"))
-            if line is not None:
-                lines.append(line)
-    finally:
-        os.close(fd)
-    return lines
-
-
-def kmsg_record_line(record: str) -> str | None:
-    """One /dev/kmsg record (`6,1234,812345678,-;NVRM: ...`, kernel Documentation/ABI/testing/
-    dev-kmsg) as a dmesg line `[  812.345678] NVRM: ...`; None unless it is an NVRM or an
-    NVSwitch SXid line."""
-    head, _, msg = record.partition(";")
-    if not any(mark in msg for mark in KMSG_MARKS):
-        return None
-    first = msg.splitlines()[0]
-    fields = head.split(",")  # priority,sequence,microseconds since boot,flags
-    usec = fields[2] if len(fields) > 2 and fields[2].isdigit() else None
-    return f"[{int(usec) / 1e6:12.6f}] {first}" if usec else first
-
-
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _read_kmsg(out: dict[str, Any], errors: dict[str, str]) -> None:
-    kmsg = os.environ.get("BV_KMSG")
+    path = os.environ.get("BV_KMSG")
     try:
-        if kmsg:
-            with open(kmsg, encoding="utf-8", errors="replace") as fh:
-                out["kmsg"] = [ln.rstrip("\n") for ln in fh
-                               if any(mark in ln for mark in KMSG_MARKS)]
-        else:
-            out["kmsg"] = read_kmsg_nvrm()
+        out["kmsg"] = read_marked_lines(path) if path else read_kmsg_nvrm()
     except OSError as exc:
         errors["kmsg"] = f"{exc.strerror or exc}"
 

@@ -83,7 +83,7 @@ class XidCounter:
 
     def add_lines(self, lines: list[str] | tuple[str, ...]) -> None:
         """Lines of a file or snapshot re-read each time: only lines new since the first."""
-        from bluevela.health.nvml import parse_xids
+        from bluevela.health.kmsg import parse_xids
 
         if self.baseline is None:
             self.baseline = set(lines)
@@ -95,7 +95,7 @@ class XidCounter:
 
     def read_kmsg(self) -> None:
         """New /dev/kmsg records (from the end at the first call: only XIDs after the start)."""
-        from bluevela.health.nvml import kmsg_record_line, parse_xids
+        from bluevela.health.kmsg import kmsg_record_line, parse_xids
 
         if self._kmsg_failed:
             return

@@ -42,9 +42,9 @@ from bluevela.health.checks import gpu_fabric as fabric
 from bluevela.health.checks.gpu_xids import XID_TABLE as XID_TABLE  # re-exported
 from bluevela.health.checks.gpu_xids import driver_loads, reset_since, xid_verdict
 from bluevela.health.jobprocs import owners, parent_pid
+from bluevela.health.kmsg import SXid, Xid, parse_sxids, parse_xids, read_marked_lines
 from bluevela.health.nvml import (
     FABRIC_COMPLETED,
-    KMSG_MARKS,
     NVLINK_COUNTERS,
     GPUInfo,
     LiveNVML,
@@ -53,10 +53,6 @@ from bluevela.health.nvml import (
     NVMLSource,
     ProcessInfo,
     ReplayNVML,
-    SXid,
-    Xid,
-    parse_sxids,
-    parse_xids,
 )
 from bluevela.health.result import CheckResult, Status, summarize
 from bluevela.health.state import read_json, write_json
@@ -97,8 +93,7 @@ class GPUFacts:
 def _kmsg_lines(ctx: ProbeContext, snap: NVMLSnapshot | None) -> tuple[list[str] | None, str | None]:
     if ctx.kmsg is not None:
         try:
-            with open(ctx.kmsg, encoding="utf-8", errors="replace") as fh:
-                return [ln for ln in fh if any(m in ln for m in KMSG_MARKS)], str(ctx.kmsg)
+            return read_marked_lines(ctx.kmsg), str(ctx.kmsg)
         except OSError as exc:
             logger.info("cannot read %s: %s", ctx.kmsg, exc)
             return None, None

@@ -28,7 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from bluevela.health.nvml import FABRIC_COMPLETED, FABRIC_STATES, GPUInfo, SXid
+from bluevela.health.kmsg import SXid
+from bluevela.health.nvml import FABRIC_COMPLETED, FABRIC_STATES, GPUInfo
 from bluevela.health.result import Status, duration_text
 
 if TYPE_CHECKING:
