@@ -3,8 +3,8 @@
     python3 -P -m bluevela.launch.supervisor --nodes=N [--spare-nodes=S] [--min-nodes=M]
         [--hang-timeout=T] -- torchrun --nproc-per-node=K ... script args
 
-It runs one training STEP at a time: ``srun`` starts one *node agent* per node (this module's
-``agent`` subcommand), each agent keeps a TCP connection to the supervisor (hello, a ping
+It runs one training STEP at a time: ``srun`` starts one *node agent* per node
+(bluevela/launch/agent.py), each agent keeps a TCP connection to the supervisor (hello, a ping
 every second, its exit status) and runs ``torchrun`` once told the rendezvous port. The
 supervisor adds torchrun's rendezvous flags per step: c10d on the step's first node, on a port
 that node's agent found free there. What it does (docs/resilience.md, "What bv does inside
@@ -65,12 +65,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
+from bluevela.launch.agent import (
+    RDZV_ENDPOINT_ENV,
+    RDZV_NODE_ENV,
+    SUPERVISOR_ENV,
+    USR1_UNCAUGHT_S,
+    agent_argv,
+)
 from bluevela.launch.events import failure_time
-from bluevela.launch.events_copy import CopyWriter, keeper_of
+from bluevela.launch.events_copy import keeper_of
 from bluevela.launch.events_log import EventLog
 from bluevela.launch.grow import GrowResult, release_helpers
 from bluevela.launch.grow import grow as grow_job
-from bluevela.launch.rdzv_guard import guarded_argv
+from bluevela.launch.proctree import reap
 from bluevela.launch.wire import (
     SECRET_ENV,
     Channel,
@@ -79,36 +86,23 @@ from bluevela.launch.wire import (
     derive,
     fresh_seq,
     new_secret,
-    parse_challenge,
     printable,
     safe_name,
-    secret_from_env,
 )
 from bluevela.runtime.heartbeat import ENV_ADDR as HEARTBEAT_ENV
 from bluevela.runtime.heartbeat import beat_key, parse_beat
-from bluevela.runtime.world import STEP_NODELIST_ENV, STEP_NUM_NODES_ENV, training_env
+from bluevela.runtime.world import STEP_NODELIST_ENV, STEP_NUM_NODES_ENV
 
 logger = logging.getLogger(__name__)
 
 BANNER_PREFIX = "==== bv attempt "
 BANNER_RE = re.compile(r"^==== bv attempt (\d+) job (\S+) nodes (\S+) previous: (.*) ====$")
 END_RE = re.compile(r"^==== bv attempt (\d+) ended: (.*) ====$")
-SUPERVISOR_ENV = "BV_SUPERVISOR"
 ATTEMPT_ENV = "BV_ATTEMPT"
-PING_S = 1.0
-# An aborted step is broken (a peer is gone, or it hangs): no checkpoint can complete, so
-# torchrun's SIGTERM is followed by SIGKILL to everything under it soon after.
-ABORT_KILL_S = 0.5
-# Then a node with a worker that never installed a SIGUSR1 handler gets torchrun's own stop
-# (SIGTERM to torchrun: forwarded to the workers, SIGKILL 30 s later), never SIGUSR1's kill.
-USR1_UNCAUGHT_S = 30.0
-USR1_WAIT_ENV = "BV_USR1_WAIT_S"  # the job's own value for it (bv submit --env), 0-600 s
 TICK_S = 0.2
 UNSET_ON_RESIZE = ("SLURM_NPROCS", "SLURM_NTASKS", "SLURM_TASKS_PER_NODE")
 # torchrun's rendezvous, in the environment only (/proc/PID/environ: the owner and root).
 RDZV_ID_ENV = "PET_RDZV_ID"
-RDZV_ENDPOINT_ENV = "PET_RDZV_ENDPOINT"
-RDZV_NODE_ENV = "BV_RDZV_NODE"  # the step's first node, where the store runs
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,12 +209,6 @@ def rdzv_env(rdzv_id: str, rdzv_node: str) -> dict[str, str]:
     """What the step's agents and torchruns read instead of command-line flags: torchrun takes
     any option from ``PET_<OPTION>`` when it is not on its command line (its ``env`` action)."""
     return {RDZV_ID_ENV: rdzv_id, RDZV_NODE_ENV: rdzv_node}
-
-
-def endpoint_env(host: str, port: int) -> dict[str, str]:
-    """torchrun's ``--rdzv-endpoint``, through the environment (the agent adds it once the
-    rendezvous node's agent has found a free port there)."""
-    return {RDZV_ENDPOINT_ENV: f"{host}:{port}"}
 
 
 def ranks_bound(torchrun: Sequence[str], nodes: int) -> int:
@@ -744,14 +732,11 @@ class Supervisor:
 
     # -- one step --------------------------------------------------------------------------
     def srun_argv(self, nodes: Sequence[str], launch: int) -> list[str]:
-        # -P: the job's working directory is not on the agent's import path (a module planted
-        # there, e.g. select.py, would run as the job's user inside every node agent).
-        agent = [sys.executable, "-P", "-m", "bluevela.launch.supervisor", "agent", "--"]
         return [
             "srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
             f"--nodelist={','.join(nodes)}", "--export=ALL",
             *(["--overlap"] if launch > 1 else []),
-            *agent, *torchrun_step_argv(self.opts.torchrun, nodes),
+            *agent_argv(), *torchrun_step_argv(self.opts.torchrun, nodes),
         ]
 
     def run_step(self, attempt: int, launch: int, nodes: list[str]) -> StepResult:
@@ -794,7 +779,7 @@ class Supervisor:
                     # Checkpoint requested: wait for the step to end (Slurm's time limit and
                     # KillWait bound this).
                     if not st.unaccounted() or srun_settled:
-                        self._reap(srun, 2.0)
+                        reap(srun, 2.0)
                         exits = st.exits()
                         if (exits and not st.lost and set(exits.values()) == {0}
                                 and not any(c.signalled for c in st.conns)):
@@ -804,7 +789,7 @@ class Supervisor:
                 if st.lost or st.first_failure is not None:
                     return self._end_step(st, srun, None)
                 if not st.unaccounted():
-                    self._reap(srun, 10.0)
+                    reap(srun, 10.0)
                     return StepResult("ok", 0, "exit 0")
                 if srun_settled:
                     if st.srun_rc == 0 and not st.by_node():
@@ -902,7 +887,7 @@ class Supervisor:
             self._pump(st, srun)
         for node in st.unaccounted():
             st.lost[node] = "did not answer the abort"
-        self._reap(srun, 0.5)
+        reap(srun, 0.5)
         lost_text = "; ".join(f"{n} lost ({why})" for n, why in st.lost.items())
         if hang is not None:
             return StepResult("hang", 1, hang.describe() + (f"; {lost_text}" if lost_text else ""),
@@ -1069,309 +1054,6 @@ class Supervisor:
             conn.why = printable(why) if isinstance(why, str) else ""
         return None
 
-    @staticmethod
-    def _reap(srun: subprocess.Popen[bytes], wait_s: float) -> None:
-        try:
-            srun.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            srun.kill()
-            srun.wait()
-
-
-# --------------------------------------------------------------------------------------------
-# Node agent (the srun task on each node)
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 1 and int(fields[1]) == pid:
-            out.append(int(entry))
-    return out
-
-
-def _has_local_rank(pid: int) -> bool:
-    try:
-        return b"\0LOCAL_RANK=" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return False
-
-
-def catches(pid: int, sig: int) -> bool:
-    """Whether process `pid` has a handler installed for `sig` (SigCgt in /proc/PID/status)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return False
-
-
-def descendants(pid: int) -> list[int]:
-    found: list[int] = []
-    frontier = [pid]
-    while frontier:
-        for child in _children(frontier.pop()):
-            found.append(child)
-            frontier.append(child)
-    return found
-
-
-def worker_pids(torchrun_pid: int) -> list[int]:
-    """torchrun's workers: descendants that have LOCAL_RANK in their environment while their
-    parent does not (the torchrun agent sets it for its workers only; a worker's own children,
-    e.g. data loaders, inherit it and are skipped)."""
-    found: list[int] = []
-    frontier = [torchrun_pid]
-    while frontier:
-        parent = frontier.pop()
-        for child in _children(parent):
-            if _has_local_rank(child) and not _has_local_rank(parent):
-                found.append(child)
-            else:
-                frontier.append(child)
-    return sorted(found)
-
-
-def free_port() -> int:
-    """A TCP port free on this node now, the kernel's pick: torchrun's c10d store binds it
-    moments later. A fixed port (29500) could be taken first by any user of the node."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return int(probe.getsockname()[1])
-
-
-def _read_challenge(sock: socket.socket) -> bytes | None:
-    line = b""
-    while not line.endswith(b"\n") and len(line) < 128:
-        chunk = sock.recv(1)
-        if not chunk:
-            return None
-        line += chunk
-    return parse_challenge(line)
-
-
-def _agent_connect(addr: str, node: str, key: bytes) -> Channel | None:
-    host, _, port = addr.rpartition(":")
-    deadline = time.monotonic() + 30
-    while True:
-        sock: socket.socket | None = None
-        try:
-            sock = socket.create_connection((host, int(port)), timeout=5)
-            nonce = _read_challenge(sock)
-            if nonce is None:
-                raise OSError("no challenge from the supervisor")
-            return Channel(sock, key, nonce, b"a")
-        except (OSError, ValueError) as exc:
-            if sock is not None:
-                sock.close()
-            if time.monotonic() > deadline:
-                _log(f"agent on {safe_name(node)}: cannot reach the supervisor at "
-                     f"{safe_name(addr)}: {exc}")
-                return None
-            time.sleep(0.2)
-
-
-def _agent_read(chan: Channel) -> list[dict[str, object]] | None:
-    """The supervisor's messages now readable; None when it is gone or its line does not
-    verify (then the channel cannot be trusted either)."""
-    try:
-        data = chan.sock.recv(65536)
-    except (BlockingIOError, InterruptedError):
-        return []
-    except OSError:
-        return None
-    if not data:
-        return None
-    try:
-        return chan.feed(data)
-    except ChannelError as exc:
-        _log(f"agent: {exc} from the supervisor")
-        return None
-
-
-def agent_main(argv: Sequence[str]) -> int:
-    args = list(argv)
-    if args[:1] == ["--"]:
-        args = args[1:]
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    rdzv_node = os.environ.get(RDZV_NODE_ENV, "")
-    if not args:
-        _log("agent: no torchrun command")
-        return 2
-    secret = secret_from_env()
-    if secret is None:
-        _log(f"agent on {safe_name(node)}: no job secret ({SECRET_ENV}) in the environment")
-        return 1
-    chan = _agent_connect(os.environ.get(SUPERVISOR_ENV, ""), node, derive(secret, b"line"))
-    if chan is None:
-        return 1
-    sock = chan.sock
-    hello: dict[str, object] = {"t": "hello", "node": node, "pid": os.getpid()}
-    if node == (rdzv_node or node):
-        hello["port"] = free_port()
-    chan.send(hello)
-    sock.setblocking(False)
-    signal.signal(signal.SIGUSR1, lambda *_: None)  # srun may forward one: handled below
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    os.set_blocking(wake_r, False)
-    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-    # SIGTERM: Slurm signals torchrun and the workers directly (proctrack); stay to report.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    signal.signal(signal.SIGINT, lambda *_: None)
-    sel = selectors.DefaultSelector()
-    sel.register(sock, selectors.EVENT_READ)
-    sel.register(wake_r, selectors.EVENT_READ)
-    proc: subprocess.Popen[bytes] | None = None  # torchrun, once the supervisor says go
-    copy = CopyWriter(os.environ, node)  # the goodput events, when this node keeps them
-    signalled: set[int] = set()
-    termed = 0  # workers that had no SIGUSR1 handler: torchrun was sent SIGTERM for them
-    usr1_wait = _seconds(os.environ.get(USR1_WAIT_ENV), USR1_UNCAUGHT_S)
-    want_usr1 = False
-    usr1_at: float | None = None
-    aborting_at: float | None = None
-    last_ping = 0.0
-    while True:
-        ready = {key.fileobj for key, _ in sel.select(TICK_S)}
-        if wake_r in ready:
-            try:
-                if signal.SIGUSR1 in os.read(wake_r, 1024):
-                    want_usr1 = True
-            except BlockingIOError:
-                pass
-        chan.flush()  # lines a slow reader left pending: whole lines only (wire.Channel)
-        if chan.broken is not None:
-            _log(f"agent on {safe_name(node)}: the channel to the supervisor broke "
-                 f"({chan.broken})")
-        if chan.broken is not None or sock in ready:
-            msgs = None if chan.broken is not None else _agent_read(chan)
-            if msgs is None:  # the supervisor is gone: do not leave training running
-                copy.gone()
-                if proc is not None:
-                    _kill_tree(proc)
-                    proc.wait()
-                return 1
-            for msg in msgs:
-                kind = msg.get("t")
-                port = msg.get("port")
-                if (kind == "go" and proc is None and aborting_at is None
-                        and isinstance(port, int) and 1 <= port <= 65535):
-                    try:
-                        # torch's own torchrun runs with its rendezvous state unpickled
-                        # through an allow-list: the store has no authentication.
-                        proc = subprocess.Popen(
-                            guarded_argv(args) or args, start_new_session=True,
-                            env={**training_env(os.environ, args),
-                                 **endpoint_env(rdzv_node or node, port)})
-                    except OSError as exc:
-                        # A missing or unrunnable torchrun is the step's failure (the shell's
-                        # 127/126), not a lost node: no relaunch or requeue would mend it.
-                        code = 127 if exc.errno == errno.ENOENT else 126
-                        why = (f"cannot start {printable(args[0])} on {safe_name(node)}: "
-                               f"{exc.strerror or exc}")
-                        _log(f"agent: {why}")
-                        chan.send({"t": "exit", "rc": code, "node": node, "signalled": 0,
-                                   "why": why})
-                        chan.close(linger_s=5.0)
-                        return code
-                elif kind in ("ev", "ev_synced"):
-                    copy.feed(msg)
-                elif kind == "usr1":
-                    want_usr1 = True
-                elif kind == "abort" and aborting_at is None:
-                    aborting_at = time.monotonic()
-                    if proc is not None:
-                        _kill_group(proc, signal.SIGTERM)
-        if proc is None:
-            if aborting_at is not None:
-                chan.send({"t": "exit", "rc": 1, "node": node, "signalled": 0})
-                chan.close(linger_s=5.0)
-                return 1
-            if time.monotonic() - last_ping >= PING_S:
-                chan.send({"t": "ping"})
-                last_ping = time.monotonic()
-            continue
-        if want_usr1:
-            if usr1_at is None:
-                usr1_at = time.monotonic()
-            # A worker still importing has no handler yet and SIGUSR1 would kill it: wait for
-            # its handler (bluevela.runtime, or bv's framework integration), USR1_UNCAUGHT_S at
-            # most; a worker that never installs one is not killed by a signal it did not ask
-            # for: torchrun gets SIGTERM, the stop torchrun users expect (docs/byos.md).
-            late = time.monotonic() - usr1_at > usr1_wait
-            uncaught = 0
-            for pid in worker_pids(proc.pid):
-                if pid in signalled:
-                    continue
-                if catches(pid, signal.SIGUSR1):
-                    try:
-                        os.kill(pid, signal.SIGUSR1)
-                        signalled.add(pid)
-                    except ProcessLookupError:
-                        pass
-                elif late:
-                    uncaught += 1
-            if uncaught and not termed:
-                termed = uncaught
-                _log(f"agent on {safe_name(node)}: {uncaught} worker(s) without a SIGUSR1 "
-                     f"handler after {usr1_wait:.0f} s: SIGTERM to torchrun (it stops its "
-                     "workers, SIGKILL 30 s later)")
-                try:
-                    os.kill(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        if aborting_at is not None and time.monotonic() - aborting_at > ABORT_KILL_S:
-            _kill_tree(proc)
-        rc = proc.poll()
-        if rc is not None:
-            code = rc if rc >= 0 else 128 - rc
-            chan.send({"t": "exit", "rc": code, "node": node, "signalled": len(signalled),
-                       "termed": termed})
-            chan.close(linger_s=5.0)
-            return code
-        if time.monotonic() - last_ping >= PING_S:
-            chan.send({"t": "ping"})
-            last_ping = time.monotonic()
-
-
-def _seconds(text: str | None, default: float) -> float:
-    try:
-        value = float(text) if text else default
-    except ValueError:
-        return default
-    return value if 0 <= value <= 600 else default
-
-
-def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL everything under `proc` and its group: the workers may sit in sessions of
-    their own, so by pid first, then the group."""
-    for pid in descendants(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    _kill_group(proc, signal.SIGKILL)
-
-
-def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-    except OSError as exc:
-        if exc.errno != errno.ESRCH:
-            raise
-
 
 # --------------------------------------------------------------------------------------------
 # Entry
@@ -1421,11 +1103,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["agent"]:
-        rest = args_list[1:]
-        return agent_main(rest[1:] if rest[:1] == ["--"] else rest)
-    args = parse_args(args_list)
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
     opts = Options(nodes=args.nodes, spare_nodes=args.spare_nodes, min_nodes=args.min_nodes,
                    hang_timeout=args.hang_timeout, node_timeout=args.node_timeout,
                    grow_deadline=args.grow_deadline, slurm_timeout=args.slurm_timeout,
