@@ -170,7 +170,8 @@ def test_spare_advice() -> None:
 def test_the_fleet_report_uses_the_ledger_where_events_exist() -> None:
     """Two 2-node jobs of an 8-GPU class: one with the spare-relaunch record above (a ledger
     replaces its whole-job outcome), one without events (whole-job, as before)."""
-    from bluevela.report.fleet import FleetFacts, JobFacts, NodeClassInfo, compute
+    from bluevela.report.fleet import compute
+    from bluevela.report.fleet_facts import FleetFacts, JobFacts, NodeClassInfo
 
     rec = _rec(0, submit=0, start=10, launches=[
         _launch(1, 1, 12, 20, [(4, 30, 31), (8, 41, 42)], "lost", gone=48, failed=47,

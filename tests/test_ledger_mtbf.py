@@ -1,5 +1,5 @@
 """The goodput ledgers' node failures feed the fleet MTBF that their own advice uses
-(bluevela/report/fleet.py `ledger_failures`, `compute`), once each: a failure a ledger and a
+(bluevela/report/fleet_goodput.py `ledger_failures`, fleet.py `compute`), once each: a failure a ledger and a
 drain of the same node both saw is one failure. Hand-built facts; every number by hand."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from bluevela.launch.events import validate
-from bluevela.report.fleet import Event, FleetFacts, JobFacts, NodeClassInfo, compute
+from bluevela.report.fleet import compute
+from bluevela.report.fleet_facts import Event, FleetFacts, JobFacts, NodeClassInfo
 
 T = 1_800_000_000.0
 NOW = T + 36000.0  # a 10 h window

@@ -12,7 +12,8 @@ import pytest
 from bluevela.launch.events import validate
 from bluevela.report import goodput as G
 from bluevela.report import goodput_bounds as GB
-from bluevela.report.fleet import FleetFacts, JobFacts, NodeClassInfo, compute
+from bluevela.report.fleet import compute
+from bluevela.report.fleet_facts import FleetFacts, JobFacts, NodeClassInfo
 
 T = 1_800_000_000.0
 NODES = [f"node{i}" for i in range(1, 7)]  # Slurm gave 6 nodes: 4 train, 2 hot spares

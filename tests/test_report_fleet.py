@@ -24,7 +24,9 @@ from bluevela.archive.reports import validate_report
 from bluevela.archive.sample import sample_report
 from bluevela.archive.spool import SpoolEntry, report_name, write_report
 from bluevela.bench.store import NightRecord, NodeRow, ResultRow, nightly_dir, write_night
-from bluevela.report.fleet import NodeClassInfo, compute, fleet_report, gather
+from bluevela.report.fleet import compute, fleet_report
+from bluevela.report.fleet_facts import NodeClassInfo
+from bluevela.report.fleet_gather import gather
 from tests.test_bench_report import CHROMIUM, _chromium, _png_pixels
 
 H = 3600.0

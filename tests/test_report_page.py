@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.report.fleet import compute, gather
+from bluevela.report.fleet import compute
+from bluevela.report.fleet_gather import gather
 from tests.test_report_fleet import CLASSES, NOW, T0, fleet  # noqa: F401 (fixture)
 
 

@@ -137,7 +137,8 @@ def fleet_advice(archive_dir: Path, ledger: Ledger, job: dict[str, Any],
     import time as _time
 
     from bluevela.errors import BluevelaError
-    from bluevela.report.fleet import UNKNOWN_CLASS, classes_of, fleet_report
+    from bluevela.report.fleet import fleet_report
+    from bluevela.report.fleet_facts import UNKNOWN_CLASS, classes_of
 
     now = _time.time() if now is None else now
     try:
