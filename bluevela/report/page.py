@@ -88,10 +88,21 @@ def fmt_duration(s: float | None, missing: str = "–") -> str:
 
 
 def document(title: str, body: Iterable[str]) -> str:
-    """A whole self-contained page: no script, no external resource."""
+    """A whole self-contained page: no script, no external resource. A marker definition that
+    an earlier chart of the page already holds, byte for byte, is said once: matplotlib names
+    a marker by a hash of its path and style, and one page's inline SVGs share one id space."""
     head = ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f"<title>{esc(title)}</title><style>{CSS}</style></head><body>")
-    return "\n".join([head, *body, "</body></html>"]) + "\n"
+    seen: set[str] = set()
+
+    def once(m: re.Match[str]) -> str:
+        if m[0] in seen:
+            return ""
+        seen.add(m[0])
+        return m[0]
+
+    parts = [_MARKER_DEFS.sub(once, part) for part in body]
+    return "\n".join([head, *parts, "</body></html>"]) + "\n"
 
 
 def write_page(path: Path, text: str) -> Path:
@@ -200,6 +211,8 @@ _SVG = "http://www.w3.org/2000/svg"
 _XLINK = "{http://www.w3.org/1999/xlink}href"
 # matplotlib's own ids ("figure_1", "xtick_3", "matplotlib.axis_2"): none is referenced; the
 # ids a page gives (gid="series", "cell-1-2") and the defs' hashed ids are kept
+# a marker's definition as page.svg writes it: matplotlib's id is a hash of path and style
+_MARKER_DEFS = re.compile(r'<defs><path id="m[0-9a-f]{10}" d="[^"]*"(?: style="[^"]*")?/></defs>')
 _AUTO_ID = re.compile(r"^[A-Za-z][A-Za-z0-9.]*_\d+$")
 _NUMERIC = ("x", "y", "width", "height", "x1", "x2", "y1", "y2", "cx", "cy", "r")
 _FRACTION = re.compile(r"(\.\d)\d+")
@@ -273,6 +286,9 @@ def _tidy(el: Any) -> None:
         style = re.sub(r"\s*([:;])\s*", r"\1", a["style"].strip())
         style = re.sub(r"#([0-9a-f])\1([0-9a-f])\2([0-9a-f])\3\b", r"#\1\2\3", style)
         style = re.sub(r"font-family:'DejaVu Sans', ?sans-serif;?", "", style)
+        # initial values, the same pixels unsaid
+        style = re.sub(r"(?:^|(?<=;))(?:stroke-dashoffset:0|text-anchor:start)(?:;|$)", "",
+                       style)
         if style.rstrip(";"):
             a["style"] = style.rstrip(";")
         else:
