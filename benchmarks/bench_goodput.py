@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bluevela.launch import events as E  # noqa: E402
 from bluevela.launch import events_epilog, events_log  # noqa: E402
+from bluevela.launch.outcome import Loss, StepEnd  # noqa: E402
 from bluevela.launch.wire import new_secret  # noqa: E402
 from bluevela.report import goodput as G  # noqa: E402
 from bluevela.runtime import heartbeat  # noqa: E402
@@ -119,8 +120,9 @@ def _big_job_files(tmp: Path) -> tuple[list[tuple[int, str]], list[str]]:
                 s += 600
             fail = start + per - 200
             f_mono = time.monotonic() - (time.time() - fail)
-            log.step_ended("lost" if launch_no < 11 else "ok", "gpu0999 lost (its agent's "
-                           "connection closed)", ["gpu0999"], f_mono, f_mono + 1, f_mono + 30)
+            log.step_ended(StepEnd.LOST if launch_no < 11 else StepEnd.OK,
+                           "gpu0999 lost (its agent's connection closed)",
+                           {"gpu0999": Loss.closed()}, f_mono, f_mono + 1, f_mono + 30)
         if restart < 5:  # the requeue 40 s after the failure (EventLog.requeue writes "now")
             log._write({"e": "requeue", "t": fail + 40})
         log.close()

@@ -36,9 +36,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from bluevela.launch.events import CkptMsg, collect_files, format_ckpt
-from bluevela.launch.wire import Channel, ChannelError, derive, parse_challenge
-from bluevela.runtime.heartbeat import Beat, beat_key, format_beat
+from bluevela.launch.events_epilog import collect_files
+from bluevela.protocol.channel import Channel, ChannelError, parse_challenge
+from bluevela.protocol.keys import beat_key, derive
+from bluevela.protocol.messages import Beat, CkptMsg, format_beat, format_ckpt
 
 RANKS_PER_NODE = 8
 SPARES = 3
@@ -424,6 +425,8 @@ class Result:
     figures: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
+    victims: list[str] = field(default_factory=list)  # the closed node, the silent node
+    hung: tuple[int, str] = (-1, "")  # the rank whose progress stopped, and its node
     stdout: str = ""
     stderr: str = ""
     rc: int | None = None
@@ -444,7 +447,9 @@ class Harness:
         self.events_dir = tmp / "events"
         self.events_dir.mkdir(exist_ok=True)
         self.events_dir.chmod(0o1777)
-        self.argv = [sys.executable, "-P", "-m", "bluevela.launch.supervisor", f"--nodes={n}",
+        prof = os.environ.get("BV_SCALE_PROFILE")  # a cProfile output path, for a look inside
+        self.argv = [sys.executable, "-P", *(["-m", "cProfile", "-o", prof] if prof else []),
+                     "-m", "bluevela.launch.supervisor", f"--nodes={n}",
                      f"--spare-nodes={SPARES}", f"--hang-timeout={hang_timeout:g}",
                      f"--node-timeout={node_timeout:g}", "--", "torchrun",
                      f"--nproc-per-node={RANKS_PER_NODE}", "--max-restarts=0", "train.py"]
@@ -558,7 +563,9 @@ class Harness:
             f["save.datagrams_sent"] = sent
             f["save.burst_s"] = burst_s
             f["save.dropped"] = udp_drops(udp_port) - d0
+            f["step1.aborts_before_failure"] = len(agents.record.aborts)
             victim = agents.agents[-1]
+            res.victims.append(victim.node)
             ranks.send("mute", victim.index)
             t_fail = time.monotonic()
             agents._forget(victim)
@@ -573,7 +580,9 @@ class Harness:
             self._started(agents, "step2")
             ranks.send("step", *agents.beat_addr, agents.env["BV_JOB_SECRET"], agents.nodes)
             agents.run_for(1.5)
+            f["step2.aborts_before_failure"] = len(agents.record.aborts)
             victim = agents.agents[-1]
+            res.victims.append(victim.node)
             ranks.send("mute", victim.index)
             t_fail = agents.silence(victim)
             f["lost_silent.decision_s"] = self._abort_latency(
@@ -587,7 +596,9 @@ class Harness:
             self._started(agents, "step3")
             ranks.send("step", *agents.beat_addr, agents.env["BV_JOB_SECRET"], agents.nodes)
             agents.run_for(1.5)
+            f["step3.aborts_before_failure"] = len(agents.record.aborts)
             hung = (self.n // 2) * RANKS_PER_NODE + 3
+            res.hung = (hung, agents.nodes[self.n // 2])
             t_stall = ranks.ask("stall", hung)
             f["hang.decision_s"] = self._abort_latency(agents, t_stall, self.hang_timeout + 30)
             res.load.append(loadavg())

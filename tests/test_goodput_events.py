@@ -14,6 +14,7 @@ import pytest
 
 from bluevela.launch import events as E
 from bluevela.launch import events_epilog, events_log
+from bluevela.launch.outcome import Loss, LossKind, StepEnd, lost_text
 from bluevela.launch.wire import new_secret
 from bluevela.runtime import heartbeat
 from bluevela.runtime.heartbeat import beat_key
@@ -116,7 +117,8 @@ def _supervisor_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     assert log.datagram(b"bvck1 forged", key, 2, time.monotonic())  # taken, not recorded
     assert not log.datagram(b"bvhb2 a beat", key, 2, time.monotonic())
     now = time.monotonic()
-    log.step_ended("lost", "node2 lost (its agent's connection closed)", ["node2"], now, now, now)
+    lost = {"node2": Loss.closed()}
+    log.step_ended(StepEnd.LOST, lost_text(lost), lost, now, now, now)
     log.requeue()
     log.close()
     (path,) = tmp_path.glob(f"bv-goodput.77.r1.u{os.getuid()}.*.jsonl")
@@ -188,10 +190,14 @@ def test_a_last_line_cut_by_a_kill_is_skipped() -> None:
 
 
 def test_failure_time_rules() -> None:
-    assert E.failure_time({"n2": "its agent's connection closed: ..."}, {"n2": 5.0}, 0.0,
-                          9.0, None) == 9.0
-    assert E.failure_time({"n2": "silent for 10 s (no agent ping)"}, {"n2": 5.0}, 0.0,
-                          16.0, None) == 5.0
+    assert E.failure_time({"n2": Loss.closed()}, {"n2": 5.0}, 0.0, 9.0, None) == 9.0
+    assert E.failure_time({"n2": Loss.silent(10)}, {"n2": 5.0}, 0.0, 16.0, None) == 5.0
+    assert E.failure_time({"n2": Loss.never_connected(60)}, {}, 1.5, 16.0, None) == 1.5
+    # the kind decides, not the words
+    assert E.failure_time({"n2": Loss(LossKind.SILENT, "quiet")}, {"n2": 5.0}, 0.0, 16.0,
+                          None) == 5.0
+    assert E.failure_time({"n2": Loss(LossKind.CLOSED, "silent for 10 s")}, {"n2": 5.0}, 0.0,
+                          16.0, None) == 16.0
     assert E.failure_time({}, {}, 0.0, 20.0, 12.5) == 12.5
     assert events_log.parse_limit("1-02:03:04") == 93784.0
     assert events_log.parse_limit("00:02:00") == 120.0

@@ -23,6 +23,7 @@ import pytest
 
 from bluevela.launch import events as E
 from bluevela.launch import events_dir, events_epilog, events_log
+from bluevela.launch.outcome import Loss, StepEnd
 from bluevela.runtime.heartbeat import beat_key
 from tests.conftest import REPO
 
@@ -62,6 +63,7 @@ SUPERVISOR = """
 import json, sys, time
 from bluevela.launch import events as E
 from bluevela.launch import events_log
+from bluevela.launch.outcome import StepEnd
 from bluevela.runtime.heartbeat import beat_key
 env, host = json.loads(sys.argv[1]), sys.argv[2]
 log = events_log.EventLog.open(env, host, query=False)
@@ -70,7 +72,7 @@ t0 = time.monotonic()
 log.launch(1, 1, [host], 0, t0)
 log.progress(t0)
 log.datagram(E.format_ckpt(E.CkptMsg(0, 4, 10, 1, 0.2, 0.1), key), key, 1, time.monotonic())
-log.step_ended("ok", "exit 0", [], None, None, time.monotonic())
+log.step_ended(StepEnd.OK, "exit 0", {}, None, None, time.monotonic())
 log.close()
 """
 
@@ -219,8 +221,8 @@ def _big_job(events: Path, saves: int, all_ranks_saves: int, others: int = 8
         for rank in range(8192 if k < all_ranks_saves else others):
             msg = E.CkptMsg(rank, 1000 * (k + 1), 1000 + rank, k + 1, age, age - 20 - rank % 7)
             log.datagram(E.format_ckpt(msg, key), key, 8192, now)
-    log.step_ended("lost", "gpu0007 lost (silent for 60 s)", ["gpu0007"], now - 30, now - 1,
-                   now)
+    log.step_ended(StepEnd.LOST, "gpu0007 lost (silent for 60 s)", {"gpu0007": Loss.silent(60)},
+                   now - 30, now - 1, now)
     log.requeue()
     log.close()
     (path,) = events.glob("bv-goodput.4242.r0.*.jsonl")
@@ -286,7 +288,7 @@ def test_a_replayed_checkpoint_datagram_moves_nothing(tmp_path: Path) -> None:
     log.datagram(save, key, 1, time.monotonic())  # the same bytes again
     older = E.format_ckpt(E.CkptMsg(0, 8, 321, 4, 0.0, 0.0), key)  # an earlier seq
     log.datagram(older, key, 1, time.monotonic())
-    log.step_ended("ok", "exit 0", [], None, None, time.monotonic())
+    log.step_ended(StepEnd.OK, "exit 0", {}, None, None, time.monotonic())
     log.close()
     rec = events_epilog.collect(79, 0, "node1", os.getuid(), env)
     assert rec is not None

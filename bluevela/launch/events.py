@@ -33,10 +33,12 @@ from __future__ import annotations
 import hmac
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from bluevela.launch.outcome import Loss, LossKind, StepEnd
 from bluevela.launch.wire import NAME_MAX, bounded_int, mac, safe_name
 
 CKPT_MAGIC = "bvck1"
@@ -52,14 +54,16 @@ MAX_STEP = 1 << 62
 MAX_RANK = 1 << 20
 MAX_AGE_MS = 7 * 86400 * 1000
 # The longest `end` line (cause of MAX_CAUSE characters JSON-escaped at worst 12 bytes each,
-# MAX_NODES names of NAME_MAX+3 characters quoted) and `requeue` line: the room the writer
-# keeps free while a launch is open, so the events that close it always fit.
-END_LINE_MAX = 400 + 12 * MAX_CAUSE + MAX_NODES * (NAME_MAX + 3 + 3)
+# MAX_NODES names of NAME_MAX+3 characters quoted, listed again with their loss kind, and the
+# hung rank's node) and `requeue` line: the room the writer keeps free while a launch is
+# open, so the events that close it always fit.
+_KIND_MAX = max(len(k.value) for k in LossKind) + 3
+END_LINE_MAX = (400 + 12 * MAX_CAUSE + MAX_NODES * (NAME_MAX + 3 + 3)
+                + (MAX_NODES + 1) * (NAME_MAX + 3 + 1 + _KIND_MAX + 1))
 REQUEUE_LINE_MAX = 64
 CLOSE_RESERVE = END_LINE_MAX + REQUEUE_LINE_MAX
 # Unix times must fall between these (2001 .. 2286): anything else is not a clock reading.
 T_MIN, T_MAX = 1e9, 1e10
-KINDS = ("ok", "failed", "lost", "hang", "signal", "terminated")
 
 
 # --------------------------------------------------------------------------------------------
@@ -107,19 +111,22 @@ def parse_ckpt(data: bytes, key: bytes) -> CkptMsg | None:
 # The supervisor's step: when its failure happened
 
 
-def failure_time(lost: Mapping[str, str], last_seen: Mapping[str, float], started: float,
+def failure_time(lost: Mapping[str, Loss | str], last_seen: Mapping[str, float], started: float,
                  detected: float, hang_progress: float | None) -> float:
-    """When the step's failure happened (monotonic): a hang at the stuck rank's last progress;
-    a node silent for --node-timeout at its agent's last message; a node that never
-    connected at the step's start; anything else (a closed connection, a rank's exit) when
-    it was seen, which is within one supervisor tick of it."""
+    """When the step's failure happened (monotonic), from each lost node's `LossKind`: a hang
+    at the stuck rank's last progress; a node silent for --node-timeout at its agent's last
+    message; a node that never connected at the step's start; anything else (a closed
+    connection, a rank's exit) when it was seen, which is within one supervisor tick of it."""
     if hang_progress is not None:
         return min(hang_progress, detected)
     times = [detected]
-    for node, why in lost.items():
-        if why.startswith("silent for") and node in last_seen:
+    for node, loss in lost.items():
+        # TRANSITIONAL (issue 26): a text reason while the supervisor still keeps words
+        # (helper H2 switches it to `Loss`); then only `loss.kind` remains.
+        kind = loss.kind if isinstance(loss, Loss) else legacy_loss_kind(loss)
+        if kind is LossKind.SILENT and node in last_seen:
             times.append(last_seen[node])
-        elif why.startswith("its agent never connected"):
+        elif kind is LossKind.NEVER_CONNECTED:
             times.append(started)
     return min(times)
 
@@ -160,6 +167,50 @@ def _nodes(value: Any, where: str) -> list[str]:
             raise EventsError(f"{where} holds a name that is not a node name")
         out.append(n)
     return out
+
+
+def _loss_kinds(value: Any, where: str) -> dict[str, str]:
+    """node -> `LossKind` value: why each node left the step (the hung rank's node too)."""
+    if not isinstance(value, dict) or len(value) > MAX_NODES + 1:
+        raise EventsError(f"{where} is not an object of at most {MAX_NODES + 1} nodes")
+    for node, kind in value.items():
+        if not isinstance(node, str) or safe_name(node) != node:
+            raise EventsError(f"{where} holds a name that is not a node name")
+        if kind not in _LOSS_KINDS:
+            raise EventsError(f"{where} holds an unknown loss kind")
+    return dict(value)
+
+
+# The words a record written before the kinds existed (no `loss_kinds`) gave each reason: the
+# start of the text in ``<node> lost (<text>)``. Read here only, in `legacy_loss_kinds`.
+_LEGACY_PREFIXES = (("its agent's connection closed", LossKind.CLOSED),
+                    ("silent for", LossKind.SILENT),
+                    ("its agent never connected", LossKind.NEVER_CONNECTED),
+                    ("did not answer the abort", LossKind.NO_ABORT_ANSWER),
+                    ("its agent broke the protocol", LossKind.PROTOCOL))
+_LEGACY_HANG = re.compile(r"^hang: rank [0-9]+ on (\S+)")
+
+
+def legacy_loss_kinds(cause: str, nodes: list[str]) -> dict[str, str]:
+    """The loss kinds of an end written by an older bv, which kept only the text: each lost
+    node's reason by the prefix its words had then (``<node> lost (silent for ...)``), and
+    the node a hang named (``hang: rank R on <node> stopped first``) as hung. A reason of
+    no known prefix gives that node no kind. The one place the words are read."""
+    out: dict[str, str] = {}
+    m = _LEGACY_HANG.match(cause)
+    if m and safe_name(m.group(1)) == m.group(1):
+        out[m.group(1)] = LossKind.HUNG.value
+    for node in nodes:
+        said = re.search(rf"(?:^|; ){re.escape(node)} lost \((.*)", cause)
+        kind = legacy_loss_kind(said.group(1) if said else "")
+        if kind is not None:
+            out[node] = kind.value
+    return out
+
+
+def legacy_loss_kind(why: str) -> LossKind | None:
+    """The kind of one reason in an older bv's words (`_LEGACY_PREFIXES`), or None."""
+    return next((k for prefix, k in _LEGACY_PREFIXES if why.startswith(prefix)), None)
 
 
 def fold(lines: list[dict[str, Any]]) -> dict[str, Any]:
@@ -228,8 +279,8 @@ def _fold_launch_line(la: dict[str, Any], kind: Any, ev: dict[str, Any], where: 
         t0, t1 = _t(ev.get("t0"), where), _t(ev.get("t1"), where)
         la["ckpt_more"] = [la["ckpt_more"][0] + 1, la["ckpt_more"][1] + max(0.0, t1 - t0)]
     elif kind == "end":
-        la["end"] = {k: ev.get(k) for k in ("kind", "cause", "nodes", "failed", "detected",
-                                             "gone")}
+        la["end"] = {k: ev.get(k) for k in ("kind", "cause", "nodes", "loss_kinds", "failed",
+                                             "detected", "gone")}
     else:
         raise EventsError(f"{where}: unknown event")
 
@@ -306,15 +357,23 @@ def _valid_launch(la: Any, w: str) -> dict[str, Any]:
         "end": None if la.get("end") is None else _valid_end(la["end"], w)}
 
 
+_STEP_ENDS = frozenset(e.value for e in StepEnd)
+_LOSS_KINDS = frozenset(k.value for k in LossKind)
+
+
 def _valid_end(end: Any, w: str) -> dict[str, Any]:
-    if not isinstance(end, dict) or end.get("kind") not in KINDS:
+    if not isinstance(end, dict) or end.get("kind") not in _STEP_ENDS:
         raise EventsError(f"{w}: end is not an object with a known kind")
     cause = end.get("cause")
     if not isinstance(cause, str) or len(cause) > MAX_CAUSE:
         raise EventsError(f"{w}: cause is not a short text")
+    nodes = _nodes(end.get("nodes") or [], f"{w} end nodes")
+    kinds = end.get("loss_kinds")
     return {"kind": end["kind"],
             "cause": "".join(c if c.isprintable() else "?" for c in cause),
-            "nodes": _nodes(end.get("nodes") or [], f"{w} end nodes"),
+            "nodes": nodes,
+            "loss_kinds": legacy_loss_kinds(cause, nodes) if kinds is None
+            else _loss_kinds(kinds, f"{w} loss_kinds"),
             "failed": _opt_t(end.get("failed"), f"{w} failed"),
             "detected": _opt_t(end.get("detected"), f"{w} detected"),
             "gone": _t(end.get("gone"), f"{w} gone")}

@@ -38,6 +38,7 @@ from bluevela.launch.events import (
 )
 from bluevela.launch.events_copy import CopySender
 from bluevela.launch.events_dir import create_file, events_dir
+from bluevela.launch.outcome import Loss, LossKind, StepEnd
 from bluevela.launch.wire import fresh_seq, safe_name
 
 logger = logging.getLogger(__name__)
@@ -248,21 +249,34 @@ class EventLog:
         if self.signal_mono is None:
             self.signal_mono = mono
 
-    def step_ended(self, kind: str, cause: str, lost: list[str], failed_mono: float | None,
-                   detected_mono: float | None, gone_mono: float) -> None:
-        """The step's end. For a signal the failure and its detection are the signal."""
+    def step_ended(self, kind: StepEnd | str, cause: str, lost: Mapping[str, Loss] | list[str],
+                   failed_mono: float | None, detected_mono: float | None, gone_mono: float,
+                   *, hung: str | None = None) -> None:
+        """The step's end: how it ended, the words the job output shows (`cause`), each lost
+        node with its `LossKind` (the ledger reads the kinds, never the words) and `hung`,
+        the node of the rank a hang stopped first. For a signal the failure and its
+        detection are the signal."""
         self._flush_ckpts()
-        if kind in ("signal", "terminated") and self.signal_mono is not None:
+        kind = StepEnd(kind)
+        if kind.by_signal and self.signal_mono is not None:
             failed_mono = detected_mono = max(self.signal_mono, self.started_mono)
         failed = self.wall(failed_mono) if failed_mono is not None else None
         detected = self.wall(detected_mono) if detected_mono is not None else None
         if self.skipping:
             return
         names = [n for n in sorted(lost) if safe_name(n) == n][:MAX_NODES]
-        self._write({"e": "end", "launch": self.launch_no, "kind": kind,
-                     "cause": cause[:MAX_CAUSE], "nodes": names,
-                     "failed": failed, "detected": detected, "gone": self.wall(gone_mono)},
-                    closing=True)
+        line = {"e": "end", "launch": self.launch_no, "kind": kind.value,
+                "cause": cause[:MAX_CAUSE], "nodes": names}
+        # TRANSITIONAL (issue 26): a list of names (no kinds) while the supervisor still keeps
+        # words (helper H2 switches it to `Loss`): the readers then take the kinds from the
+        # text (`events.legacy_loss_kinds`), as for a record of an older bv.
+        if isinstance(lost, Mapping):
+            kinds = {hung: LossKind.HUNG.value} if hung is not None and safe_name(hung) == hung \
+                else {}
+            kinds.update((n, lost[n].kind.value) for n in names)
+            line["loss_kinds"] = kinds
+        self._write({**line, "failed": failed, "detected": detected,
+                     "gone": self.wall(gone_mono)}, closing=True)
         self.open_launch = False
 
     def requeue(self) -> None:

@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bluevela.launch.outcome import LossKind, StepEnd
 from bluevela.report.goodput_bounds import Allocation, allocation_of, bound_record
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class Interruption:
     attempt: int
     restart: int
     kind: str  # lost | hang | signal | terminated | failed | no-record
-    cause: str  # a short name: "node failure: node2", "time limit", "hang: rank 1 on node2"
+    cause: str  # a short name: "node failure: node2", "time limit", "hang on node2"
     detail: str  # the supervisor's words
     at: float | None  # when it happened (unix s)
     nodes: list[str] = field(default_factory=list)
@@ -160,23 +161,25 @@ class _Line:
         self.cursor = until
 
 
-def _cause_of(kind: str, detail: str, nodes: Sequence[str], at: float | None,
-              started: float | None, limit: float | None) -> str:
-    if kind == "lost":
-        return "node failure: " + ",".join(nodes) if nodes else "node failure"
-    if kind == "hang":
-        words = detail.split(" stopped first")[0]
-        return words if words.startswith("hang:") else "hang"
-    if kind == "signal":
+def _cause_of(e: dict[str, Any], started: float | None, limit: float | None) -> str:
+    """The short name of how a launch ended, from its kinds (never from its words)."""
+    kind = StepEnd(e["kind"])
+    if kind is StepEnd.LOST:
+        return "node failure: " + ",".join(e["nodes"]) if e["nodes"] else "node failure"
+    if kind is StepEnd.HANG:
+        hung = [n for n, k in e["loss_kinds"].items() if k == LossKind.HUNG.value]
+        return f"hang on {hung[0]}" if hung else "hang"
+    if kind is StepEnd.SIGNAL:
+        at = e["failed"]
         if (limit is not None and at is not None and started is not None
                 and at - started >= limit - max(TIME_LIMIT_WINDOW_S, 0.1 * limit)):
             return "time limit"
         return "checkpoint signal (SIGUSR1: operator or preemption)"
-    if kind == "terminated":
+    if kind is StepEnd.TERMINATED:
         return "SIGTERM (cancel, operator requeue or preemption)"
-    if kind == "failed":
+    if kind is StepEnd.FAILED:
         return "rank failure"
-    return kind
+    return kind.value
 
 
 def _batch_node_end(rec: dict[str, Any], la: dict[str, Any], slurm_end: float | None
@@ -191,8 +194,9 @@ def _batch_node_end(rec: dict[str, Any], la: dict[str, Any], slurm_end: float | 
     failed = max(failed, last)
     acted = max(slurm_end, failed) if slurm_end is not None else failed
     on = rec.get("copy_on")
-    return {"kind": "lost", "nodes": [rec["host"]], "failed": failed, "detected": acted,
-            "gone": acted,
+    return {"kind": StepEnd.LOST.value, "nodes": [rec["host"]],
+            "loss_kinds": {rec["host"]: LossKind.BATCH_NODE.value},
+            "failed": failed, "detected": acted, "gone": acted,
             "cause": f"the batch node {rec['host']} died with the supervisor (its events from "
                      f"the copy on {on or 'a second node'}; the node's prolog came, its "
                      "epilog never did)"}
@@ -363,13 +367,13 @@ def _add_ended(b: _Build, la: dict[str, Any], e: dict[str, Any], k: int,
         if prev_end is not None:
             b.ckpt_gaps.append(t0 - prev_end)
         prev_end = t1
-    if e["kind"] == "ok":
+    if e["kind"] == StepEnd.OK:
         b.to("productive", work_end, k)
         return
     redone_from = b.line.cursor
     b.to("redone", work_end, k)
     redone = max(0.0, work_end - redone_from) if p is not None else 0.0
-    cause = _cause_of(e["kind"], e["cause"], e["nodes"], e["failed"], started, limit)
+    cause = _cause_of(e, started, limit)
     if batch_lost:
         cause += " (the batch node: the supervisor died with it)"
     b.interruptions.append(Interruption(b.attempt, k, e["kind"], cause, e["cause"],
@@ -385,10 +389,10 @@ def _work_end(e: dict[str, Any], progress: float | None, ckpts: list[list[float]
     failed, gone = e["failed"], e["gone"]
     if progress is None:
         return failed or gone
-    if e["kind"] == "ok":
+    if e["kind"] == StepEnd.OK:
         return gone
     work_end = failed if failed is not None else gone
-    if e["kind"] in ("signal", "terminated"):
+    if StepEnd(e["kind"]).by_signal:
         after = [c[2] for c in ckpts if c[2] >= work_end]
         if after:  # saved on the signal: nothing is lost
             work_end = max(after)

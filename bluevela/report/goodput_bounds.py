@@ -7,9 +7,10 @@ saw of the job, and a note says what was changed (docs/resilience.md, "The goodp
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from bluevela.launch.outcome import LossKind
 
 # The slack covers the prolog's run before its report's time stamp and the epilog's after
 # the job, and clock skew.
@@ -17,7 +18,6 @@ CLOCK_SLACK_S = 120.0
 # The one time the archive cannot check: the submission. The queue wait a record claims is
 # at most this long before the attempt's first prolog.
 MAX_QUEUE_S = 7 * 86400.0
-_HANG_NODE = re.compile(r"^hang: rank [0-9]+ on (\S+)")
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,8 @@ def _bound_end(end: dict[str, Any], c: _Clamp) -> dict[str, Any]:
     for k in ("failed", "detected", "gone"):
         end[k] = c.t(end[k], "times")
     end["nodes"] = c.names(end["nodes"], "cause nodes")
-    m = _HANG_NODE.match(end["cause"])
-    if m and c.alloc.nodes and m.group(1) not in c.alloc.nodes:
+    kept = c.names(list(end["loss_kinds"]), "cause nodes")
+    if any(k == LossKind.HUNG.value and n not in kept for n, k in end["loss_kinds"].items()):
         end["cause"] = "hang (the node it named is not one of the job's)"
-        c.changed.add("cause nodes")
+    end["loss_kinds"] = {n: end["loss_kinds"][n] for n in kept}
     return end

@@ -1,0 +1,58 @@
+"""The REAL supervisor at 256 nodes x 8 ranks (issue 27): the scale harness
+(benchmarks/scale_harness.py) plays 256 node agents on the signed channel and 2,048 ranks
+beating once a second, with the step's own keys. Four launches of one supervisor: a start
+storm and steady state, a save of all ranks, one agent's connection closed; a start storm,
+one agent silent; a rank whose progress stops; every agent done.
+
+On cd8e436 the first start storm cost 192 of the 256 agents ("more than 64 connections
+without a hello"): the step never started.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from scale_harness import RANKS_PER_NODE, run_scale  # noqa: E402
+
+N = 256
+NODE_TIMEOUT = 3.0
+HANG_TIMEOUT = 4.0
+
+
+def test_256_nodes_x_8_ranks(tmp_path: Path) -> None:
+    res = run_scale(tmp_path, N, node_timeout=NODE_TIMEOUT, hang_timeout=HANG_TIMEOUT,
+                    steady_s=3.0)
+    f, out = res.figures, res.stdout
+    why = f"{f}\n{out}\n{res.stderr[-3000:]}"
+    assert res.rc == 0, why
+    # No agent dropped: every storm released all 256 agents, none retried or closed on.
+    for step in ("step1", "step2", "step3"):
+        assert f[f"{step}.dropped"] == 0 and f[f"{step}.connect_retries"] == 0, why
+        assert f[f"{step}.release_after_last_connect_s"] <= 2.0, why
+    assert all(len(s.dropped) == 0 for s in res.steps), why
+    # No false hang and no false loss: nothing was aborted before each failure was made.
+    for step in ("step1", "step2", "step3"):
+        assert f[f"{step}.aborts_before_failure"] == 0, why
+    assert f["steady.beats_received_pct"] == 100.0, why
+    # Each failure decided for what it was, within its timeout, naming the right node/rank.
+    closed, silent = res.victims
+    ends = re.findall(r"^==== bv attempt (\d) ended: (.*) ====$", out, re.M)
+    assert [a for a, _ in ends] == ["1", "2", "3", "4"], why
+    assert ends[0][1].startswith(f"{closed} lost (its agent's connection closed"), why
+    assert ends[1][1].startswith(f"{silent} lost (silent for"), why
+    rank, node = res.hung
+    assert ends[2][1].startswith(f"hang: rank {rank} on {node} stopped first"), why
+    assert ends[3][1] == "exit 0", why
+    assert f["lost_closed.decision_s"] <= 1.0, why
+    assert NODE_TIMEOUT - 0.5 <= f["lost_silent.decision_s"] <= NODE_TIMEOUT + 1, why
+    assert HANG_TIMEOUT - 0.5 <= f["hang.decision_s"] <= HANG_TIMEOUT + 1, why
+    # The save: every rank's checkpoint datagram folded into the one `ckpt` line, and the
+    # epilog read the four launches back.
+    assert f["save.ranks_recorded"] == N * RANKS_PER_NODE, why
+    assert f["epilog.launches"] == 4, why
