@@ -27,7 +27,7 @@ _REASONS = "clocks_event_reasons"
 
 
 class SeriesLike(Protocol):
-    """What `analyze` needs of a `bluevela.archive.series.JobSeries`."""
+    """What `analyze` needs of a `bluevela.archive.series_layout.JobSeries`."""
 
     time: Any
     nodes: list[str]
