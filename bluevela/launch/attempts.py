@@ -23,6 +23,16 @@ BANNER = re.compile(
     re.M,
 )
 END = re.compile(r"^==== bv attempt (?P<n>\d+) ended: (?P<cause>.*) ====$", re.M)
+# The same without `^`: a pattern that starts with its literal lets `re` skip to each
+# "==== bv attempt " at C speed (8x faster on a 20 MB output of 8,192 ranks, docs/scale.md);
+# `_lines` keeps the matches that start a line.
+_BANNER_ANY = re.compile(BANNER.pattern[1:], re.M)
+_END_ANY = re.compile(END.pattern[1:], re.M)
+
+
+def _lines(pattern: re.Pattern[str], text: str) -> list[re.Match[str]]:
+    """`pattern.finditer(text)` of its `^`-anchored twin: the matches at a line's start."""
+    return [m for m in pattern.finditer(text) if m.start() == 0 or text[m.start() - 1] == "\n"]
 
 
 def one_line(text: str) -> str:
@@ -97,7 +107,7 @@ class AttemptText:
 
 def split_attempts(text: str) -> list[AttemptText]:
     """The attempts in file order. A file without banners is one attempt."""
-    banners = list(BANNER.finditer(text))
+    banners = _lines(_BANNER_ANY, text)
     if not banners:
         return [AttemptText(1, "", "", _ended(text), text)]
     out: list[AttemptText] = []
@@ -110,8 +120,8 @@ def split_attempts(text: str) -> list[AttemptText]:
 
 
 def _ended(chunk: str) -> str:
-    found = END.findall(chunk)
-    return str(found[-1][1]) if found else ""
+    found = _lines(_END_ANY, chunk)
+    return found[-1].group("cause") if found else ""
 
 
 def attempt_causes(text: str) -> dict[int, str]:
