@@ -81,7 +81,7 @@ def test_snapshot_on_a_real_gpu_replays(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     data = json.loads(out.read_text())
     assert data["kind"] == "nvml_snapshot" and data["gpus"]
-    from bluevela.health.nvml import load_snapshot
+    from bluevela.health.nvml_snapshot import load_snapshot
 
     snap = load_snapshot(out)
     assert snap.gpus[0].name and snap.gpus[0].pcie_link_width_max

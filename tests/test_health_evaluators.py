@@ -28,7 +28,8 @@ from bluevela.health.checks.ib import (
 from bluevela.health.checks.node import evaluate_node, parse_meminfo, parse_mounts, probe_node
 from bluevela.health.context import ProbeContext
 from bluevela.health.kmsg import bus_key, parse_xids
-from bluevela.health.nvml import ISSUE11_GPU_FIELDS, load_snapshot
+from bluevela.health.nvml_fields import LATE_FIELDS
+from bluevela.health.nvml_snapshot import load_snapshot
 from bluevela.health.result import Status
 from bluevela.health.runner import run_checks
 from bluevela.health.state import IB_COUNTERS
@@ -336,7 +337,7 @@ def test_real_h100_recording_replays(site: Site) -> None:
     fixture = json.loads((FIXTURES / "h100-healthy" / "nvml.json").read_text())
     assert set(real) == set(fixture)
     # Older than issue 11's fields (NVLink, fabric, ECC by location, ...), which it lacks.
-    assert set(real["gpus"][0]) == set(fixture["gpus"][0]) - set(ISSUE11_GPU_FIELDS)
+    assert set(real["gpus"][0]) == set(fixture["gpus"][0]) - set(LATE_FIELDS)
     h100 = site.node_class(name="h100")
     # Without NVLink state an 18-NVLink class only warns on a recording (issue 16 §5); a class
     # without NVLinks passes.
@@ -359,7 +360,7 @@ def test_real_h200_recording_replays(site: Site) -> None:
     fixture = json.loads((FIXTURES / "h100-healthy" / "nvml.json").read_text())
     assert set(real) == set(fixture)
     # Older than issue 11's fields (NVLink, fabric, ECC by location, ...), which it lacks.
-    assert set(real["gpus"][0]) == set(fixture["gpus"][0]) - set(ISSUE11_GPU_FIELDS)
+    assert set(real["gpus"][0]) == set(fixture["gpus"][0]) - set(LATE_FIELDS)
     assert real["gpus"][0]["name"] == "NVIDIA H200"
     h100 = site.node_class(name="h100")
     one = replace(h100, gpus=1, gpu_model="NVIDIA H200", gpu=replace(h100.gpu, nvlinks=0))

@@ -23,12 +23,9 @@ from bluevela.checks_registry import get_check
 from bluevela.health.checks import gpu_fabric
 from bluevela.health.context import ProbeContext
 from bluevela.health.kmsg import kmsg_record_line, parse_sxids
-from bluevela.health.nvml import (
-    _gather_gpu_issue11,
-    cuda_version_text,
-    load_snapshot,
-    short_pci,
-)
+from bluevela.health.nvml_fields import FIELDS_BY_NAME, LATE_FIELDS
+from bluevela.health.nvml_live import read_gpu_fields
+from bluevela.health.nvml_snapshot import cuda_version_text, load_snapshot, short_pci
 from bluevela.health.result import CheckResult, Status
 from bluevela.site import NodeClass
 from tests.fixture_trees import materialized
@@ -314,7 +311,7 @@ class _NVMLError(Exception):
 
 
 class _Binding:
-    """pynvml's names and error behaviour for the calls `_gather_gpu_issue11` makes: 18 links
+    """pynvml's names and error behaviour for the calls that read the LATE_FIELDS make: 18 links
     (link 18 and above: NVML_ERROR_INVALID_ARGUMENT), link 4 down, link 9's state unreadable,
     link 2's replay counter failing, no fabric call in this binding, no row remapper support."""
 
@@ -378,7 +375,8 @@ def test_live_gather_records_links_until_nvml_says_none(tmp_path: Path) -> None:
 
     g: dict[str, Any] = {"index": 0}
     t0 = time.perf_counter()
-    _gather_gpu_issue11(nv, object(), g, get, errs)
+    g.update(read_gpu_fields(nv, object(), tuple(FIELDS_BY_NAME[f] for f in LATE_FIELDS),
+                             errs, get))
     assert time.perf_counter() - t0 < 0.5
     assert nv.calls == 19  # links 0..17, then link 18 ends the list
     assert g["nvlink_state"] == [True] * 4 + [False] + [True] * 4 + [None] + [True] * 8
@@ -403,7 +401,7 @@ def test_live_gather_records_links_until_nvml_says_none(tmp_path: Path) -> None:
 @pytest.mark.gpu
 def test_live_snapshot_has_the_new_fields() -> None:
     """On a real GPU: every new field is recorded, as a value or with NVML's reason."""
-    from bluevela.health.nvml import gather_live
+    from bluevela.health.nvml_live import gather_live
 
     t0 = time.perf_counter()
     data = gather_live(include_kmsg=False)

@@ -24,7 +24,7 @@ from bluevela.bench.result import Status as BenchStatus
 from bluevela.checks_registry import get_check
 from bluevela.health.checks.gpu import XID_TABLE, evaluate_gpu, probe_gpu
 from bluevela.health.context import ProbeContext, parse_gpu_list
-from bluevela.health.nvml import load_snapshot
+from bluevela.health.nvml_snapshot import load_snapshot
 from bluevela.health.result import Status
 from bluevela.health.runner import plan_tier, run_checks, run_plan
 from bluevela.hooks.env import HookContext
@@ -322,7 +322,7 @@ def test_live_gpu_process_of_ours_vs_not_ours(tmp_path: Path) -> None:
     """On a real GPU: a CUDA process below this run makes the live reading take its second
     look (`recheck`), and is not a leftover: it is ours."""
     pytest.importorskip("torch")
-    from bluevela.health.nvml import gather_live
+    from bluevela.health.nvml_live import gather_live
     from bluevela.site import GPUThresholds, NodeClass
 
     code = ("import torch, time, sys; x = torch.ones(1 << 20, device='cuda'); "

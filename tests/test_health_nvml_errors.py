@@ -66,7 +66,7 @@ int nvmlDeviceGetComputeRunningProcesses_v3(dev *h, unsigned int *n, void *infos
 GATHER = """
 import json, sys
 import pynvml
-from bluevela.health.nvml import gather_live
+from bluevela.health.nvml_live import gather_live
 if sys.argv[1] == "typo":
     del pynvml.nvmlDeviceGetTemperature
 print(json.dumps(gather_live(include_kmsg=False, raise_init_error=True)))
@@ -135,25 +135,26 @@ def test_a_name_the_binding_lacks_raises(standin_lib_v3: Path) -> None:
 
 
 def test_the_call_wrapper_catches_only_nvmls_errors() -> None:
-    from bluevela.health import nvml
+    from bluevela.health.nvml_fields import guarded_call
 
     where: dict[str, str] = {}
     # the library not loaded: pynvml raises its own NVMLError_Uninitialized
-    assert nvml._call(pynvml, where, "device_count", pynvml.nvmlDeviceGetCount) is None
+    assert guarded_call(pynvml, where, "device_count", pynvml.nvmlDeviceGetCount) is None
     assert where == {"device_count": "Uninitialized"}
     with pytest.raises(AttributeError):
-        nvml._call(pynvml, where, "temperature_c",
+        guarded_call(pynvml, where, "temperature_c",
                    lambda: pynvml.nvmlDeviceGetTemprature(None, 0))
     with pytest.raises(TypeError):
-        nvml._call(pynvml, where, "temperature_c", lambda: pynvml.nvmlDeviceGetTemperature())
+        guarded_call(pynvml, where, "temperature_c", lambda: pynvml.nvmlDeviceGetTemperature())
     assert where == {"device_count": "Uninitialized"}
 
 
 def test_every_nvml_name_used_unguarded_is_in_the_binding() -> None:
-    """A typo is caught here, without a GPU: each `nv.<name>` that nvml.py calls and each
-    NVML_* constant its tables name exist in the installed pynvml (those looked up with
+    """A typo is caught here, without a GPU: each `nv.<name>` that nvml_fields.py and
+    nvml_live.py call and each NVML_* constant their tables name exist in the installed pynvml (those looked up with
     getattr/hasattr and a fallback, for older bindings, are not `nv.<name>`)."""
-    src = (REPO / "bluevela" / "health" / "nvml.py").read_text()
+    src = "".join((REPO / "bluevela" / "health" / f"{m}.py").read_text()
+                  for m in ("nvml_fields", "nvml_live"))
     names = set(re.findall(r"\bnv\.(\w+)", src)) | set(re.findall(r'"(NVML_\w+)"', src))
     assert len(names) > 40
     assert sorted(n for n in names if not hasattr(pynvml, n)) == []

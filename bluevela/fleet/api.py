@@ -98,7 +98,8 @@ def record_snapshot(out: Path, *, include_kmsg: bool = True) -> dict[str, Any]:
     Raises:
         ImportError: pynvml missing. RuntimeError: NVML could not start. OSError: write failed.
     """
-    from bluevela.health.nvml import gather_live, write_snapshot
+    from bluevela.health.nvml_live import gather_live
+    from bluevela.health.nvml_snapshot import write_snapshot
 
     data = gather_live(include_kmsg=include_kmsg)
     write_snapshot(out, data)

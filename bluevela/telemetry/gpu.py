@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from bluevela.health.context import ProbeContext
-    from bluevela.health.nvml import NVMLSnapshot
+    from bluevela.health.nvml_snapshot import NVMLSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class GPUReader:
             logger.warning("%s", msg)
 
     def _replay(self, path: Path) -> tuple[NVMLSnapshot | None, dict[int, dict[str, Any]]]:
-        from bluevela.health.nvml import parse_snapshot
+        from bluevela.health.nvml_snapshot import parse_snapshot
 
         try:
             st = os.stat(path)
@@ -258,7 +258,8 @@ class GPUReader:
 
     def _fetch(self) -> GPUFetch:
         """One NVML reading, on the worker thread: this may never return."""
-        from bluevela.health.nvml import LiveNVML, NVMLMissingError, ReplayNVML
+        from bluevela.health.nvml import LiveNVML, ReplayNVML
+        from bluevela.health.nvml_live import NVMLMissingError
 
         if self.ctx.nvml_snapshot is not None:
             snap, extra = self._replay(self.ctx.nvml_snapshot)

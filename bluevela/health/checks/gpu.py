@@ -43,17 +43,10 @@ from bluevela.health.checks.gpu_xids import XID_TABLE as XID_TABLE  # re-exporte
 from bluevela.health.checks.gpu_xids import driver_loads, reset_since, xid_verdict
 from bluevela.health.jobprocs import owners, parent_pid
 from bluevela.health.kmsg import SXid, Xid, parse_sxids, parse_xids, read_marked_lines
-from bluevela.health.nvml import (
-    FABRIC_COMPLETED,
-    NVLINK_COUNTERS,
-    GPUInfo,
-    LiveNVML,
-    NVMLMissingError,
-    NVMLSnapshot,
-    NVMLSource,
-    ProcessInfo,
-    ReplayNVML,
-)
+from bluevela.health.nvml import LiveNVML, NVMLSource, ReplayNVML
+from bluevela.health.nvml_fields import FABRIC_COMPLETED, NVLINK_COUNTERS, ProcessInfo
+from bluevela.health.nvml_live import NVMLMissingError
+from bluevela.health.nvml_snapshot import GPUInfo, NVMLSnapshot
 from bluevela.health.result import CheckResult, Status, summarize
 from bluevela.health.state import read_json, write_json
 from bluevela.health.throttle import HW_SLOWDOWNS, SW_THERMAL_SLOWDOWN, reason_names

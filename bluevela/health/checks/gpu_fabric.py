@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from bluevela.health.kmsg import SXid
-from bluevela.health.nvml import FABRIC_COMPLETED, FABRIC_STATES, GPUInfo
+from bluevela.health.nvml_fields import FABRIC_COMPLETED, FABRIC_STATES
+from bluevela.health.nvml_snapshot import GPUInfo
 from bluevela.health.result import Status, duration_text
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def parse_baseline(raw: Any, age_s: float | None) -> Baseline | None:
     """A stored record (`counters_record`) back; None when it is not one."""
     if not isinstance(raw, dict):
         return None
-    from bluevela.health.nvml import parse_gpu
+    from bluevela.health.nvml_snapshot import parse_gpu
 
     g = parse_gpu({"nvlink_errors": raw.get("nvlink_errors"),
                    "clocks_violation": raw.get("clocks_violation")}, 0)

@@ -110,7 +110,7 @@ def read_nvml_versions(ctx: ProbeContext) -> tuple[str | None, str | None,
                                                    tuple[tuple[str, str], ...], str | None]:
     """(driver, cuda, vbios pairs, error) from the snapshot or from live NVML."""
     if ctx.nvml_snapshot is not None:
-        from bluevela.health.nvml import load_snapshot
+        from bluevela.health.nvml_snapshot import load_snapshot
 
         try:
             snap = load_snapshot(ctx.nvml_snapshot)
