@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bluevela.health.kmsg import KmsgFollower, parse_xids, read_marked_lines
+
 if TYPE_CHECKING:
     from bluevela.health.context import ProbeContext
     from bluevela.health.nvml_snapshot import NVMLSnapshot
@@ -78,49 +80,31 @@ class XidCounter:
         self.baseline: set[str] | None = None
         self.counts: dict[str, int] = {}
         self._seen: set[str] = set()
-        self._kmsg_fd: int | None = None
+        self._follower: KmsgFollower | None = None
         self._kmsg_failed = False
 
     def add_lines(self, lines: list[str] | tuple[str, ...]) -> None:
         """Lines of a file or snapshot re-read each time: only lines new since the first."""
-        from bluevela.health.kmsg import parse_xids
-
         if self.baseline is None:
             self.baseline = set(lines)
             return
         new = [ln for ln in lines if ln not in self.baseline and ln not in self._seen]
         self._seen.update(new)
-        for x in parse_xids(new):
-            self.counts[x.bus] = self.counts.get(x.bus, 0) + 1
+        self._add(new)
 
     def read_kmsg(self) -> None:
         """New /dev/kmsg records (from the end at the first call: only XIDs after the start)."""
-        from bluevela.health.kmsg import kmsg_record_line, parse_xids
-
         if self._kmsg_failed:
             return
-        if self._kmsg_fd is None:
-            try:
-                self._kmsg_fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-                os.lseek(self._kmsg_fd, 0, os.SEEK_END)
-            except OSError as exc:
-                logger.warning("no XIDs: /dev/kmsg: %s", exc.strerror or exc)
-                self._kmsg_failed = True
-                return
-            return
-        lines = []
-        for _ in range(100_000):
-            try:
-                rec = os.read(self._kmsg_fd, 8192)
-            except BlockingIOError:
-                break
-            except BrokenPipeError:
-                continue
-            if not rec:
-                break
-            line = kmsg_record_line(rec.decode("utf-8", "replace"))
-            if line is not None:
-                lines.append(line)
+        if self._follower is None:
+            self._follower = KmsgFollower()
+        try:
+            self._add(self._follower.new_lines())
+        except OSError as exc:
+            logger.warning("no XIDs: /dev/kmsg: %s", exc.strerror or exc)
+            self._kmsg_failed = True
+
+    def _add(self, lines: list[str]) -> None:
         for x in parse_xids(lines):
             self.counts[x.bus] = self.counts.get(x.bus, 0) + 1
 
@@ -279,8 +263,7 @@ class GPUReader:
         """New XIDs from `BV_KMSG` (a file re-read), else the snapshot's lines, else /dev/kmsg."""
         if self.ctx.kmsg is not None:
             try:
-                with open(self.ctx.kmsg, encoding="utf-8", errors="replace") as fh:
-                    self.xids.add_lines([ln.rstrip("\n") for ln in fh if "NVRM" in ln])
+                self.xids.add_lines(read_marked_lines(self.ctx.kmsg))
             except OSError as exc:
                 self._warn_once("kmsg", f"no XIDs: {self.ctx.kmsg}: {exc.strerror or exc}")
         elif source == "snapshot":
