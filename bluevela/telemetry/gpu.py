@@ -2,9 +2,9 @@
 
 The NVML source is the gpu health check's own (`BV_NVML_SNAPSHOT` replayed, else live NVML
 through pynvml via `bluevela.health.nvml.LiveNVML`), so the same fixtures drive both.
-Utilisation and the SM clock are not in the health snapshot: live NVML reads them here
-(`live_util_clocks`); a snapshot may carry them as optional `util_pct` / `sm_clock_mhz` keys
-per GPU. XIDs: kernel log lines (`BV_KMSG`, the snapshot's `kmsg`, else /dev/kmsg read
+Utilisation and the SM clock are not in the health snapshot: live NVML reads them in the
+same session (`LiveNVML.sample`: one nvmlInit and one nvmlShutdown per sample); a snapshot may
+carry them as optional `util_pct` / `sm_clock_mhz` keys per GPU. XIDs: kernel log lines (`BV_KMSG`, the snapshot's `kmsg`, else /dev/kmsg read
 incrementally), counted per GPU since the sampler started.
 
 NVML is read on a thread of its own (`NVMLWorker`) and awaited with a deadline: a call that
@@ -39,38 +39,6 @@ def _num(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float):
         return NAN
     return float(v)
-
-
-def live_util_clocks() -> dict[int, dict[str, float]]:
-    """Utilisation (%) and SM clock (MHz) per GPU index from live NVML (not in the health
-    snapshot). {} when pynvml is missing or NVML does not start."""
-    try:
-        import pynvml
-    except ImportError:
-        return {}
-    out: dict[int, dict[str, float]] = {}
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return {}
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            vals: dict[str, float] = {}
-            try:
-                h = pynvml.nvmlDeviceGetHandleByIndex(i)
-                vals["util_pct"] = float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
-                vals["sm_clock_mhz"] = float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))
-            except pynvml.NVMLError:
-                pass
-            out[i] = vals
-    except pynvml.NVMLError:
-        pass
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except pynvml.NVMLError:
-            pass
-    return out
 
 
 class XidCounter:
@@ -251,12 +219,13 @@ class GPUReader:
                 ReplayNVML(self.ctx.nvml_snapshot).read()  # blocks as the recorded call did
             return snap, extra, "snapshot"
         try:
-            # No second reading: a sampler never sleeps inside a sample.
-            snap = LiveNVML(include_kmsg=False, recheck_s=0.0).read()
+            # One NVML session: the snapshot (no kernel log, no second reading: a sampler
+            # never sleeps inside a sample), utilisation and the SM clock.
+            snap, activity = LiveNVML().sample()
         except (NVMLMissingError, OSError, ValueError) as exc:
             self._warn_once("live", f"no GPU values: {exc}")
             return None, {}, "live"
-        more = {i: dict(v) for i, v in live_util_clocks().items()} if snap.gpus else {}
+        more = {i: dict(v) for i, v in activity.items()} if snap.gpus else {}
         return snap, more, "live"
 
     def _count_xids(self, snap: NVMLSnapshot, source: str) -> None:
