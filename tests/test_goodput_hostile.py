@@ -23,7 +23,7 @@ import pytest
 
 from bluevela.launch import events as E
 from bluevela.launch import events_dir, events_epilog, events_log
-from bluevela.launch.outcome import Loss, StepEnd
+from bluevela.launch.outcome import Loss, LossKind, StepEnd
 from bluevela.runtime.heartbeat import beat_key
 from tests.conftest import REPO
 
@@ -268,7 +268,10 @@ def test_a_full_file_still_closes_the_attempt(tmp_path: Path) -> None:
 def test_the_end_line_always_fits_the_room_kept_for_it() -> None:
     worst = {"e": "end", "launch": 10**6, "kind": "terminated", "cause": "\U0001f600" * E.MAX_CAUSE,
              "nodes": ["n" * 64 + "..."] * E.MAX_NODES, "failed": 9999999999.123456,
-             "detected": 9999999999.123456, "gone": 9999999999.123456}
+             "detected": 9999999999.123456, "gone": 9999999999.123456,
+             # every node with the longest loss kind, and the hung rank's node
+             "loss_kinds": {f"{i:067d}": max((k.value for k in LossKind), key=len)
+                            for i in range(E.MAX_NODES + 1)}}
     assert len(json.dumps(worst, separators=(",", ":"))) + 1 <= E.END_LINE_MAX
     req = {"e": "requeue", "t": 9999999999.123456}
     assert len(json.dumps(req, separators=(",", ":"))) + 1 <= E.REQUEUE_LINE_MAX

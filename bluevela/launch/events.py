@@ -57,9 +57,9 @@ MAX_AGE_MS = 7 * 86400 * 1000
 # MAX_NODES names of NAME_MAX+3 characters quoted, listed again with their loss kind, and the
 # hung rank's node) and `requeue` line: the room the writer keeps free while a launch is
 # open, so the events that close it always fit.
-_KIND_MAX = max(len(k.value) for k in LossKind) + 3
+_KIND_MAX = max(len(k.value) for k in LossKind) + 3  # quoted, and a comma
 END_LINE_MAX = (400 + 12 * MAX_CAUSE + MAX_NODES * (NAME_MAX + 3 + 3)
-                + (MAX_NODES + 1) * (NAME_MAX + 3 + 1 + _KIND_MAX + 1))
+                + (MAX_NODES + 1) * (NAME_MAX + 3 + 3 + _KIND_MAX))
 REQUEUE_LINE_MAX = 64
 CLOSE_RESERVE = END_LINE_MAX + REQUEUE_LINE_MAX
 # Unix times must fall between these (2001 .. 2286): anything else is not a clock reading.
