@@ -226,6 +226,29 @@ def ranks_bound(torchrun: Sequence[str], nodes: int) -> int:
     return max(1, nodes * max(1, min(k, 1024)))
 
 
+def open_files_for(nodes: int) -> str | None:
+    """Raise this process's soft limit of open files to what `nodes` agents' connections
+    need (Slurm gives the job the submit shell's limits: often 1,024, which a 1,024-node job
+    exceeds and then accepts no more agents). Within the hard limit; a line when even that
+    is short, else None."""
+    import resource
+
+    need = 2 * nodes + 64
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return None
+    new = need if hard == resource.RLIM_INFINITY else min(hard, need)
+    if new > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        except (ValueError, OSError):
+            new = soft
+    if new < need:
+        return (f"at most {new} open files (ulimit -n, hard limit {hard}); {nodes} nodes need "
+                f"{need}: agents past that cannot connect")
+    return None
+
+
 def bind_address(alloc: Sequence[str], host: str) -> str:
     """Where the supervisor listens: loopback when the job has this one node (its only agent
     runs here), else this host's own address, never wider; 0.0.0.0 only when the hostname
@@ -478,6 +501,8 @@ class Supervisor:
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
         self.host = socket.gethostname()
+        if (short := open_files_for(len(self.alloc))) is not None:
+            _log(short)
         addr = bind_address(self.alloc, self.host)
         self.advertised = "127.0.0.1" if addr == "127.0.0.1" else self.host
         self.listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
