@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bluevela.launch import events as E  # noqa: E402
 from bluevela.launch import events_epilog, events_log  # noqa: E402
 from bluevela.launch.outcome import Loss, StepEnd  # noqa: E402
-from bluevela.launch.wire import new_secret  # noqa: E402
+from bluevela.protocol.keys import beat_key, new_secret  # noqa: E402
+from bluevela.protocol.messages import CkptMsg, format_ckpt  # noqa: E402
 from bluevela.report import goodput as G  # noqa: E402
 from bluevela.runtime import heartbeat  # noqa: E402
 
@@ -114,8 +115,8 @@ def _big_job_files(tmp: Path) -> tuple[list[tuple[int, str]], list[str]]:
             now_wall = time.time()
             s = start + 300 + 600
             while s + 20 < start + per - 400:
-                ck = E.CkptMsg(0, int(s), 100, int(s), now_wall - s, now_wall - s - 20)
-                log.datagram(E.format_ckpt(ck, heartbeat.beat_key(key)), heartbeat.beat_key(key),
+                ck = CkptMsg(0, int(s), 100, int(s), now_wall - s, now_wall - s - 20)
+                log.datagram(format_ckpt(ck, beat_key(key)), beat_key(key),
                              8000, time.monotonic())
                 s += 600
             fail = start + per - 200

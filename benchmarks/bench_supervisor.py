@@ -27,8 +27,8 @@ from _common import REPO, Figure
 
 sys.path.insert(0, str(REPO))
 
-from bluevela.launch.wire import mac  # noqa: E402
-from bluevela.runtime.heartbeat import Beat, beat_key, format_beat, parse_beat  # noqa: E402
+from bluevela.protocol.keys import beat_key, mac  # noqa: E402
+from bluevela.protocol.messages import Beat, format_beat, parse_beat  # noqa: E402
 
 N_BEATS = 20_000
 

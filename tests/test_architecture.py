@@ -9,6 +9,8 @@ importing in a fresh interpreter.
 - `fleet/` operates the cluster through `slurm/` and may use the checks; it imports none of
   `bench/`, `archive/`, `report/`.
 - `slurm/` is the one seam to Slurm: it imports no other bluevela package but `errors`.
+- `protocol/` (the in-job wire) is a leaf on the standard library (and `errors` at most);
+  `runtime/` (the ranks' side) imports nothing of `launch/`.
 - `archive/` is storage: no page, no analysis, no matplotlib.
 - Pages: only `report/page.py` and the `report/*_html.py` pages import matplotlib, and a page
   module imports no other page module (they share `page`). The analyses behind the pages
@@ -148,6 +150,28 @@ def test_util_is_a_leaf() -> None:
                    if p.name not in ("util", "errors.py", "__init__.py", "__pycache__",
                                      "py.typed"))
     assert _violations("util", others) == []
+
+
+def test_protocol_is_a_standard_library_leaf() -> None:
+    """`protocol/` (keys, the line channel, the datagrams, names) is what the supervisor, its
+    agents, the ranks and the epilog share: it imports the standard library and at most
+    `errors` of bluevela, nothing else (no third-party package either)."""
+    bad = []
+    for path in _files("protocol"):
+        for name in sorted(imports(path)):
+            top = name.split(".")[0]
+            ours = _in(name, ("bluevela.protocol", "bluevela.errors"))
+            if (top == "bluevela" and not ours) or (top != "bluevela"
+                                                     and top not in sys.stdlib_module_names):
+                bad.append(f"{path.relative_to(REPO)} imports {name}")
+    assert bad == []
+
+
+def test_runtime_imports_nothing_of_launch() -> None:
+    """The training side (`runtime/`, in every rank) speaks the protocol; it imports nothing
+    of the launch side (cd8e436: `runtime/heartbeat.py` imported `launch.wire` and
+    `launch.events`)."""
+    assert _violations("runtime", ("bluevela.launch",)) == []
 
 
 def test_the_sampler_runs_on_the_standard_library() -> None:

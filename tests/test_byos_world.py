@@ -16,7 +16,8 @@ import warnings
 from pathlib import Path
 
 from bluevela import integrations
-from bluevela.launch.wire import SECRET_ENV, Channel, challenge_line, derive, new_secret
+from bluevela.protocol.channel import Channel, challenge_line
+from bluevela.protocol.keys import SECRET_ENV, derive, new_secret
 from bluevela.runtime.world import boot_dir, nproc_from_argv, rank_env, training_env
 from tests.conftest import REPO
 

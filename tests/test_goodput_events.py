@@ -15,9 +15,9 @@ import pytest
 from bluevela.launch import events as E
 from bluevela.launch import events_epilog, events_log
 from bluevela.launch.outcome import Loss, LossKind, StepEnd, lost_text
-from bluevela.launch.wire import new_secret
+from bluevela.protocol.keys import beat_key, new_secret
+from bluevela.protocol.messages import CkptMsg, format_ckpt, parse_ckpt
 from bluevela.runtime import heartbeat
-from bluevela.runtime.heartbeat import beat_key
 
 
 @pytest.fixture()
@@ -35,11 +35,11 @@ def supervisor_socket(monkeypatch: pytest.MonkeyPatch) -> tuple[socket.socket, b
     sock.close()
 
 
-def _recv_ckpt(sock: socket.socket, key: bytes) -> E.CkptMsg:
+def _recv_ckpt(sock: socket.socket, key: bytes) -> CkptMsg:
     while True:
         data = sock.recv(2048)
         if data.startswith(b"bvck1"):
-            msg = E.parse_ckpt(data, key)
+            msg = parse_ckpt(data, key)
             assert msg is not None, data
             return msg
 
@@ -68,15 +68,15 @@ def test_a_failed_save_records_nothing(supervisor_socket: tuple[socket.socket, b
 
 def test_forged_or_out_of_range_records_are_dropped() -> None:
     key, other = beat_key(b"a" * 32), beat_key(b"b" * 32)
-    good = E.format_ckpt(E.CkptMsg(0, 7, 100, 1, 2.0, 1.0), key)
-    assert E.parse_ckpt(good, key) is not None
-    assert E.parse_ckpt(good, other) is None  # signed with another step's secret
-    assert E.parse_ckpt(good.replace(b" 7 ", b" 8 "), key) is None  # altered
-    ends_first = E.format_ckpt(E.CkptMsg(0, 7, 100, 1, 1.0, 2.0), key)
-    assert E.parse_ckpt(ends_first, key) is None
-    huge = E.format_ckpt(E.CkptMsg(0, 10**30, 100, 1, 1.0, 0.0), key)
-    assert E.parse_ckpt(huge, key) is None
-    assert E.parse_ckpt(b"bvck1 " + b"9" * 400, key) is None
+    good = format_ckpt(CkptMsg(0, 7, 100, 1, 2.0, 1.0), key)
+    assert parse_ckpt(good, key) is not None
+    assert parse_ckpt(good, other) is None  # signed with another step's secret
+    assert parse_ckpt(good.replace(b" 7 ", b" 8 "), key) is None  # altered
+    ends_first = format_ckpt(CkptMsg(0, 7, 100, 1, 1.0, 2.0), key)
+    assert parse_ckpt(ends_first, key) is None
+    huge = format_ckpt(CkptMsg(0, 10**30, 100, 1, 1.0, 0.0), key)
+    assert parse_ckpt(huge, key) is None
+    assert parse_ckpt(b"bvck1 " + b"9" * 400, key) is None
 
 
 def test_no_supervisor_no_error_and_no_block(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,7 +112,7 @@ def _supervisor_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     t0 = time.monotonic()
     log.launch(2, 1, ["node1", "node2"], 0, t0)
     log.progress(t0 + 0.01)
-    assert log.datagram(E.format_ckpt(E.CkptMsg(0, 4, 10, 1, 0.2, 0.1), key), key, 2,
+    assert log.datagram(format_ckpt(CkptMsg(0, 4, 10, 1, 0.2, 0.1), key), key, 2,
                         time.monotonic())
     assert log.datagram(b"bvck1 forged", key, 2, time.monotonic())  # taken, not recorded
     assert not log.datagram(b"bvhb2 a beat", key, 2, time.monotonic())

@@ -24,7 +24,8 @@ import pytest
 from bluevela.launch import events as E
 from bluevela.launch import events_dir, events_epilog, events_log
 from bluevela.launch.outcome import Loss, LossKind, StepEnd
-from bluevela.runtime.heartbeat import beat_key
+from bluevela.protocol.keys import beat_key
+from bluevela.protocol.messages import CkptMsg, format_ckpt
 from tests.conftest import REPO
 
 NOBODY = 65534
@@ -64,14 +65,15 @@ import json, sys, time
 from bluevela.launch import events as E
 from bluevela.launch import events_log
 from bluevela.launch.outcome import StepEnd
-from bluevela.runtime.heartbeat import beat_key
+from bluevela.protocol.keys import beat_key
+from bluevela.protocol.messages import CkptMsg, format_ckpt
 env, host = json.loads(sys.argv[1]), sys.argv[2]
 log = events_log.EventLog.open(env, host, query=False)
 key = beat_key(b"k" * 32)
 t0 = time.monotonic()
 log.launch(1, 1, [host], 0, t0)
 log.progress(t0)
-log.datagram(E.format_ckpt(E.CkptMsg(0, 4, 10, 1, 0.2, 0.1), key), key, 1, time.monotonic())
+log.datagram(format_ckpt(CkptMsg(0, 4, 10, 1, 0.2, 0.1), key), key, 1, time.monotonic())
 log.step_ended(StepEnd.OK, "exit 0", {}, None, None, time.monotonic())
 log.close()
 """
@@ -219,8 +221,8 @@ def _big_job(events: Path, saves: int, all_ranks_saves: int, others: int = 8
     for k in range(saves):
         age = week - 120 - k * (week - 600) / max(saves, 1)
         for rank in range(8192 if k < all_ranks_saves else others):
-            msg = E.CkptMsg(rank, 1000 * (k + 1), 1000 + rank, k + 1, age, age - 20 - rank % 7)
-            log.datagram(E.format_ckpt(msg, key), key, 8192, now)
+            msg = CkptMsg(rank, 1000 * (k + 1), 1000 + rank, k + 1, age, age - 20 - rank % 7)
+            log.datagram(format_ckpt(msg, key), key, 8192, now)
     log.step_ended(StepEnd.LOST, "gpu0007 lost (silent for 60 s)", {"gpu0007": Loss.silent(60)},
                    now - 30, now - 1, now)
     log.requeue()
@@ -285,11 +287,11 @@ def test_a_replayed_checkpoint_datagram_moves_nothing(tmp_path: Path) -> None:
     log = events_log.EventLog.open(env, "node1", query=False)
     key = beat_key(b"r" * 32)
     log.launch(1, 1, ["node1"], 0, time.monotonic())
-    save = E.format_ckpt(E.CkptMsg(0, 8, 321, 5, 0.3, 0.1), key)
+    save = format_ckpt(CkptMsg(0, 8, 321, 5, 0.3, 0.1), key)
     log.datagram(save, key, 1, time.monotonic())
     time.sleep(0.5)
     log.datagram(save, key, 1, time.monotonic())  # the same bytes again
-    older = E.format_ckpt(E.CkptMsg(0, 8, 321, 4, 0.0, 0.0), key)  # an earlier seq
+    older = format_ckpt(CkptMsg(0, 8, 321, 4, 0.0, 0.0), key)  # an earlier seq
     log.datagram(older, key, 1, time.monotonic())
     log.step_ended(StepEnd.OK, "exit 0", {}, None, None, time.monotonic())
     log.close()
@@ -324,7 +326,7 @@ def test_a_replayed_datagram_against_the_real_supervisor(tmp_path: Path,
     key = beat_key(bytes.fromhex(secret))
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
-        save = E.format_ckpt(E.CkptMsg(0, 12, 4321, 1, 0.4, 0.2), key)
+        save = format_ckpt(CkptMsg(0, 12, 4321, 1, 0.4, 0.2), key)
         sent = time.time()
         udp.sendto(save, job.addrs()[1])
         time.sleep(1.5)

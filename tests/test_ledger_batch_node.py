@@ -23,8 +23,9 @@ import pytest
 
 from bluevela.launch import events as E
 from bluevela.launch import events_copy, events_epilog
-from bluevela.launch.wire import MAX_LINE, Channel, derive
-from bluevela.runtime.heartbeat import beat_key
+from bluevela.protocol.channel import MAX_LINE, Channel
+from bluevela.protocol.keys import beat_key, derive
+from bluevela.protocol.messages import CkptMsg, format_ckpt
 from tests.supervisor_standins import Job
 
 
@@ -59,9 +60,9 @@ def _wait(what: str, cond: Any, timeout: float = 20.0) -> Any:
 def _checkpoint(job: Job, step: int, seq: int) -> None:
     """A rank's signed checkpoint datagram (runtime.checkpoint_saved) to the supervisor."""
     secret = bytes.fromhex((job.dir / "secret").read_text().split()[-1])
-    msg = E.CkptMsg(0, step, os.getpid(), seq, 0.3, 0.1)
+    msg = CkptMsg(0, step, os.getpid(), seq, 0.3, 0.1)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.sendto(E.format_ckpt(msg, beat_key(secret)), job.addrs()[1])
+        s.sendto(format_ckpt(msg, beat_key(secret)), job.addrs()[1])
 
 
 def test_the_copy_outlives_the_batch_node_and_the_ledger_names_it(

@@ -35,8 +35,9 @@ from bluevela.launch.supervisor import (
     read_history,
     torchrun_step_argv,
 )
-from bluevela.launch.wire import SECRET_ENV, Channel, challenge_line, derive, mac, new_secret
-from bluevela.runtime.heartbeat import Beat, beat_key, format_beat, parse_beat
+from bluevela.protocol.channel import Channel, challenge_line
+from bluevela.protocol.keys import SECRET_ENV, beat_key, derive, mac, new_secret
+from bluevela.protocol.messages import Beat, format_beat, parse_beat
 from tests.conftest import REPO
 
 # What `bv logs --attempt N` / `bv status` split on (the contract in /work/notes, H5's side).

@@ -26,9 +26,10 @@ from pathlib import Path
 import pytest
 
 from bluevela.errors import LaunchError
-from bluevela.launch import wire
 from bluevela.launch.request import SubmitRequest
-from bluevela.launch.wire import Channel, ChannelError, derive, new_secret
+from bluevela.protocol import channel
+from bluevela.protocol.channel import Channel, ChannelError
+from bluevela.protocol.keys import derive, new_secret
 from tests.supervisor_standins import Job
 
 
@@ -198,7 +199,7 @@ def test_a_peer_that_never_reads_breaks_the_channel_explicitly() -> None:
         for i in range(400):
             chan.send({"t": "ping", "i": i, "pad": "x" * 3000})
         assert chan.broken is not None and "read nothing" in chan.broken
-        assert len(chan.out) <= wire.MAX_OUT + 4096
+        assert len(chan.out) <= channel.MAX_OUT + 4096
     finally:
         sender.close()
         receiver.close()

@@ -4,7 +4,7 @@
 
 The supervisor (bluevela/launch/supervisor.py) starts it with ``srun`` for every step, with
 the step's secret, the supervisor's address and the rendezvous node in the environment. The
-agent connects back (the signed line channel of bluevela/launch/wire.py), says hello (with a
+agent connects back (the signed line channel, bluevela/protocol/channel.py), says hello (with a
 free port for the c10d store on the rendezvous node), pings every second, and moves through
 four phases:
 
@@ -37,16 +37,9 @@ from collections.abc import Mapping, Sequence
 from bluevela.launch.events_copy import CopyWriter
 from bluevela.launch.proctree import catches, kill_group, kill_tree, signal_pid, worker_pids
 from bluevela.launch.rdzv_guard import guarded_argv
-from bluevela.launch.wire import (
-    SECRET_ENV,
-    Channel,
-    ChannelError,
-    derive,
-    parse_challenge,
-    printable,
-    safe_name,
-    secret_from_env,
-)
+from bluevela.protocol.channel import Channel, ChannelError, read_challenge
+from bluevela.protocol.keys import SECRET_ENV, line_key, secret_from_env
+from bluevela.protocol.names import printable, safe_name
 from bluevela.runtime.world import training_env
 
 SUPERVISOR_ENV = "BV_SUPERVISOR"  # HOST:PORT of the supervisor's line channel
@@ -103,16 +96,6 @@ def _seconds(text: str | None, default: float) -> float:
 # The channel to the supervisor
 
 
-def _read_challenge(sock: socket.socket) -> bytes | None:
-    line = b""
-    while not line.endswith(b"\n") and len(line) < 128:
-        chunk = sock.recv(1)
-        if not chunk:
-            return None
-        line += chunk
-    return parse_challenge(line)
-
-
 def connect(addr: str, node: str, key: bytes) -> Channel | None:
     """The signed channel to the supervisor at `addr` (HOST:PORT), retried for
     CONNECT_FOR_S; None (said on stderr) when it cannot be reached."""
@@ -122,7 +105,7 @@ def connect(addr: str, node: str, key: bytes) -> Channel | None:
         sock: socket.socket | None = None
         try:
             sock = socket.create_connection((host, int(port)), timeout=5)
-            nonce = _read_challenge(sock)
+            nonce = read_challenge(sock)
             if nonce is None:
                 raise OSError("no challenge from the supervisor")
             return Channel(sock, key, nonce, b"a")
@@ -140,15 +123,7 @@ def _receive(chan: Channel) -> list[dict[str, object]] | None:
     """The supervisor's messages now readable; None when it is gone or its line does not
     verify (then the channel cannot be trusted either)."""
     try:
-        data = chan.sock.recv(65536)
-    except (BlockingIOError, InterruptedError):
-        return []
-    except OSError:
-        return None
-    if not data:
-        return None
-    try:
-        return chan.feed(data)
+        return chan.receive()
     except ChannelError as exc:
         _log(f"agent: {exc} from the supervisor")
         return None
@@ -220,7 +195,7 @@ class Agent:
     def _tick(self, ready: set[object]) -> None:
         if self.wake_r in ready:
             self._read_signals()
-        self.chan.flush()  # lines a slow reader left pending: whole lines only (wire.Channel)
+        self.chan.flush()  # lines a slow reader left pending: whole lines only (Channel.send)
         if self.chan.broken is not None:
             _log(f"agent on {safe_name(self.node)}: the channel to the supervisor broke "
                  f"({self.chan.broken})")
@@ -361,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if secret is None:
         _log(f"agent on {safe_name(node)}: no job secret ({SECRET_ENV}) in the environment")
         return 1
-    chan = connect(os.environ.get(SUPERVISOR_ENV, ""), node, derive(secret, b"line"))
+    chan = connect(os.environ.get(SUPERVISOR_ENV, ""), node, line_key(secret))
     if chan is None:
         return 1
     agent = Agent(chan, node, args, os.environ)

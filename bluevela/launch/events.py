@@ -1,6 +1,7 @@
 """Goodput events: what the in-job supervisor saw happen to each launch, for the ledger. This
 module is the record they make (its fields, bounds and checks: `fold`, `validate`,
-`merge_records`, `read_events_file`) and the checkpoint datagram the ranks send.
+`merge_records`, `read_events_file`); the checkpoint datagram the ranks send is
+bluevela/protocol/messages.py (`CkptMsg`).
 
 Four places touch them (docs/resilience.md, "Where the time went: goodput events"):
 
@@ -30,19 +31,16 @@ Standard library only: the supervisor and the hooks import it.
 
 from __future__ import annotations
 
-import hmac
 import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from bluevela.launch.outcome import Loss, LossKind, StepEnd
-from bluevela.launch.wire import NAME_MAX, bounded_int, mac, safe_name
+from bluevela.protocol.messages import MAX_STEP
+from bluevela.protocol.names import NAME_MAX, safe_name
 
-CKPT_MAGIC = "bvck1"
-MAX_DATAGRAM = 256
 MAX_CKPTS = 4096  # per launch kept one by one in the record; later saves are summed
 MAX_LAUNCHES = 64
 # The writer's bounds are the reader's: the supervisor never writes a file the epilog refuses.
@@ -50,9 +48,6 @@ MAX_LINES = 65536
 MAX_FILE_BYTES = 2 << 20
 MAX_CAUSE = 600
 MAX_NODES = 1024  # node names listed per launch (a bigger job keeps the count)
-MAX_STEP = 1 << 62
-MAX_RANK = 1 << 20
-MAX_AGE_MS = 7 * 86400 * 1000
 # The longest `end` line (cause of MAX_CAUSE characters JSON-escaped at worst 12 bytes each,
 # MAX_NODES names of NAME_MAX+3 characters quoted, listed again with their loss kind, and the
 # hung rank's node) and `requeue` line: the room the writer keeps free while a launch is
@@ -64,47 +59,6 @@ REQUEUE_LINE_MAX = 64
 CLOSE_RESERVE = END_LINE_MAX + REQUEUE_LINE_MAX
 # Unix times must fall between these (2001 .. 2286): anything else is not a clock reading.
 T_MIN, T_MAX = 1e9, 1e10
-
-
-# --------------------------------------------------------------------------------------------
-# The checkpoint datagram (ranks -> supervisor)
-
-
-@dataclass(frozen=True)
-class CkptMsg:
-    rank: int
-    step: int
-    pid: int
-    seq: int
-    start_age_s: float
-    end_age_s: float
-
-
-def format_ckpt(msg: CkptMsg, key: bytes) -> bytes:
-    body = (f"{CKPT_MAGIC} {msg.rank} {msg.step} {msg.pid} {msg.seq} "
-            f"{max(0, int(msg.start_age_s * 1000))} {max(0, int(msg.end_age_s * 1000))}"
-            ).encode("ascii")
-    return body + b" " + mac(key, body)
-
-
-def parse_ckpt(data: bytes, key: bytes) -> CkptMsg | None:
-    """The checkpoint in a datagram signed with `key`, or None (never raises)."""
-    try:
-        if len(data) > MAX_DATAGRAM or not data.startswith(CKPT_MAGIC.encode()):
-            return None
-        body, _, tag = data.rpartition(b" ")
-        if not hmac.compare_digest(tag, mac(key, body)):
-            return None
-        w = body.decode("ascii").split()
-        if len(w) != 7:
-            return None
-        start, end = bounded_int(w[5], 0, MAX_AGE_MS), bounded_int(w[6], 0, MAX_AGE_MS)
-        if end > start:  # ended before it started
-            return None
-        return CkptMsg(bounded_int(w[1], 0, MAX_RANK), bounded_int(w[2], -1, MAX_STEP), bounded_int(w[3], 1, 1 << 22),
-                       bounded_int(w[4], 0, MAX_STEP), start / 1000.0, end / 1000.0)
-    except (UnicodeDecodeError, ValueError, TypeError):
-        return None
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ The supervisor's node is the batch node, and when it dies its epilog never runs 
 events file is lost with it. So the supervisor (`CopySender`, fed by `EventLog`) also
 streams every line it writes, in order, to the agent of a second node of the step
 (`keeper_of`: the step's first node that is not its own) over the step's signed channel
-(bluevela/launch/wire.py: the step's secret, an HMAC per line, bounded lines:
+(bluevela/protocol/channel.py: the step's secret, an HMAC per line, bounded lines:
 `copy_messages` cuts an event line into parts of COPY_CHUNK characters), the lines written
 so far first, at most COPY_OUT_MAX bytes ahead of the socket. The agent (`CopyWriter`, as
 the job's user) appends them to ``bv-goodput.<job>.r<restart>.u<uid>.<random>.copy.jsonl``
@@ -40,7 +40,7 @@ from bluevela.launch.events_dir import (
 
 logger = logging.getLogger(__name__)
 
-COPY_CHUNK = 1200  # characters of an event line per channel message (wire.MAX_LINE: 4096)
+COPY_CHUNK = 1200  # characters of an event line per channel message (channel.MAX_LINE: 4096)
 COPY_OUT_MAX = 64 * 1024  # bytes the copy's sender queues at once (the channel's MAX_OUT: 256 KB)
 
 

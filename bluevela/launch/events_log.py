@@ -28,18 +28,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from bluevela.launch.events import (
-    CKPT_MAGIC,
     CLOSE_RESERVE,
     MAX_CAUSE,
     MAX_FILE_BYTES,
     MAX_LINES,
     MAX_NODES,
-    parse_ckpt,
 )
 from bluevela.launch.events_copy import CopySender
 from bluevela.launch.events_dir import create_file, events_dir
 from bluevela.launch.outcome import Loss, LossKind, StepEnd
-from bluevela.launch.wire import fresh_seq, safe_name
+from bluevela.protocol.messages import CKPT_MAGIC, fresh_seq, parse_ckpt
+from bluevela.protocol.names import safe_name
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +166,7 @@ class EventLog:
 
     def attach(self, chan: Any) -> None:
         """Stream every line, the ones written so far first, to this step's keeper agent
-        over its signed channel (`wire.Channel`): the copy its node's epilog reads when the
+        over its signed channel (`protocol.channel.Channel`): the copy its node's epilog reads when the
         supervisor's own node dies (`CopyWriter`). A later step's keeper replaces it."""
         if self.fd is None:
             return

@@ -10,7 +10,7 @@ supervisor adds torchrun's rendezvous flags per step: c10d on the step's first n
 that node's agent found free there. What it does (docs/resilience.md, "What bv does inside
 the job"):
 
-- Only the step's own processes can speak to it (bluevela/launch/wire.py): a new secret per
+- Only the step's own processes can speak to it (bluevela/protocol/): a new secret per
   step in the job environment, an HMAC on every line and beat, a hello only from a node of
   the step and once, caps on line size and connections, a hello deadline; a bad message drops
   that message or connection, never the supervisor ("Who can speak to the supervisor").
@@ -78,19 +78,11 @@ from bluevela.launch.events_log import EventLog
 from bluevela.launch.grow import GrowResult, release_helpers
 from bluevela.launch.grow import grow as grow_job
 from bluevela.launch.proctree import reap
-from bluevela.launch.wire import (
-    SECRET_ENV,
-    Channel,
-    ChannelError,
-    challenge_line,
-    derive,
-    fresh_seq,
-    new_secret,
-    printable,
-    safe_name,
-)
+from bluevela.protocol.channel import Channel, ChannelError, challenge_line
+from bluevela.protocol.keys import SECRET_ENV, beat_key, derive, new_secret
+from bluevela.protocol.messages import fresh_seq, parse_beat
+from bluevela.protocol.names import printable, safe_name
 from bluevela.runtime.heartbeat import ENV_ADDR as HEARTBEAT_ENV
-from bluevela.runtime.heartbeat import beat_key, parse_beat
 from bluevela.runtime.world import STEP_NODELIST_ENV, STEP_NUM_NODES_ENV
 
 logger = logging.getLogger(__name__)
@@ -358,7 +350,7 @@ def retry_budget(env: dict[str, str], retry_for: float, now: float) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-# Wire: signed lines over TCP (bluevela/launch/wire.py)
+# An agent's connection: signed lines over TCP (bluevela/protocol/channel.py)
 
 
 class Conn:
@@ -383,15 +375,7 @@ class Conn:
 
     def read(self, now: float) -> list[dict[str, object]] | None:
         """Messages now readable; None on EOF/error. Raises ChannelError (drop the peer)."""
-        try:
-            data = self.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return []
-        except OSError:
-            return None
-        if not data:
-            return None
-        msgs = self.chan.feed(data)
+        msgs = self.chan.receive()
         if msgs:
             self.last_seen = now
         return msgs

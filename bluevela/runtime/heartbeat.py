@@ -11,21 +11,16 @@ It never blocks, never raises and is a no-op outside a bv job.
 
 Why UDP: nodes share no file system, a datagram costs one syscall and cannot stall a training
 loop (no connect, no back-pressure), and a lost datagram only delays one beat of many (the
-hang timeout is tens of seconds; beats go out every second). The wire format is one ASCII line:
-
-    bvhb2 <rank> <node> <step> <pid> <seq> <age_ms> <in_collective 0|1> <where> <mac>
-
-(`step` is -1 when the caller gave none; `seq` counts this process's beats; `where` is
-`file:line:function`; `mac` is an HMAC of the rest of the line with the step's secret,
-``BV_JOB_SECRET``, see bluevela/launch/wire.py). Without that secret no beat is sent: the
-supervisor believes only signed beats, because anyone on the network can send it a datagram.
-The supervisor parses a beat with `parse_beat()`, which range-checks every number.
+hang timeout is tens of seconds; beats go out every second). A beat is one signed ASCII line
+(`Beat`, bluevela/protocol/messages.py), and so is the datagram `checkpoint_saved()` sends,
+both with a key from the step's secret, ``BV_JOB_SECRET``. Without that secret nothing is
+sent: the supervisor believes only signed datagrams, because anyone on the network can send
+it one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import os
 import socket
@@ -33,73 +28,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-from bluevela.launch.wire import bounded_int, derive, mac, secret_from_env
+from bluevela.protocol.keys import beat_key, secret_from_env
+from bluevela.protocol.messages import Beat, CkptMsg, format_beat, format_ckpt
 
 logger = logging.getLogger(__name__)
 
 ENV_ADDR = "BV_HEARTBEAT"
-MAGIC = "bvhb2"
 INTERVAL_S = 1.0
-MAX_DATAGRAM = 512
-# Range checks (a signed beat from our own ranks always passes them): the word's length is
-# checked before int() so that no huge number is ever converted.
-MAX_RANK = 1 << 20
-MAX_STEP = 1 << 62
-MAX_PID = 1 << 22  # Linux pid_max limit
-MAX_AGE_MS = 1 << 40  # ~35 years
-
-
-@dataclass(frozen=True)
-class Beat:
-    """One heartbeat as the supervisor receives it."""
-
-    rank: int
-    node: str
-    step: int
-    pid: int
-    age_s: float = 0.0  # since the last progress() call
-    in_collective: bool = False
-    where: str = "?"
-    seq: int = 0  # this process's beat number (replay: the supervisor keeps the newest)
-
-
-def _word(text: str) -> str:
-    return "".join(c for c in text if c.isalnum() or c in "-_.:/<>") or "?"
-
-
-def beat_key(secret: bytes) -> bytes:
-    return derive(secret, b"beat")
-
-
-def format_beat(beat: Beat, key: bytes) -> bytes:
-    """The signed datagram for `beat` (`key`: `beat_key(secret)`)."""
-    body = (f"{MAGIC} {beat.rank} {_word(beat.node)[:64]} {beat.step} {beat.pid} {beat.seq} "
-            f"{max(0, int(beat.age_s * 1000))} {int(beat.in_collective)} "
-            f"{_word(beat.where)[:200]}").encode("ascii", "replace")
-    return body + b" " + mac(key, body)
-
-
-def parse_beat(data: bytes, key: bytes) -> Beat | None:
-    """The beat in a datagram signed with `key`, or None for anything else: unsigned, badly
-    signed, oversized, or with a number out of range (never raises)."""
-    try:
-        if len(data) > MAX_DATAGRAM:
-            return None
-        body, _, tag = data.rpartition(b" ")
-        if not hmac.compare_digest(tag, mac(key, body)):
-            return None
-        words = body.decode("ascii").split()
-        if len(words) != 9 or words[0] != MAGIC:
-            return None
-        return Beat(rank=bounded_int(words[1], 0, MAX_RANK), node=words[2],
-                    step=bounded_int(words[3], -1, MAX_STEP), pid=bounded_int(words[4], 1, MAX_PID),
-                    seq=bounded_int(words[5], 0, MAX_STEP),
-                    age_s=bounded_int(words[6], 0, MAX_AGE_MS) / 1000.0,
-                    in_collective=words[7] == "1", where=words[8])
-    except (UnicodeDecodeError, ValueError, TypeError):
-        return None
 
 
 def parse_addr(value: str) -> tuple[str, int] | None:
@@ -174,8 +110,6 @@ class _Sender:
                 self._socket()
         if self.target is None or self.sock is None:
             return
-        from bluevela.launch.events import CkptMsg, format_ckpt
-
         self.ck_seq += 1
         now = time.monotonic()
         msg = CkptMsg(rank=_int_env("RANK", 0), step=-1 if step is None else int(step),

@@ -1,0 +1,173 @@
+"""The ranks' datagrams to the supervisor: one signed ASCII line each, over UDP.
+
+    bvhb2 <rank> <node> <step> <pid> <seq> <age_ms> <in_collective 0|1> <where> <mac>
+    bvck1 <rank> <step> <pid> <seq> <start_age_ms> <end_age_ms> <mac>
+
+A heartbeat (`Beat`, bluevela/runtime/heartbeat.py: `step` -1 when the caller gave none,
+`age_ms` since its last progress() call, `where` its main thread's ``file:line:function``)
+and a checkpoint (`CkptMsg`: how long before the send a save started and ended). `mac` is
+`keys.mac` with the beat key over the rest of the line; `seq` counts the sending process's
+datagrams of that kind. Each kind is one `Form`: its magic word, its size cap and its
+fields' bounds; `sign_datagram` and `read_datagram` are the one writer and the one reader,
+which verifies the MAC before it reads a word and range-checks every number (a word's
+length before int() parses it). A sender's seq must rise (`fresh_seq`).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from bluevela.protocol.keys import mac
+from bluevela.protocol.names import safe_name
+
+BEAT_MAGIC = "bvhb2"
+CKPT_MAGIC = "bvck1"
+NUM_MAX_LEN = 20  # digits (and sign) of a number in a signed datagram: no 400-digit int()
+# Range checks (a signed datagram from our own ranks always passes them).
+MAX_RANK = 1 << 20
+MAX_STEP = 1 << 62
+MAX_PID = 1 << 22  # Linux pid_max limit
+BEAT_MAX_AGE_MS = 1 << 40  # ~35 years
+CKPT_MAX_AGE_MS = 7 * 86400 * 1000
+NODE_WORD = 64  # characters of a node name in a beat
+WHERE_WORD = 200  # characters of a beat's `where`
+WHERE_PUNCT = "/<>"  # kept in `where` besides a name's characters (``<string>:1:<module>``)
+
+Bounds = tuple[int, int] | None  # a number's [low, high], or None for a word
+
+
+@dataclass(frozen=True)
+class Form:
+    """One kind of datagram: its first word, its size cap and its fields' bounds."""
+
+    magic: str
+    max_bytes: int
+    fields: tuple[Bounds, ...]
+    head: bytes = field(init=False)  # what a datagram of this kind starts with
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "head", self.magic.encode() + b" ")
+
+
+RANK = (0, MAX_RANK)
+STEP = (-1, MAX_STEP)
+PID = (1, MAX_PID)
+SEQ = (0, MAX_STEP)
+BEAT = Form(BEAT_MAGIC, 512, (RANK, None, STEP, PID, SEQ, (0, BEAT_MAX_AGE_MS), None, None))
+CKPT = Form(CKPT_MAGIC, 256, (RANK, STEP, PID, SEQ, (0, CKPT_MAX_AGE_MS), (0, CKPT_MAX_AGE_MS)))
+
+
+def bounded_int(word: str, low: int, high: int) -> int:
+    """`word` as an int within [low, high]; ValueError for anything else (a long word is
+    refused before int() parses it)."""
+    if not 0 < len(word) <= NUM_MAX_LEN:
+        raise ValueError(word)
+    value = int(word)
+    if not low <= value <= high:
+        raise ValueError(word)
+    return value
+
+
+def sign_datagram(form: Form, values: Sequence[object], key: bytes) -> bytes:
+    """The datagram of `form` with `values` (words already fit: `safe_name`), signed."""
+    body = " ".join([form.magic, *map(str, values)]).encode("ascii", "replace")
+    return body + b" " + mac(key, body)
+
+
+def read_datagram(form: Form, data: bytes, key: bytes) -> list[int | str] | None:
+    """The values of a datagram of `form` signed with `key`: numbers range-checked, words as
+    sent; None for anything else (unsigned, badly signed, oversized, another kind, a word
+    missing or a number out of range). Never raises."""
+    if len(data) > form.max_bytes or not data.startswith(form.head):
+        return None
+    body, _, tag = data.rpartition(b" ")
+    if not hmac.compare_digest(tag, mac(key, body)):
+        return None
+    try:
+        words = body.decode("ascii").split()
+        if len(words) != 1 + len(form.fields) or words[0] != form.magic:
+            return None
+        return [word if bounds is None else bounded_int(word, *bounds)
+                for word, bounds in zip(words[1:], form.fields, strict=True)]
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def fresh_seq(last_seen: dict[tuple[int, int], int], sender: tuple[int, int], seq: int,
+              max_senders: int) -> bool:
+    """True, and `seq` recorded, when it is above the last one seen from `sender` (a rank's
+    (rank, pid)); False for a replayed or reordered datagram, and for a new sender once
+    `max_senders` are known (forged pids cannot grow the table without bound)."""
+    last = last_seen.get(sender)
+    if last is not None and seq <= last:
+        return False
+    if last is None and len(last_seen) >= max_senders:
+        return False
+    last_seen[sender] = seq
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# Heartbeats and checkpoints
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One heartbeat as the supervisor receives it."""
+
+    rank: int
+    node: str
+    step: int
+    pid: int
+    age_s: float = 0.0  # since the last progress() call
+    in_collective: bool = False
+    where: str = "?"
+    seq: int = 0  # this process's beat number (replay: the supervisor keeps the newest)
+
+
+def format_beat(beat: Beat, key: bytes) -> bytes:
+    """The signed datagram for `beat` (`key`: `keys.beat_key(secret)`)."""
+    return sign_datagram(BEAT, (beat.rank, safe_name(beat.node, NODE_WORD, replace=""),
+                                beat.step, beat.pid, beat.seq, max(0, int(beat.age_s * 1000)),
+                                int(beat.in_collective),
+                                safe_name(beat.where, WHERE_WORD, replace="",
+                                          extra=WHERE_PUNCT)), key)
+
+
+def parse_beat(data: bytes, key: bytes) -> Beat | None:
+    """The beat in a datagram signed with `key`, or None for anything else (never raises)."""
+    v = read_datagram(BEAT, data, key)
+    if v is None:
+        return None
+    return Beat(rank=int(v[0]), node=str(v[1]), step=int(v[2]), pid=int(v[3]), seq=int(v[4]),
+                age_s=int(v[5]) / 1000.0, in_collective=v[6] == "1", where=str(v[7]))
+
+
+@dataclass(frozen=True)
+class CkptMsg:
+    """One checkpoint a rank saved: ages are how long before the send it started and ended."""
+
+    rank: int
+    step: int
+    pid: int
+    seq: int
+    start_age_s: float
+    end_age_s: float
+
+
+def format_ckpt(msg: CkptMsg, key: bytes) -> bytes:
+    return sign_datagram(CKPT, (msg.rank, msg.step, msg.pid, msg.seq,
+                                max(0, int(msg.start_age_s * 1000)),
+                                max(0, int(msg.end_age_s * 1000))), key)
+
+
+def parse_ckpt(data: bytes, key: bytes) -> CkptMsg | None:
+    """The checkpoint in a datagram signed with `key`, or None for anything else, a save
+    that ended before it started included (never raises)."""
+    v = read_datagram(CKPT, data, key)
+    if v is None or int(v[5]) > int(v[4]):
+        return None
+    return CkptMsg(int(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4]) / 1000.0,
+                   int(v[5]) / 1000.0)
