@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import resource
 import selectors
 import signal
 import socket
@@ -38,8 +39,8 @@ from typing import Any
 
 from bluevela.launch.events_epilog import collect_files
 from bluevela.protocol.channel import Channel, ChannelError, parse_challenge
-from bluevela.protocol.keys import beat_key, derive
-from bluevela.protocol.messages import Beat, CkptMsg, format_beat, format_ckpt
+from bluevela.protocol.keys import beat_key, derive, mac
+from bluevela.protocol.messages import BEAT_MAGIC, CkptMsg, format_ckpt
 
 RANKS_PER_NODE = 8
 SPARES = 3
@@ -165,8 +166,7 @@ def _ranks_main(ctl: Connection) -> None:
                 continue
             step, last = stalled.get(rank, (step_now, step_now / 5))
             seq[rank] += 1
-            data = format_beat(Beat(rank, nodes[node], step, pid0 + rank, max(0.0, now - last),
-                                    False, "train.py:120:train_step", seq=seq[rank]), key)
+            data = _beat(key, rank, nodes[node], step, pid0 + rank, seq[rank], now - last)
             try:
                 udp.sendto(data, addr)
                 sent += 1
@@ -176,6 +176,14 @@ def _ranks_main(ctl: Connection) -> None:
         next_t += 1.0 / slots
         if next_t < now - 0.5:  # far behind (an overloaded machine): do not burst to catch up
             next_t = now
+
+
+def _beat(key: bytes, rank: int, node: str, step: int, pid: int, seq: int, age: float) -> bytes:
+    """`format_beat(Beat(...), key)`, the same bytes (tests/test_scale.py checks it) in half
+    its time: one sender process must keep up with 32,768 ranks."""
+    body = (f"{BEAT_MAGIC} {rank} {node} {step} {pid} {seq} {max(0, int(age * 1000))} 0 "
+            "train.py:120:train_step").encode()
+    return body + b" " + mac(key, body)
 
 
 class Ranks:
@@ -434,8 +442,10 @@ class Result:
 
 class Harness:
     def __init__(self, tmp: Path, n: int, *, node_timeout: float = 10.0,
-                 hang_timeout: float = 10.0, steady_s: float = 10.0) -> None:
+                 hang_timeout: float = 10.0, steady_s: float = 10.0,
+                 nofile: int | None = 1024) -> None:
         self.dir, self.n = tmp, n
+        self.nofile = nofile  # the supervisor's soft limit of open files (a login shell's)
         self.node_timeout, self.hang_timeout, self.steady_s = node_timeout, hang_timeout, steady_s
         self.alloc = [f"sn{i:05d}" for i in range(1, n + SPARES + 1)]
         bindir = tmp / "bin"
@@ -468,7 +478,14 @@ class Harness:
         self.err = open(self.dir / "err.txt", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(self.argv, env=self.env, cwd=self.dir, stdout=self.out,
                                      stderr=self.err, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=self._limits)
+
+    def _limits(self) -> None:
+        """As Slurm starts a batch step: the submit shell's limits (PropagateResourceLimits),
+        whose soft limit of open files is often 1,024."""
+        if self.nofile is not None:
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, hard))
 
     def _stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -658,10 +675,11 @@ def main() -> None:
     p.add_argument("--node-timeout", type=float, default=10.0)
     p.add_argument("--hang-timeout", type=float, default=10.0)
     p.add_argument("--steady", type=float, default=10.0)
+    p.add_argument("--nofile", type=int, default=1024)
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bv-scale-") as tmp:
         res = run_scale(Path(tmp), a.n, node_timeout=a.node_timeout,
-                        hang_timeout=a.hang_timeout, steady_s=a.steady)
+                        hang_timeout=a.hang_timeout, steady_s=a.steady, nofile=a.nofile)
         print(json.dumps({"n": res.n, "load": res.load, "rc": res.rc, **res.figures}, indent=1))
         print(res.stdout[-3000:])
         print(res.stderr[-3000:])
