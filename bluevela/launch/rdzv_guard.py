@@ -16,17 +16,33 @@ corrupt rendezvous state. A writer can still corrupt the state (the step fails: 
 service), but no longer run code. The node agent starts torchrun through this when the torchrun
 command is torch's own ``torchrun`` script for this Python (`guarded_argv`).
 
+The store outlives every node's shutdown. The c10d store is a server inside the first node's
+torchrun, and torch 2.13 ends a step with a race on it: each agent passes its exit barrier
+(``store_util.barrier``: ``add`` a count, the last one ``set``s a key, all ``wait`` on it), then
+``launch_agent``'s ``finally`` closes the rendezvous (``DynamicRendezvousHandler.shutdown``: a
+few ``get``/``compare_set`` round trips on the store), then the process exits and the server
+with it. The host does not wait for the other nodes to leave: a node still between its ``set``
+and its ``wait`` (or later in its close) when the host's process is gone fails there: torchrun
+logs "Error waiting on exit barrier" with a traceback, or "failed to shutdown the rendezvous"
+after torch's C++ "recvValue failed" stack, though the job succeeded. So here every node's
+guard, once torchrun's main has returned, adds itself to a count in the store
+(`finish_rendezvous`), and the host's guard keeps the server (it holds the store torch's
+c10d backend made, `hold_store`) until that count reaches ``--nnodes`` or ``LINGER_S`` passes.
+A one-node step, or torchrun ended by a failure or a signal, does not wait.
+
 torch is imported in `main` only: the node agent imports `guarded_argv` (standard library).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
 import sys
 import types
 from collections.abc import Sequence
+from typing import Any
 
 RENDEZVOUS_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 # What pickle.dumps(_RendezvousState) refers to (its fields hold ints, bools, dicts, sets and
@@ -38,6 +54,11 @@ ALLOWED = frozenset({
     ("datetime", "timezone"),
     ("datetime", "timedelta"),
 })
+C10D_BACKEND_MODULE = "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend"
+# How long the host's guard keeps the store for nodes that have not finished their shutdown:
+# they passed the same exit barrier, so they are milliseconds behind unless one died since.
+LINGER_S = 10.0
+FINISHED_KEY = "bv.rdzv_guard.finished."  # + the rendezvous id: the count of finished nodes
 TORCHRUN_MARK = b"from torch.distributed.run import main"
 PYENV_SHIM_MARK = b'pyenv" exec "$program"'  # a pyenv shim: runs the same name of the current version
 
@@ -75,6 +96,88 @@ def install() -> None:
         raise ImportError(f"{RENDEZVOUS_MODULE} no longer unpickles through `pickle`: "
                           "bv's guard does not know this torch")
     module.pickle = guarded_pickle()  # type: ignore[attr-defined]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldStore:
+    """The store torch's c10d rendezvous backend made in this process: the server itself
+    where `host` (the same rule torch follows: ``is_host`` of ``--rdzv-conf``, else the
+    endpoint names this machine), a client elsewhere."""
+
+    store: Any  # torch.distributed.TCPStore
+    run_id: str
+    host: bool
+
+
+def hold_store(held: list[HeldStore]) -> bool:
+    """Make torch's c10d backend hand the store it creates to `held` too, so that it (and on
+    the host its server) lives as long as this process, not as long as torchrun's objects.
+    False when this torch has no such factory: then the guard does not linger (torch's own
+    end, race included)."""
+    import importlib
+
+    module = importlib.import_module(C10D_BACKEND_MODULE)
+    create = getattr(module, "_create_tcp_store", None)
+    if create is None:
+        return False
+    from torch.distributed.elastic.rendezvous.utils import (
+        _matches_machine_hostname,
+        parse_rendezvous_endpoint,
+    )
+
+    default_port = int(getattr(module, "DEFAULT_PORT", 29400))
+
+    def create_and_hold(params: Any) -> Any:
+        store = create(params)
+        host = params.get_as_bool("is_host")
+        if host is None:
+            endpoint = parse_rendezvous_endpoint(params.endpoint, default_port=default_port)
+            host = _matches_machine_hostname(endpoint[0])
+        held.append(HeldStore(store, str(params.run_id), bool(host)))
+        return store
+
+    module._create_tcp_store = create_and_hold  # type: ignore[attr-defined]
+    return True
+
+
+def finish_rendezvous(held: HeldStore, nnodes: int, linger_s: float = LINGER_S) -> str | None:
+    """Count this node as finished (torchrun's main has returned: it left the exit barrier and
+    closed the rendezvous); on the host, keep the server until `nnodes` have, at most
+    `linger_s`. Returns the line to say when the host stopped waiting early, else None. A
+    node that finds the store gone (its host has left) has nothing more to do."""
+    from datetime import timedelta
+
+    count_key = FINISHED_KEY + held.run_id
+    all_key = count_key + ".all"
+    store = held.store
+    try:
+        store.set_timeout(timedelta(seconds=max(linger_s, 0.1)))
+        finished = int(store.add(count_key, 1))
+        if finished >= nnodes:
+            store.set(all_key, "1")
+        elif held.host:
+            store.wait([all_key], timedelta(seconds=linger_s))
+    except RuntimeError:  # torch's DistError: the store is gone, or the bound passed
+        if not held.host:
+            return None
+        return (f"bv rdzv_guard: {nnodes - _count(store, count_key)} of {nnodes} nodes' torchrun "
+                f"did not finish within {linger_s:.0f} s: the rendezvous store closes now\n")
+    return None
+
+
+def _count(store: Any, key: str) -> int:
+    try:
+        return int(store.add(key, 0))
+    except RuntimeError:
+        return 0
+
+
+def _fixed_nnodes(torchrun_args: Sequence[str]) -> int:
+    """torchrun's ``--nnodes`` when it is one number (bv's supervisor passes one), else 0."""
+    from torch.distributed.run import parse_args, parse_min_max_nnodes
+
+    low, high = parse_min_max_nnodes(parse_args(list(torchrun_args)).nnodes)
+    return int(high) if low == high else 0
 
 
 def guarded_argv(argv: Sequence[str], python: str = sys.executable,
@@ -117,10 +220,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("bv rdzv_guard: no torchrun command\n")
         return 2
     install()
+    held: list[HeldStore] = []
+    hold_store(held)
     from torch.distributed.run import main as torchrun_main
 
     sys.argv = [args[0], *args[1:]]
     result = torchrun_main(args[1:])
+    # Only a torchrun that returned: a failure or a signal ends without waiting for anyone.
+    nnodes = _fixed_nnodes(args[1:]) if held else 0
+    if nnodes > 1:
+        note = finish_rendezvous(held[0], nnodes)
+        if note:
+            sys.stderr.write(note)
     return int(result) if isinstance(result, int) else 0
 
 
