@@ -65,7 +65,7 @@ T_MIN, T_MAX = 1e9, 1e10
 # The supervisor's step: when its failure happened
 
 
-def failure_time(lost: Mapping[str, Loss | str], last_seen: Mapping[str, float], started: float,
+def failure_time(lost: Mapping[str, Loss], last_seen: Mapping[str, float], started: float,
                  detected: float, hang_progress: float | None) -> float:
     """When the step's failure happened (monotonic), from each lost node's `LossKind`: a hang
     at the stuck rank's last progress; a node silent for --node-timeout at its agent's last
@@ -75,12 +75,9 @@ def failure_time(lost: Mapping[str, Loss | str], last_seen: Mapping[str, float],
         return min(hang_progress, detected)
     times = [detected]
     for node, loss in lost.items():
-        # TRANSITIONAL (issue 26): a text reason while the supervisor still keeps words
-        # (helper H2 switches it to `Loss`); then only `loss.kind` remains.
-        kind = loss.kind if isinstance(loss, Loss) else legacy_loss_kind(loss)
-        if kind is LossKind.SILENT and node in last_seen:
+        if loss.kind is LossKind.SILENT and node in last_seen:
             times.append(last_seen[node])
-        elif kind is LossKind.NEVER_CONNECTED:
+        elif loss.kind is LossKind.NEVER_CONNECTED:
             times.append(started)
     return min(times)
 
@@ -156,15 +153,11 @@ def legacy_loss_kinds(cause: str, nodes: list[str]) -> dict[str, str]:
         out[m.group(1)] = LossKind.HUNG.value
     for node in nodes:
         said = re.search(rf"(?:^|; ){re.escape(node)} lost \((.*)", cause)
-        kind = legacy_loss_kind(said.group(1) if said else "")
+        why = said.group(1) if said else ""
+        kind = next((k for prefix, k in _LEGACY_PREFIXES if why.startswith(prefix)), None)
         if kind is not None:
             out[node] = kind.value
     return out
-
-
-def legacy_loss_kind(why: str) -> LossKind | None:
-    """The kind of one reason in an older bv's words (`_LEGACY_PREFIXES`), or None."""
-    return next((k for prefix, k in _LEGACY_PREFIXES if why.startswith(prefix)), None)
 
 
 def fold(lines: list[dict[str, Any]]) -> dict[str, Any]:

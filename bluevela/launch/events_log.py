@@ -248,7 +248,7 @@ class EventLog:
         if self.signal_mono is None:
             self.signal_mono = mono
 
-    def step_ended(self, kind: StepEnd | str, cause: str, lost: Mapping[str, Loss] | list[str],
+    def step_ended(self, kind: StepEnd, cause: str, lost: Mapping[str, Loss],
                    failed_mono: float | None, detected_mono: float | None, gone_mono: float,
                    *, hung: str | None = None) -> None:
         """The step's end: how it ended, the words the job output shows (`cause`), each lost
@@ -256,7 +256,6 @@ class EventLog:
         the node of the rank a hang stopped first. For a signal the failure and its
         detection are the signal."""
         self._flush_ckpts()
-        kind = StepEnd(kind)
         if kind.by_signal and self.signal_mono is not None:
             failed_mono = detected_mono = max(self.signal_mono, self.started_mono)
         failed = self.wall(failed_mono) if failed_mono is not None else None
@@ -264,18 +263,13 @@ class EventLog:
         if self.skipping:
             return
         names = [n for n in sorted(lost) if safe_name(n) == n][:MAX_NODES]
-        line = {"e": "end", "launch": self.launch_no, "kind": kind.value,
-                "cause": cause[:MAX_CAUSE], "nodes": names}
-        # TRANSITIONAL (issue 26): a list of names (no kinds) while the supervisor still keeps
-        # words (helper H2 switches it to `Loss`): the readers then take the kinds from the
-        # text (`events.legacy_loss_kinds`), as for a record of an older bv.
-        if isinstance(lost, Mapping):
-            kinds = {hung: LossKind.HUNG.value} if hung is not None and safe_name(hung) == hung \
-                else {}
-            kinds.update((n, lost[n].kind.value) for n in names)
-            line["loss_kinds"] = kinds
-        self._write({**line, "failed": failed, "detected": detected,
-                     "gone": self.wall(gone_mono)}, closing=True)
+        kinds = {hung: LossKind.HUNG.value} if hung is not None and safe_name(hung) == hung \
+            else {}
+        kinds.update((n, lost[n].kind.value) for n in names)
+        self._write({"e": "end", "launch": self.launch_no, "kind": kind.value,
+                     "cause": cause[:MAX_CAUSE], "nodes": names, "loss_kinds": kinds,
+                     "failed": failed, "detected": detected, "gone": self.wall(gone_mono)},
+                    closing=True)
         self.open_launch = False
 
     def requeue(self) -> None:
