@@ -145,6 +145,46 @@ def test_slurm_seam_is_a_leaf() -> None:
     assert _violations("slurm", others) == []
 
 
+SLURM_COMMANDS = ("scontrol", "sbatch", "scancel", "salloc")
+
+
+def _runs_slurm(path: Path) -> list[str]:
+    """Argv literals in `path` that start with a Slurm command (a list or tuple whose first
+    item is one of SLURM_COMMANDS)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (isinstance(node, ast.List | ast.Tuple) and node.elts
+                and isinstance(node.elts[0], ast.Constant)
+                and node.elts[0].value in SLURM_COMMANDS):
+            found.append(f"{path.name}:{node.lineno} runs {node.elts[0].value}")
+    return found
+
+
+def test_launch_reaches_slurm_through_the_seam(tmp_path: Path) -> None:
+    """launch/ runs no scontrol, sbatch, scancel or salloc itself: the supervisor's requeue
+    and let-go go through `slurm/jobctl.py`, a submit through the `SlurmClient`. Left:
+    `launch/grow.py` (Slurm's job-expansion steps, behind an injectable runner) until it
+    moves behind the seam too."""
+    probe = tmp_path / "x.py"
+    probe.write_text('import subprocess\nsubprocess.run(["scontrol", "requeue", "1"])\n')
+    assert _runs_slurm(probe) == ["x.py:2 runs scontrol"]  # the reader sees one
+    bad = [f for path in _files("launch") if path.name != "grow.py" for f in _runs_slurm(path)]
+    assert bad == []
+
+
+def test_step_outcomes_and_the_relaunch_policy_are_leaves() -> None:
+    """`launch/outcome.py` (how a step ended, why a node was lost) is read by the supervisor,
+    the events record and the ledger: it imports nothing of bluevela. `launch/policy.py`
+    decides from it alone: no socket, no process, no signal, no Slurm."""
+    outcome = {n for n in imports(PKG / "launch" / "outcome.py") if n.startswith("bluevela")}
+    assert outcome == set()
+    policy = imports(PKG / "launch" / "policy.py")
+    assert [n for n in policy if n.startswith("bluevela")
+            and not _in(n, ("bluevela.launch.outcome", "bluevela.launch.attempts"))] == []
+    assert [n for n in policy if n.split(".")[0] in
+            ("socket", "subprocess", "selectors", "signal", "os")] == []
+
+
 def test_util_is_a_leaf() -> None:
     others = tuple(f"bluevela.{p.name.removesuffix('.py')}" for p in PKG.iterdir()
                    if p.name not in ("util", "errors.py", "__init__.py", "__pycache__",

@@ -224,20 +224,9 @@ def test_agent_stops_a_worker_without_a_handler_with_sigterm(tmp_path: Path) -> 
 
 
 def test_supervisor_end_line_names_the_sigterm_stop() -> None:
-    from bluevela.launch.supervisor import Conn, Options, Supervisor
+    from bluevela.launch.step import signal_result
 
-    sup = Supervisor(Options(nodes=1, torchrun=["torchrun", "t.py"]),
-                     env={"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "127.0.0.1"})
-    a, b = socket.socketpair()
-    try:
-        conn = Conn(a, b"k" * 32, b"n" * 16, 0.0)
-        conn.termed = 2
-        sup.conns = [conn]
-        sup.signal_seen = signal.SIGUSR1
-        result = sup._signal_result({"node1": 1}, 1)
-    finally:
-        a.close()
-        b.close()
+    result = signal_result(signal.SIGUSR1, {"node1": 1}, 1, termed=2)
     assert result.kind == "signal"
     assert "2 worker(s) had no handler for it" in result.cause
     assert "stopped with SIGTERM through torchrun" in result.cause

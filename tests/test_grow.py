@@ -241,8 +241,7 @@ def test_site_validate_says_when_this_slurm_cannot_grow_jobs(tmp_path: Path,
 
 def test_bv_attempts_show_a_grown_node_and_no_requeue() -> None:
     """What `bv status JOB` adds: bv's own attempts, here a grow, then a requeue, then done."""
-    from bluevela.launch.attempts import bv_attempts
-    from bluevela.launch.supervisor import banner, end_line
+    from bluevela.launch.attempts import banner, bv_attempts, end_line
 
     grew = ("node2 lost (its agent's connection closed: the node or its processes died); "
             "relaunching on node[1,3] (grown node3 in 3.1 s, same job, no Slurm requeue)")

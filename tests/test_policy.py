@@ -20,7 +20,6 @@ from bluevela.launch.policy import (
     PolicyOptions,
     Relaunch,
     Requeue,
-    choose_nodes,
     next_action,
 )
 
@@ -147,11 +146,3 @@ def test_the_policy_keeps_no_state() -> None:
     result = res(StepEnd.HANG, HANG, hang_node="node2")
     assert next_action(result, alloc, FIXED) == next_action(result, alloc, FIXED)
     assert alloc.excluded == {} and result.lost == {}
-
-
-def test_choose_nodes_spare_then_shrink_then_none() -> None:
-    alloc = ["n1", "n2", "n3", "n4"]
-    assert choose_nodes(alloc, [], 3, 3) == ["n1", "n2", "n3"]
-    assert choose_nodes(alloc, ["n2"], 3, 3) == ["n1", "n3", "n4"]  # the spare steps in
-    assert choose_nodes(alloc, ["n2", "n4"], 3, 3) is None  # fixed size: nothing to run on
-    assert choose_nodes(alloc, ["n2", "n4"], 3, 2) == ["n1", "n3"]  # data parallel shrinks

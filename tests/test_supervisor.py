@@ -18,23 +18,13 @@ from pathlib import Path
 import pytest
 
 from bluevela.launch.agent import endpoint_env
+from bluevela.launch.attempts import BANNER as BANNER_RE
+from bluevela.launch.attempts import END as END_RE
+from bluevela.launch.attempts import History, banner, end_line, previous_cause, read_history
+from bluevela.launch.policy import choose_nodes
 from bluevela.launch.proctree import catches
-from bluevela.launch.supervisor import (
-    BANNER_RE,
-    END_RE,
-    History,
-    RankBeat,
-    banner,
-    choose_nodes,
-    end_line,
-    find_hang,
-    new_rdzv_id,
-    previous_cause,
-    ranks_bound,
-    rdzv_env,
-    read_history,
-    torchrun_step_argv,
-)
+from bluevela.launch.step import RankBeat, find_hang
+from bluevela.launch.supervisor import new_rdzv_id, ranks_bound, rdzv_env, torchrun_step_argv
 from bluevela.protocol.channel import Channel, challenge_line
 from bluevela.protocol.keys import SECRET_ENV, beat_key, derive, mac, new_secret
 from bluevela.protocol.messages import Beat, format_beat, parse_beat
@@ -93,12 +83,12 @@ def test_hang_names_the_rank_outside_a_collective() -> None:
     beats = {0: RankBeat("n1", 6, 100.0, True, "distributed_c10d.py:1:all_reduce"),
              1: RankBeat("n2", 6, 100.2, False, "train.py:55:main"),
              2: RankBeat("n3", 6, 99.9, True, "distributed_c10d.py:1:all_reduce")}
-    assert find_hang(beats, 0.0, 105.0, 8.0) is None
-    hang = find_hang(beats, 0.0, 108.5, 8.0)
+    assert find_hang(beats, 105.0, 8.0) is None
+    hang = find_hang(beats, 108.5, 8.0)
     assert hang is not None and hang.rank == 1
     assert "rank 1 on n2 stopped first" in hang.describe() and "2 other rank" in hang.describe()
-    assert find_hang({}, 0.0, 1e6, 8.0) is None  # armed by the first beat, not by start-up
-    assert find_hang(beats, 0.0, 1e6, 0.0) is None  # off
+    assert find_hang({}, 1e6, 8.0) is None  # armed by the first beat, not by start-up
+    assert find_hang(beats, 1e6, 0.0) is None  # off
 
 
 KEY = beat_key(b"k" * 32)

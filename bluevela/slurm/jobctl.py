@@ -107,20 +107,15 @@ class JobControl:
 
     def requeue(self) -> SlurmCall:
         """``scontrol requeue JOB``: same id, restart count + 1."""
-        return self.scontrol("requeue", self.job)
+        return self.run(["scontrol", "requeue", self.job])
 
     def keep_only(self, nodelist: str) -> SlurmCall:
         """``scontrol update JobId=JOB NodeList=...``: the job lets go of every other node."""
-        return self.scontrol("update", f"JobId={self.job}", f"NodeList={nodelist}")
-
-    def scontrol(self, *args: str) -> SlurmCall:
-        done = self.run(["scontrol", *args])
-        if not done.ok and not done.terminated:
-            logger.warning("scontrol %s failed (%s)", " ".join(args), done.describe())
-        return done
+        return self.run(["scontrol", "update", f"JobId={self.job}", f"NodeList={nodelist}"])
 
     def run(self, argv: Sequence[str]) -> SlurmCall:
-        """One Slurm command, tried and retried as the module says. Never raises."""
+        """One Slurm command, tried and retried as the module says. Never raises; the
+        caller says what a failed call means (each retry is logged here)."""
         start = time.monotonic()
         deadline = start + retry_budget(self.env, self.retry_for_s, time.time())
         tries, why = 0, ""

@@ -1,0 +1,624 @@
+"""One training step of the in-job supervisor: the srun it started, the node agents that
+connect back, the ranks' beats, until the step ends one way (`outcome.StepEnd`).
+
+The supervisor (bluevela/launch/supervisor.py) opens its `Endpoints` once (the agents' TCP
+port, the ranks' UDP port, the signals' wakeup pipe) and runs one `Step` per launch. A step
+pumps (`Step.pump`: signals, beats, agent lines, new connections, srun, node deadlines) until
+it can say how it ended (`Step.run`):
+
+- every agent reported exit 0 -> OK; a rank failed on nodes that all answered -> FAILED;
+- a node lost (its connection closed or broke the protocol, silent for --node-timeout, never
+  connected) or the hang watchdog fired: the step is aborted (`Step.end`): agents kill their
+  torchrun, a node that does not answer the abort is lost too, srun is killed here -> LOST or
+  HANG, with the reason for each lost node as a typed `outcome.Loss`;
+- SIGUSR1 / SIGTERM: every agent is told to forward SIGUSR1 to its workers; once the step has
+  ended -> SIGNAL (requeue) or TERMINATED.
+
+Only the step's own processes can speak to it (bluevela/launch/wire.py): a new secret per
+step, an HMAC on every line and beat, a hello only from a node of the step and once, caps on
+line size and connections, a hello deadline; a bad message drops that message or connection,
+never the supervisor. Standard library only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from bluevela.launch.agent import USR1_UNCAUGHT_S
+from bluevela.launch.events import failure_time
+from bluevela.launch.events_copy import keeper_of
+from bluevela.launch.events_log import EventLog
+from bluevela.launch.outcome import Loss, StepEnd, StepResult, lost_text
+from bluevela.launch.proctree import reap
+from bluevela.protocol.channel import Channel, ChannelError, challenge_line
+from bluevela.protocol.messages import fresh_seq, parse_beat
+from bluevela.protocol.names import printable, safe_name
+
+logger = logging.getLogger(__name__)
+
+TICK_S = 0.2
+HELLO_DEADLINE_S = 5.0  # a connection without a signed hello by then is closed
+MAX_PENDING = 64  # connections without a hello yet; the oldest goes when one more comes
+# A connection accepted in one tick is read in the next three before it can be pushed out
+# (64 pending / 16 a tick): an agent's hello, sent on the challenge, is read in time.
+MAX_ACCEPT_PER_TICK = 16
+MAX_BEATS_PER_TICK = 512  # then signals and agents get their turn (a flood cannot starve them)
+# (or a quarter of the step's ranks: a turn takes 1/4 s of beats at most, with TURN_S in between)
+UDP_RCVBUF = 16 << 20  # bytes asked for the beat socket's receive buffer (rmem_max caps it)
+TURN_S = 0.01  # a turn woken by datagrams or agents' lines alone waits for this since the last
+HANG_CHECK_S = 0.2  # the hang watchdog's look over every rank's last progress, this often
+MAX_DROP_LOGS = 3  # per step; the rest are counted
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def log(line: str) -> None:
+    sys.stderr.write(f"bv supervisor: {line}\n")
+    sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------------------------
+# The hang watchdog (pure)
+
+
+@dataclass
+class RankBeat:
+    node: str
+    step: int
+    last_progress: float  # monotonic time of its last progress() call (receive time - age)
+    in_collective: bool = False
+    where: str = "?"
+
+
+@dataclass(frozen=True)
+class Hang:
+    rank: int
+    beat: RankBeat
+    silent_s: float
+    waiting: int = 0  # other ranks waiting inside a collective
+
+    def describe(self) -> str:
+        b = self.beat
+        state = "in a collective" if b.in_collective else "not in a collective"
+        others = f"; {self.waiting} other rank(s) wait in a collective" if self.waiting else ""
+        return (f"hang: rank {self.rank} on {b.node} stopped first (no progress for "
+                f"{self.silent_s:.0f} s, last step {b.step}, at {b.where}, {state}){others}")
+
+
+def find_hang(beats: dict[int, RankBeat], now: float, timeout: float) -> Hang | None:
+    """A hang when a rank that reported is without progress for `timeout`. The watchdog arms at
+    the first beat: start-up (imports, rendezvous, loading) has its own timeouts in torchrun
+    and init_process_group, and may legitimately take longer than a short hang timeout. The
+    rank named as stopped first: one NOT waiting in a collective (its peers wait for it
+    there), then the oldest progress, lowest step, rank."""
+    if timeout <= 0 or not beats:
+        return None
+    oldest = min(b.last_progress for b in beats.values())
+    if now - oldest < timeout:
+        return None
+    rank, beat = min(beats.items(), key=lambda kv: (kv[1].in_collective, kv[1].last_progress,
+                                                     kv[1].step, kv[0]))
+    waiting = sum(1 for r, b in beats.items() if r != rank and b.in_collective)
+    return Hang(rank, beat, now - beat.last_progress, waiting)
+
+
+# --------------------------------------------------------------------------------------------
+# What the supervisor listens on
+
+
+def bind_address(alloc: Sequence[str], host: str) -> str:
+    """Where the supervisor listens: loopback when the job has this one node (its only agent
+    runs here), else this host's own address, never wider; 0.0.0.0 only when the hostname
+    resolves to loopback (then the address agents use cannot be known here)."""
+    if len(set(alloc)) == 1:
+        return "127.0.0.1"
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        return "0.0.0.0"
+    return "0.0.0.0" if addr.startswith("127.") else addr
+
+
+class Signals:
+    """SIGUSR1, SIGTERM and SIGINT through a wakeup pipe: the handlers do nothing, the loops
+    read the numbers. `seen`: the signal the job acts on (SIGTERM wins over SIGUSR1)."""
+
+    def __init__(self) -> None:
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        self.seen: int | None = None
+
+    def install(self) -> None:
+        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGUSR1, *STOP_SIGNALS):
+            signal.signal(sig, lambda *_: None)  # the wakeup fd carries the number
+
+    def drain(self) -> list[int]:
+        try:
+            return list(os.read(self.wake_r, 1024))
+        except BlockingIOError:
+            return []
+
+    def note(self, sig: int) -> bool:
+        """Take `sig` into `seen`; True when it is the job's first signal."""
+        if sig not in (signal.SIGUSR1, *STOP_SIGNALS):
+            return False
+        first = self.seen is None
+        if first or sig != signal.SIGUSR1:
+            self.seen = signal.SIGTERM if sig == signal.SIGINT else sig
+        return first
+
+    def close(self) -> None:
+        old = signal.set_wakeup_fd(-1)
+        if old != self.wake_w:  # not ours: leave it as it was
+            signal.set_wakeup_fd(old)
+        for fd in (self.wake_r, self.wake_w):
+            os.close(fd)
+
+    def wait_stop(self, seconds: float) -> bool:
+        """Wait `seconds`; True as soon as SIGTERM (or SIGINT) arrives."""
+        end = time.monotonic() + seconds
+        with selectors.DefaultSelector() as wait:
+            wait.register(self.wake_r, selectors.EVENT_READ)
+            while (left := end - time.monotonic()) > 0:
+                wait.select(left)
+                if any(sig in STOP_SIGNALS for sig in self.drain()):
+                    return True
+        return False
+
+
+class Endpoints:
+    """The agents' TCP port and the ranks' UDP port (bound once, on `bind_address`), and the
+    selector over them and the signals' pipe."""
+
+    def __init__(self, alloc: Sequence[str], host: str, signals: Signals) -> None:
+        addr = bind_address(alloc, host)
+        self.advertised = "127.0.0.1" if addr == "127.0.0.1" else host
+        self.listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listen.bind((addr, 0))
+        # Every agent of the allocation connects at once at a step's start: a backlog of them
+        # all (the kernel caps it at net.core.somaxconn), else the rest wait out SYN retries.
+        self.listen.listen(max(256, 2 * len(alloc)))
+        self.listen.setblocking(False)
+        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        # A save of all ranks is 8 x nodes checkpoint datagrams within milliseconds: a receive
+        # buffer for them (the kernel caps it at net.core.rmem_max; docs/scale.md).
+        self.udp.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UDP_RCVBUF)
+        self.udp.bind((addr, 0))
+        self.udp.setblocking(False)
+        # selectors (epoll): no FD_SETSIZE limit, whatever the number of connections.
+        self.sel = selectors.DefaultSelector()
+        for fileobj in (self.listen, self.udp, signals.wake_r):
+            self.sel.register(fileobj, selectors.EVENT_READ)
+
+    def close(self) -> None:
+        self.sel.close()
+        self.listen.close()
+        self.udp.close()
+
+    def line_addr(self) -> str:
+        return f"{self.advertised}:{self.listen.getsockname()[1]}"
+
+    def beat_addr(self) -> str:
+        return f"{self.advertised}:{self.udp.getsockname()[1]}"
+
+
+# --------------------------------------------------------------------------------------------
+# One step
+
+
+class Conn:
+    """An agent's connection. Pending until a signed hello names a node of the step that has
+    no connection yet; dropped on any protocol error, or without a hello in HELLO_DEADLINE_S."""
+
+    def __init__(self, sock: socket.socket, key: bytes, nonce: bytes, now: float) -> None:
+        self.sock = sock
+        self.chan = Channel(sock, key, nonce, b"s")
+        self.opened = now
+        self.node: str | None = None
+        self.last_seen = now
+        self.exit_rc: int | None = None
+        self.signalled = 0  # workers this agent sent SIGUSR1 to (from its exit message)
+        self.termed = 0  # workers without a SIGUSR1 handler, stopped with SIGTERM instead
+        self.why = ""  # the agent's own reason with a failed exit (e.g. no torchrun)
+        self.go_sent = False
+        self.closed = False
+
+    def send(self, msg: dict[str, object]) -> None:
+        self.chan.send(msg)
+
+    def read(self, now: float) -> list[dict[str, object]] | None:
+        """Messages now readable; None on EOF/error. Raises ChannelError (drop the peer)."""
+        msgs = self.chan.receive()
+        if msgs:
+            self.last_seen = now
+        return msgs
+
+    def took_exit(self, msg: dict[str, object]) -> None:
+        rc, signalled, termed, why = (msg.get("rc"), msg.get("signalled"), msg.get("termed"),
+                                      msg.get("why"))
+        self.exit_rc = rc if isinstance(rc, int) and 0 <= rc <= 255 else 1
+        self.signalled = signalled if isinstance(signalled, int) else 0
+        self.termed = termed if isinstance(termed, int) else 0
+        self.why = printable(why) if isinstance(why, str) else ""
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """What bounds a step (the supervisor's options)."""
+
+    settle_s: float = 2.0  # srun gone this long with agents unaccounted: the step has ended
+    node_timeout: float = 10.0
+    connect_timeout: float = 120.0
+    abort_grace_s: float = 5.0
+    hang_timeout: float = 0.0
+
+
+@dataclass
+class StepState:
+    nodes: list[str]
+    started: float
+    line_key: bytes = b""
+    beat_key: bytes = b""
+    max_ranks: int = 1
+    rdzv_port: int | None = None  # reported by the rendezvous node's agent
+    conns: list[Conn] = field(default_factory=list)
+    beats: dict[int, RankBeat] = field(default_factory=dict)
+    seqs: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, pid) -> last seq
+    lost: dict[str, Loss] = field(default_factory=dict)
+    first_failure: tuple[str, int] | None = None  # (node, rc) of the first non-zero exit
+    failure_why: str = ""  # what the first failed node's agent said about it, if anything
+    srun_rc: int | None = None
+    srun_exit_at: float | None = None
+    dropped: int = 0  # connections dropped for a protocol error
+    agents: dict[str, Conn] = field(default_factory=dict)  # node -> its agent, from its hello
+    members: frozenset[str] = field(init=False, default=frozenset())  # `nodes`, for lookups
+
+    def __post_init__(self) -> None:
+        self.members = frozenset(self.nodes)
+
+    def by_node(self) -> dict[str, Conn]:
+        """Each node's agent (set at its hello, kept once closed): not to be modified."""
+        return self.agents
+
+    def exits(self) -> dict[str, int]:
+        return {n: c.exit_rc for n, c in self.by_node().items() if c.exit_rc is not None}
+
+    def unaccounted(self) -> list[str]:
+        """Step nodes that neither reported an exit nor are lost."""
+        exits = self.exits()
+        return [n for n in self.nodes if n not in exits and n not in self.lost]
+
+
+class Step:
+    """One srun step, from its start to how it ended."""
+
+    def __init__(self, st: StepState, srun: subprocess.Popen[bytes], ends: Endpoints,
+                 signals: Signals, events: EventLog, host: str, cfg: StepConfig) -> None:
+        self.st = st
+        self.srun = srun
+        self.ends = ends
+        self.signals = signals
+        self.events = events
+        self.host = host
+        self.cfg = cfg
+        self.last_turn = 0.0  # when the loop's last turn began (`pump`)
+        self.hang_checked = 0.0
+
+    def run(self) -> StepResult:
+        try:
+            while True:
+                self.pump()
+                result = self._verdict(time.monotonic())
+                if result is not None:
+                    return result
+        finally:
+            self._close_all()
+
+    def _verdict(self, now: float) -> StepResult | None:
+        """How the step ended, or None while it runs."""
+        st = self.st
+        settled = st.srun_exit_at is not None and now - st.srun_exit_at >= self.cfg.settle_s
+        if self.signals.seen is not None:
+            # Checkpoint requested: wait for the step to end (Slurm's time limit and KillWait
+            # bound this).
+            return self._after_signal() if settled or not st.unaccounted() else None
+        if st.lost or st.first_failure is not None:
+            return self.end(None)
+        if not st.unaccounted():
+            reap(self.srun, 10.0)
+            return StepResult(StepEnd.OK, 0, "exit 0")
+        if settled:
+            if st.srun_rc == 0 and not st.by_node():
+                return StepResult(StepEnd.OK, 0, "exit 0")
+            return StepResult(StepEnd.FAILED, st.srun_rc or 1,
+                              f"srun exited {st.srun_rc} before every node agent reported")
+        if now - self.hang_checked < HANG_CHECK_S:
+            return None
+        self.hang_checked = now
+        hang = find_hang(st.beats, now, self.cfg.hang_timeout)
+        return self.end(hang) if hang is not None else None
+
+    def _close_all(self) -> None:
+        if self.st.dropped > MAX_DROP_LOGS:
+            log(f"{self.st.dropped - MAX_DROP_LOGS} more connection(s) dropped in this step")
+        for conn in self.st.conns:
+            self._close(conn)
+        if self.srun.poll() is None:
+            self.srun.kill()
+            self.srun.wait()
+
+    # -- the pump --------------------------------------------------------------------------
+    def pump(self) -> None:
+        """One round: signals, new agents, agent messages, beats, srun, node timeouts."""
+        ready = {key.fileobj for key, _ in self.ends.sel.select(TICK_S)}
+        if self.ends.listen not in ready and self.signals.wake_r not in ready:
+            # Beats and pings alone: taken in batches, a turn (and its checks over every
+            # node) at most TURN_S after the last; not one turn per datagram (docs/scale.md).
+            time.sleep(max(0.0, self.last_turn + TURN_S - time.monotonic()))
+        now = self.last_turn = time.monotonic()
+        for sig in self.signals.drain():
+            self._on_signal(sig)
+        if self.ends.udp in ready:
+            self._read_beats(now)
+        # Reads before accepts: hellos already sent are taken before new connections can push
+        # their senders out of the pending set.
+        for conn in [c for c in self.st.conns if not c.closed and c.sock in ready]:
+            self._read_agent(conn, now)
+        self.events.pump()  # the goodput events' copy, a bounded part a tick
+        for conn in [c for c in self.st.conns if not c.closed and (c.chan.out or c.chan.broken)]:
+            conn.chan.flush()  # what a slow reader left pending: whole lines only
+            if conn.chan.broken is not None:
+                self._drop(conn, conn.chan.broken)
+        if self.ends.listen in ready:
+            self._accept(now)
+        self._deadlines(now)
+
+    def _deadlines(self, now: float) -> None:
+        st = self.st
+        for conn in [c for c in st.conns if c.node is None]:
+            if now - conn.opened > HELLO_DEADLINE_S:
+                self._drop(conn, f"no signed hello in {HELLO_DEADLINE_S:.0f} s")
+        if st.srun_rc is None and (rc := self.srun.poll()) is not None:
+            st.srun_rc, st.srun_exit_at = rc, now
+        by_node = st.by_node()
+        for node in st.unaccounted():
+            agent = by_node.get(node)
+            if agent is None:
+                if now - st.started > self.cfg.connect_timeout:
+                    st.lost[node] = Loss.never_connected(self.cfg.connect_timeout)
+            elif now - agent.last_seen > self.cfg.node_timeout:
+                st.lost[node] = Loss.silent(now - agent.last_seen)
+
+    def _read_agent(self, conn: Conn, now: float) -> None:
+        st = self.st
+        try:
+            msgs = conn.read(now)
+        except ChannelError as exc:
+            self._drop(conn, str(exc))
+            return
+        if msgs is None:
+            self._close(conn)
+            if conn.node is None:
+                st.conns.remove(conn)
+            elif conn.exit_rc is None:
+                st.lost.setdefault(conn.node, Loss.closed())
+            return
+        for msg in msgs:
+            why = self._on_msg(conn, msg)
+            if why is not None:
+                self._drop(conn, why)
+                return
+            if (msg.get("t") == "exit" and conn.exit_rc not in (None, 0)
+                    and st.first_failure is None and conn.node is not None):
+                st.first_failure = (conn.node, conn.exit_rc or 1)
+                st.failure_why = conn.why
+
+    def _on_signal(self, sig: int) -> None:
+        if not self.signals.note(sig):
+            return
+        self.events.signal(time.monotonic())
+        log(f"{signal.Signals(sig).name} received: asking every worker to checkpoint")
+        for conn in self.st.conns:
+            if not conn.closed and conn.node is not None:
+                conn.send({"t": "usr1"})
+
+    def _accept(self, now: float) -> None:
+        st = self.st
+        # The pending cap grows with the step's agents that have not said hello yet: a
+        # member's start storm (every agent of 1,024 nodes connects at once) must never push
+        # its own hellos out; a non-member can still hold at most MAX_PENDING more, and the
+        # oldest pending goes first (docs/scale.md).
+        pending = [c for c in st.conns if c.node is None]
+        cap = MAX_PENDING + max(0, len(st.nodes) - (len(st.conns) - len(pending)))
+        for _ in range(MAX_ACCEPT_PER_TICK):
+            try:
+                sock, _ = self.ends.listen.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and the like: the backlog waits, the loop goes on
+                log(f"accept: {exc.strerror or exc}")
+                return
+            if len(pending) >= cap:
+                self._drop(pending.pop(0), f"more than {cap} connections without a hello")
+            sock.setblocking(False)
+            nonce = secrets.token_bytes(16)
+            conn = Conn(sock, st.line_key, nonce, now)
+            try:
+                sock.send(challenge_line(nonce))
+            except OSError:
+                sock.close()
+                continue
+            st.conns.append(conn)
+            pending.append(conn)
+            self.ends.sel.register(sock, selectors.EVENT_READ)
+
+    def _close(self, conn: Conn) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        try:
+            self.ends.sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+
+    def _drop(self, conn: Conn, why: str) -> None:
+        """Close a connection that broke the protocol. One that was an agent of the step (it
+        had the secret) counts as a lost node; any other is forgotten."""
+        st = self.st
+        st.dropped += 1
+        if st.dropped <= MAX_DROP_LOGS:
+            try:
+                host, port = conn.sock.getpeername()[:2]
+                peer = f"{host}:{port}"
+            except OSError:
+                peer = "?"
+            log(f"dropped a connection from {safe_name(peer)}: {why}")
+        self._close(conn)
+        if conn.node is None:
+            st.conns.remove(conn)
+        elif conn.exit_rc is None:
+            st.lost.setdefault(conn.node, Loss.protocol(why))
+
+    def _read_beats(self, now: float) -> None:
+        st = self.st
+        for _ in range(max(MAX_BEATS_PER_TICK, st.max_ranks // 4)):
+            try:
+                data = self.ends.udp.recv(2048)
+            except OSError:  # nothing more now (BlockingIOError), or the socket failed
+                return
+            if self.events.datagram(data, st.beat_key, st.max_ranks, now):
+                continue  # a checkpoint record (goodput events), not a beat
+            beat = parse_beat(data, st.beat_key)
+            # A signed beat from this step's own ranks always passes these: a rank the step
+            # cannot have, or progress older than the step, is not one of ours.
+            if beat is None or beat.rank >= st.max_ranks or beat.age_s > now - st.started + 5:
+                continue
+            if not fresh_seq(st.seqs, (beat.rank, beat.pid), beat.seq, 4 * st.max_ranks):
+                continue  # a replayed or reordered beat
+            self.events.progress(now - beat.age_s)
+            st.beats[beat.rank] = RankBeat(safe_name(beat.node), beat.step, now - beat.age_s,
+                                           beat.in_collective, safe_name(beat.where, 200))
+
+    def _on_msg(self, conn: Conn, msg: dict[str, object]) -> str | None:
+        """Act on one signed message; a reason to drop the connection, or None."""
+        kind = msg.get("t")
+        if conn.node is None:
+            return self._on_hello(conn, msg)
+        if kind == "exit":
+            conn.took_exit(msg)
+        return None
+
+    def _on_hello(self, conn: Conn, msg: dict[str, object]) -> str | None:
+        st = self.st
+        node = msg.get("node")
+        if msg.get("t") != "hello" or not isinstance(node, str):
+            return "a message before hello"
+        if node not in st.members:
+            return f"hello from {safe_name(node)}, not a node of this step"
+        if node in st.agents:
+            return f"a second hello from {node}"
+        if node == st.nodes[0]:
+            port = msg.get("port")
+            if not isinstance(port, int) or not 1 <= port <= 65535:
+                return f"hello from the rendezvous node {node} without a port"
+            st.rdzv_port = port
+        conn.node = node
+        st.agents[node] = conn
+        if node == keeper_of(st.nodes, self.host):
+            # a copy of the goodput events on a second node (events_copy.CopyWriter): the
+            # record of this attempt outlives this (the batch) node
+            self.events.attach(conn.chan)
+        if st.rdzv_port is not None:
+            # Once the port is known, each later hello gets its own go: no walk over every
+            # agent per hello (1,024 hellos x 1,024 agents at each step start).
+            for c in st.conns if node == st.nodes[0] else [conn]:
+                if c.node is not None and not c.go_sent and not c.closed:
+                    c.send({"t": "go", "port": st.rdzv_port})
+                    c.go_sent = True
+        if self.signals.seen is not None:
+            conn.send({"t": "usr1"})
+        return None
+
+    # -- how it ended ----------------------------------------------------------------------
+    def end(self, hang: Hang | None) -> StepResult:
+        """End the step now: agents kill their torchrun; then every node has either answered
+        (it is alive) or is lost (connection closed, or silent for --node-timeout); the hung
+        srun (it would wait for a dead node until SlurmdTimeout) is killed here."""
+        st = self.st
+        detected = time.monotonic()
+        failed = failure_time(st.lost, {c.node: c.last_seen for c in st.conns if c.node},
+                              st.started, detected,
+                              hang.beat.last_progress if hang is not None else None)
+        for conn in st.conns:
+            if not conn.closed and conn.node is not None and conn.exit_rc is None:
+                conn.send({"t": "abort"})
+        deadline = time.monotonic() + self.cfg.node_timeout + self.cfg.abort_grace_s
+        while st.unaccounted() and time.monotonic() < deadline:
+            self.pump()
+        for node in st.unaccounted():
+            st.lost[node] = Loss.no_abort_answer()
+        reap(self.srun, 0.5)
+        kind, rc, cause = self._ended_how(hang)
+        return StepResult(kind, rc, cause, dict(st.lost), hang.beat.node if hang else None,
+                          failed, detected)
+
+    def _ended_how(self, hang: Hang | None) -> tuple[StepEnd, int, str]:
+        st = self.st
+        lost = lost_text(st.lost)
+        if hang is not None:
+            return StepEnd.HANG, 1, hang.describe() + (f"; {lost}" if lost else "")
+        if st.lost:
+            return StepEnd.LOST, 1, lost
+        node, rc = st.first_failure or ("?", 1)
+        if st.failure_why:
+            return StepEnd.FAILED, rc, (f"exit {rc} ({st.failure_why}; not a lost node, so no "
+                                        "relaunch or requeue)")
+        return StepEnd.FAILED, rc, (f"exit {rc} (rank failure on {node}; every node answered, "
+                                    "so no relaunch: torchrun --max-restarts retries in place)")
+
+    def _after_signal(self) -> StepResult:
+        st = self.st
+        reap(self.srun, 2.0)
+        exits = st.exits()
+        if (exits and not st.lost and set(exits.values()) == {0}
+                and not any(c.signalled for c in st.conns)):
+            return StepResult(StepEnd.OK, 0, "exit 0")  # done before the signal
+        return signal_result(self.signals.seen, exits, st.srun_rc,
+                             sum(c.termed for c in st.conns))
+
+
+def signal_result(seen: int | None, exits: dict[str, int], srun_rc: int | None,
+                  termed: int) -> StepResult:
+    """A step that ended after the checkpoint signal (SIGNAL: requeue) or Slurm's SIGTERM
+    (TERMINATED)."""
+    codes = ",".join(map(str, sorted(set(exits.values()))
+                         or [srun_rc if srun_rc is not None else -1]))
+    name = signal.Signals(seen or signal.SIGUSR1).name
+    if seen == signal.SIGUSR1 and termed:
+        # A script with no handler for bv's signal: torchrun's SIGTERM stop, not a kill.
+        return StepResult(StepEnd.SIGNAL, 0, f"checkpoint signal {name} from Slurm; {termed} "
+                          f"worker(s) had no handler for it after {USR1_UNCAUGHT_S:.0f} s and "
+                          "were stopped with SIGTERM through torchrun (its grace period), no "
+                          f"checkpoint from them; exited {codes}, requeued by bv")
+    if seen == signal.SIGUSR1:
+        return StepResult(StepEnd.SIGNAL, 0, f"checkpoint signal {name} from Slurm, workers "
+                          f"exited {codes}, requeued by bv")
+    return StepResult(StepEnd.TERMINATED, 128 + int(seen or 15),
+                      f"{name} from Slurm (scancel, operator requeue or preemption): workers "
+                      f"asked to checkpoint, exited {codes}")
