@@ -150,12 +150,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="16,64,256,1024,4096")
     p.add_argument("--node-timeout", type=float, default=10.0)
-    p.add_argument("--hang-timeout", type=float, default=10.0)
+    # Above the node timeout, as on a real site: a silent node's ranks stop beating too, and
+    # with equal timeouts the watchdog may name its rank before the node is declared lost.
+    p.add_argument("--hang-timeout", type=float, default=15.0)
     p.add_argument("--steady", type=float, default=10.0)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--no-status", action="store_true", help="skip bv status/logs at 1,024")
     args = p.parse_args()
     runs: list[dict[str, float]] = []
+    ends: dict[int, list[str]] = {}
     for n in (int(x) for x in args.sizes.split(",")):
         with tempfile.TemporaryDirectory(prefix=f"bv-scale-{n}-") as tmp:
             t0 = time.monotonic()
@@ -168,6 +171,7 @@ def main() -> int:
             row = {"n": n, "load_max": max(res.load), "load_min": min(res.load),
                    "wall_s": time.monotonic() - t0, "rc": res.rc or 0, **res.figures}
             runs.append(row)
+            ends[n] = [line for line in res.stdout.splitlines() if " ended: " in line]
             print(f"N={n}: " + json.dumps({k: round(v, 4) for k, v in row.items()}), flush=True)
     print(table(runs))
     extra: dict[str, float] = {}
@@ -177,7 +181,8 @@ def main() -> int:
         print("bv status --json / bv logs, a job of 8 attempts on 1,024 nodes: "
               + json.dumps({k: round(v, 3) for k, v in extra.items()}))
     if args.json is not None:
-        args.json.write_text(json.dumps({"runs": runs, "status_logs": extra}, indent=1))
+        args.json.write_text(json.dumps({"runs": runs, "status_logs": extra, "end_lines": ends},
+                                        indent=1))
     return 0
 
 
