@@ -14,7 +14,7 @@ it can say how it ended (`Step.run`):
 - SIGUSR1 / SIGTERM: every agent is told to forward SIGUSR1 to its workers; once the step has
   ended -> SIGNAL (requeue) or TERMINATED.
 
-Only the step's own processes can speak to it (bluevela/launch/wire.py): a new secret per
+Only the step's own processes can speak to it (bluevela/protocol/): a new secret per
 step, an HMAC on every line and beat, a hello only from a node of the step and once, caps on
 line size and connections, a hello deadline; a bad message drops that message or connection,
 never the supervisor. Standard library only.
