@@ -50,7 +50,8 @@ SRUN = """
 import json, os, signal, sys, time
 out = os.environ["BV_SCALE_DIR"]
 nodes = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--nodelist=")][0].split(",")
-keys = ("BV_SUPERVISOR", "BV_HEARTBEAT", "BV_JOB_SECRET", "BV_RDZV_NODE", "BV_ATTEMPT")
+keys = ("BV_SUPERVISOR", "BV_HEARTBEAT", "BV_JOB_SECRET", "BV_RDZV_NODE", "BV_ATTEMPT",
+        "BV_HEARTBEAT_INTERVAL_S")
 rec = {"pid": os.getpid(), "nodes": nodes, "t": time.monotonic(),
        "env": {k: os.environ.get(k, "") for k in keys}}
 n = sum(1 for f in os.listdir(out) if f.startswith("srun.") and f.endswith(".json")) + 1
@@ -103,11 +104,11 @@ def udp_drops(port: int) -> int:
 
 
 def _ranks_main(ctl: Connection) -> None:
-    """Commands: ("step", host, port, secret_hex, nodes), ("mute", node_index),
+    """Commands: ("step", host, port, secret_hex, nodes, interval_s), ("mute", node_index),
     ("stall", rank), ("save", step), ("stop",), ("stats",) -> sent counts, ("quit",)."""
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.setblocking(False)
-    slots = 100  # a rank beats once a second in its slot of 10 ms
+    slots = 100  # a rank beats once per interval in its slot of 10 ms
     addr: tuple[str, int] | None = None
     key = b""
     nodes: list[str] = []
@@ -126,6 +127,8 @@ def _ranks_main(ctl: Connection) -> None:
                 addr = (cmd[1], cmd[2])
                 key = beat_key(bytes.fromhex(cmd[3]))
                 nodes = cmd[4]
+                slots = max(1, round(cmd[5] * 100))
+                slot = 0
                 seq = [0] * (len(nodes) * RANKS_PER_NODE)
                 stalled, muted = {}, set()
                 pid0 += len(seq)
@@ -262,6 +265,7 @@ class Agents:
         bhost, _, bport = self.env["BV_HEARTBEAT"].rpartition(":")
         self.beat_addr = (socket.gethostbyname(bhost), int(bport))
         self.rdzv = self.env["BV_RDZV_NODE"] or self.nodes[0]
+        self.interval = float(self.env["BV_HEARTBEAT_INTERVAL_S"] or 1.0)  # runtime.heartbeat
         self.sel = selectors.DefaultSelector()
         self.agents = [Agent(i, n) for i, n in enumerate(self.nodes)]
         self.record = StepRecord(launch, list(self.nodes), float(rec["t"]))
@@ -557,7 +561,8 @@ class Harness:
             # 1. start, steady state, a save, one connection closed
             agents = self._next_step(1, 30)
             self._started(agents, "step1")
-            ranks.send("step", *agents.beat_addr, agents.env["BV_JOB_SECRET"], agents.nodes)
+            ranks.send("step", *agents.beat_addr, agents.env["BV_JOB_SECRET"], agents.nodes,
+                       agents.interval)
             udp_port = agents.beat_addr[1]
             agents.run_for(min(3.0, self.steady_s))  # the beats reach their rate
             pid = self.proc.pid
@@ -595,7 +600,8 @@ class Harness:
             # 2. relaunched on a spare: start again, then one agent silent
             agents = self._next_step(2, 30)
             self._started(agents, "step2")
-            ranks.send("step", *agents.beat_addr, agents.env["BV_JOB_SECRET"], agents.nodes)
+            ranks.send("step", *agents.beat_addr, agents.env["BV_JOB_SECRET"], agents.nodes,
+                       agents.interval)
             agents.run_for(1.5)
             f["step2.aborts_before_failure"] = len(agents.record.aborts)
             victim = agents.agents[-1]
@@ -611,7 +617,8 @@ class Harness:
             # 3. a hang: one rank's progress stops, its beats go on
             agents = self._next_step(3, self.node_timeout + 30)
             self._started(agents, "step3")
-            ranks.send("step", *agents.beat_addr, agents.env["BV_JOB_SECRET"], agents.nodes)
+            ranks.send("step", *agents.beat_addr, agents.env["BV_JOB_SECRET"], agents.nodes,
+                       agents.interval)
             agents.run_for(1.5)
             f["step3.aborts_before_failure"] = len(agents.record.aborts)
             hung = (self.n // 2) * RANKS_PER_NODE + 3

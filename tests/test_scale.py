@@ -11,7 +11,11 @@ under the node count, agents past it were never accepted ("Too many open files")
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,8 +25,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from scale_harness import RANKS_PER_NODE, _beat, run_scale  # noqa: E402
 
+from bluevela.launch.supervisor import beat_interval  # noqa: E402
 from bluevela.protocol.keys import beat_key  # noqa: E402
 from bluevela.protocol.messages import Beat, format_beat, parse_beat  # noqa: E402
+from bluevela.runtime.heartbeat import interval  # noqa: E402
 
 N = 256
 NODE_TIMEOUT = 3.0
@@ -74,3 +80,45 @@ def test_the_harness_beats_are_the_ranks_own_bytes() -> None:
                                   "train.py:120:train_step", seq=9), key)
         assert mine == theirs
         assert parse_beat(mine, key) is not None
+
+
+def test_the_beat_interval_follows_the_hang_timeout() -> None:
+    """A big job with a long hang timeout needs a fraction of the datagrams: an eighth of the
+    timeout between beats, 1 to 10 s (no watchdog: every second, as before)."""
+    assert [beat_interval(t) for t in (0, 4, 8, 15, 60, 600)] == [1, 1, 1, 1.875, 7.5, 10]
+    assert interval({"BV_HEARTBEAT_INTERVAL_S": "7.5"}) == 7.5
+    for junk in ("", "0", "0.1", "61", "nan", "inf", "-1", "1e9", "x", "1" * 40):
+        assert interval({"BV_HEARTBEAT_INTERVAL_S": junk}) == 1.0, junk
+
+
+def _beats_in(tmp_path: Path, every: str, seconds: float) -> int:
+    """Signed beats a real rank (`bluevela.runtime.progress`) sends in `seconds`."""
+    secret = secrets.token_hex(32)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        udp.bind(("127.0.0.1", 0))
+        udp.settimeout(0.1)
+        env = {**os.environ, "BV_HEARTBEAT": f"127.0.0.1:{udp.getsockname()[1]}",
+               "BV_JOB_SECRET": secret, "BV_HEARTBEAT_INTERVAL_S": every, "RANK": "3",
+               "PYTHONPATH": str(REPO)}
+        rank = subprocess.Popen([sys.executable, "-P", "-c", "import time\n"
+                                 "from bluevela.runtime import progress\n"
+                                 f"progress(1)\ntime.sleep({seconds})\n"], env=env, cwd=tmp_path)
+        got = 0
+        try:
+            while rank.poll() is None:
+                try:
+                    data = udp.recv(2048)
+                except TimeoutError:
+                    continue
+                beat = parse_beat(data, beat_key(bytes.fromhex(secret)))
+                got += beat is not None and beat.rank == 3
+        finally:
+            rank.kill()
+            rank.wait()
+    return got
+
+
+def test_a_rank_beats_at_the_interval_the_supervisor_sets(tmp_path: Path) -> None:
+    """cd8e436: one beat a second whatever the job said (3 in 2.6 s here)."""
+    assert _beats_in(tmp_path, "0.25", 2.6) >= 6
+    assert _beats_in(tmp_path, "junk", 2.6) <= 3

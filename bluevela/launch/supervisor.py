@@ -93,6 +93,7 @@ from bluevela.launch.policy import (
 from bluevela.launch.step import Endpoints, Signals, Step, StepConfig, StepState, log
 from bluevela.protocol.keys import SECRET_ENV, beat_key, derive, new_secret
 from bluevela.runtime.heartbeat import ENV_ADDR as HEARTBEAT_ENV
+from bluevela.runtime.heartbeat import INTERVAL_ENV as BEAT_INTERVAL_ENV
 from bluevela.runtime.world import STEP_NODELIST_ENV, STEP_NUM_NODES_ENV
 from bluevela.slurm.jobctl import SLURM_RETRY_FOR_S, SLURM_TIMEOUT_S, JobControl
 
@@ -126,6 +127,15 @@ def rdzv_env(rdzv_id: str, rdzv_node: str) -> dict[str, str]:
     """What the step's agents and torchruns read instead of command-line flags: torchrun takes
     any option from ``PET_<OPTION>`` when it is not on its command line (its ``env`` action)."""
     return {RDZV_ID_ENV: rdzv_id, RDZV_NODE_ENV: rdzv_node}
+
+
+def beat_interval(hang_timeout: float) -> float:
+    """Seconds between a rank's beats: an eighth of the hang timeout, 1 to 10 s. A healthy
+    rank's record is then never more than timeout/8 old (no false hang), a stuck rank's last
+    progress is exact whatever the interval (its beats carry their age), and a big job with
+    a long timeout sends a fraction of the datagrams: 8,192 ranks beating every second are
+    most of the supervisor's CPU (docs/scale.md)."""
+    return 1.0 if hang_timeout <= 0 else min(10.0, max(1.0, hang_timeout / 8))
 
 
 def ranks_bound(torchrun: Sequence[str], nodes: int) -> int:
@@ -381,6 +391,7 @@ class Supervisor:
         env = dict(self.env)
         env[SUPERVISOR_ENV] = ends.line_addr()
         env[HEARTBEAT_ENV] = ends.beat_addr()
+        env[BEAT_INTERVAL_ENV] = f"{beat_interval(self.opts.hang_timeout):g}"
         env[ATTEMPT_ENV] = str(attempt)
         env[STEP_NODELIST_ENV] = compress(nodes)
         env[STEP_NUM_NODES_ENV] = str(len(nodes))

@@ -3,7 +3,8 @@
 A rank calls `progress(step)` once per training step. That call only records the step and the
 time (no syscall); the first call also starts a daemon thread that sends ONE small UDP
 datagram per second to the job's supervisor (address in ``BV_HEARTBEAT``, set by bv inside
-the job). Each datagram says: this rank, its node, its last step, how long ago that was, and
+the job; every ``BV_HEARTBEAT_INTERVAL_S`` seconds when the supervisor sets it, for a long
+hang timeout on a big job). Each datagram says: this rank, its node, its last step, how long ago that was, and
 where its main thread is right now (innermost frame, and whether it waits inside
 ``torch.distributed``). When a rank hangs, its peers soon wait in the next collective; the one
 that is NOT in a collective is the one that stopped first, which is what bv reports.
@@ -27,7 +28,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from bluevela.protocol.keys import beat_key, secret_from_env
 from bluevela.protocol.messages import Beat, CkptMsg, format_beat, format_ckpt
@@ -36,6 +37,18 @@ logger = logging.getLogger(__name__)
 
 ENV_ADDR = "BV_HEARTBEAT"
 INTERVAL_S = 1.0
+INTERVAL_ENV = "BV_HEARTBEAT_INTERVAL_S"  # seconds between beats, 0.2-60 (the supervisor's)
+
+
+def interval(env: Mapping[str, str] | None = None) -> float:
+    """Seconds between beats: ``BV_HEARTBEAT_INTERVAL_S`` when it is a number in 0.2-60,
+    else INTERVAL_S."""
+    text = (os.environ if env is None else env).get(INTERVAL_ENV, "")
+    try:
+        value = float(text) if 0 < len(text) <= 12 else INTERVAL_S
+    except ValueError:
+        return INTERVAL_S
+    return value if 0.2 <= value <= 60 else INTERVAL_S
 
 
 def parse_addr(value: str) -> tuple[str, int] | None:
@@ -156,8 +169,9 @@ class _Sender:
             pass
 
     def _loop(self) -> None:
+        every = interval()
         while True:
-            time.sleep(INTERVAL_S)
+            time.sleep(every)
             try:
                 self.send()
             except Exception:  # noqa: BLE001 - a heartbeat must never break training
