@@ -27,6 +27,7 @@ import socket
 import stat
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from bluevela.errors import UnsafeValueError
@@ -198,7 +199,12 @@ class HookContext:
         node: this node's Slurm name (SLURMD_NODENAME, else the short hostname), validated.
         job_id: validated, None for the healthcheck.
         user, partition: data only.
-        nodelist: the job's nodes (each a validated name); () when unparsable.
+        nodelist_expr: SLURM_NODELIST as Slurm wrote it (a compressed hostlist expression)
+            when every name it stands for is a valid node name, else "". The reports carry it
+            as it is: expanding it, checking each name and compressing it again cost every
+            node O(N log N) (6 ms a hook at 4,096 nodes, 0.2 ms at 64: issue 27).
+        nodelist: the job's nodes (each a validated name), expanded when first asked for;
+            () when unparsable.
         job_gpus: the GPU indexes the job was given here (SLURM_JOB_GPUS); None: unknown.
     """
 
@@ -208,7 +214,7 @@ class HookContext:
     user: str = ""
     partition: str = ""
     num_nodes: int | None = None
-    nodelist: tuple[str, ...] = ()
+    nodelist_expr: str = ""
     restart_count: int = 0
     exit_code: int | None = None
     exit_signal: int | None = None
@@ -235,6 +241,7 @@ class HookContext:
             exit_code, exit_signal = parse_exit(env.get("SLURM_JOB_EXIT_CODE2"),
                                                 env.get("SLURM_JOB_EXIT_CODE"))
             derived = parse_derived(env.get("SLURM_JOB_DERIVED_EC"))
+        expr = env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
         return cls(
             phase=phase,
             node=node,
@@ -242,7 +249,7 @@ class HookContext:
             user=_data(env.get("SLURM_JOB_USER"), 64),
             partition=_data(env.get("SLURM_JOB_PARTITION"), 64),
             num_nodes=_int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")),
-            nodelist=_nodelist(env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST")),
+            nodelist_expr=_checked_expr(expr),
             restart_count=_int(env.get("SLURM_JOB_RESTART_COUNT")) or 0,
             exit_code=exit_code,
             exit_signal=exit_signal,
@@ -250,11 +257,66 @@ class HookContext:
             job_gpus=_job_gpus(env.get("SLURM_JOB_GPUS")) if phase != "healthcheck" else None,
         )
 
+    @cached_property
+    def nodelist(self) -> tuple[str, ...]:
+        return _nodelist(self.nodelist_expr)
+
 
 def _job_gpus(value: str | None) -> tuple[int, ...] | None:
     from bluevela.health.context import parse_gpu_list
 
     return parse_gpu_list(value)
+
+
+_MAX_NODES = 100_000
+# What Slurm writes: comma-separated pieces, each a name or `prefix[ranges]suffix`.
+_NAME_CHARS = r"[A-Za-z0-9_.-]"
+_RANGES = r"[0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+)?)*"
+_PIECE = re.compile(rf"({_NAME_CHARS}*)\[({_RANGES})\]({_NAME_CHARS}*)|({_NAME_CHARS}+)")
+
+
+def _checked_expr(expr: str) -> str:
+    """`expr` when it is a list of pieces `name` or `prefix[a-b,c]suffix` whose every name is a
+    valid node name (checked per piece: its prefix, suffix and widest number), with fewer
+    than _MAX_NODES names; else the names are expanded and checked one by one (`_nodelist`)
+    and `expr` kept only when they all pass."""
+    count, pos = 0, 0
+    while pos < len(expr):
+        m = _PIECE.match(expr, pos)
+        end = m.end() if m else -1
+        if m is None or (end < len(expr) and expr[end] != ","):
+            break
+        if m.group(4) is not None:
+            if not _safe(m.group(4)):
+                return ""
+            count += 1
+        else:
+            prefix, suffix, width = m.group(1), m.group(3), 0
+            for part in m.group(2).split(","):
+                lo, _, hi = part.partition("-")
+                if int(hi or lo) < int(lo):
+                    return ""
+                count += int(hi or lo) - int(lo) + 1
+                width = max(width, len(lo), len(hi))
+            if not _safe(prefix + "0" * width + suffix):
+                return ""
+        if count >= _MAX_NODES:
+            break
+        pos = end + 1
+        if pos == len(expr):  # a trailing comma
+            break
+    else:
+        return expr
+    names = _nodelist(expr)
+    return expr if names and len(names) < _MAX_NODES else ""
+
+
+def _safe(name: str) -> bool:
+    try:
+        safe_node_name(name)
+    except UnsafeValueError:
+        return False
+    return True
 
 
 def _nodelist(expr: str | None) -> tuple[str, ...]:
@@ -264,7 +326,7 @@ def _nodelist(expr: str | None) -> tuple[str, ...]:
 
     try:
         names = hostlist.expand_hostlist(expr)
-        return tuple(safe_node_name(n) for n in names[:100_000])
+        return tuple(safe_node_name(n) for n in names[:_MAX_NODES])
     except (hostlist.BadHostlist, UnsafeValueError):
         logger.warning("unparsable SLURM_NODELIST ignored")
         return ()

@@ -264,7 +264,7 @@ def _spool(site: Site, hctx: HookContext, report: HealthReport, drain: DrainResu
         "phase": hctx.phase, "job_id": hctx.job_id, "node": hctx.node,
         "restart": hctx.restart_count if restart is None else restart, "user": hctx.user,
         "partition": hctx.partition, "num_nodes": hctx.num_nodes,
-        "nodelist": _compressed(hctx.nodelist), "time": time.time(),
+        "nodelist": hctx.nodelist_expr or _compressed(hctx.nodelist), "time": time.time(),
         "exit_code": hctx.exit_code, "exit_signal": hctx.exit_signal,
         "derived_exit_code": hctx.derived_exit_code,
         "health": report.to_dict(), "telemetry": telemetry,
