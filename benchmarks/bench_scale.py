@@ -156,6 +156,8 @@ def main() -> int:
     p.add_argument("--steady", type=float, default=10.0)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--no-status", action="store_true", help="skip bv status/logs at 1,024")
+    p.add_argument("--long-sizes", default="1024,4096",
+                   help="sizes measured again in steady state with a 60 s hang timeout")
     args = p.parse_args()
     runs: list[dict[str, float]] = []
     ends: dict[int, list[str]] = {}
@@ -174,6 +176,19 @@ def main() -> int:
             ends[n] = [line for line in res.stdout.splitlines() if " ended: " in line]
             print(f"N={n}: " + json.dumps({k: round(v, 4) for k, v in row.items()}), flush=True)
     print(table(runs))
+    long_runs: list[dict[str, float]] = []
+    for n in (int(x) for x in args.long_sizes.split(",") if x):
+        # The steady state alone with a 60 s hang timeout: ranks beat every 7.5 s.
+        with tempfile.TemporaryDirectory(prefix=f"bv-scale-long-{n}-") as tmp:
+            res = run_scale(Path(tmp), n, node_timeout=args.node_timeout, hang_timeout=60.0,
+                            steady_s=args.steady, failures=False)
+        row = {"n": n, "load_max": max(res.load), **res.figures}
+        long_runs.append(row)
+        print(f"N={n}, hang timeout 60 s: cpu {row['steady.cpu_pct']:.1f} % rss "
+              f"{row['steady.rss_mb']:.1f} MB beats/s {row['steady.beats_sent_per_s']:.0f} "
+              f"received {row['steady.beats_received_pct']:.2f} % release "
+              f"{row['step1.release_after_last_connect_s']:.2f} s (load {row['load_max']:.1f})",
+              flush=True)
     extra: dict[str, float] = {}
     if not args.no_status:
         with tempfile.TemporaryDirectory(prefix="bv-scale-status-") as tmp:
@@ -181,8 +196,8 @@ def main() -> int:
         print("bv status --json / bv logs, a job of 8 attempts on 1,024 nodes: "
               + json.dumps({k: round(v, 3) for k, v in extra.items()}))
     if args.json is not None:
-        args.json.write_text(json.dumps({"runs": runs, "status_logs": extra, "end_lines": ends},
-                                        indent=1))
+        args.json.write_text(json.dumps({"runs": runs, "status_logs": extra, "end_lines": ends,
+                                         "hang_timeout_60": long_runs}, indent=1))
     return 0
 
 

@@ -176,7 +176,7 @@ def _ranks_main(ctl: Connection) -> None:
             except OSError:
                 errors += 1
         slot = (slot + 1) % slots
-        next_t += 1.0 / slots
+        next_t += 0.01
         if next_t < now - 0.5:  # far behind (an overloaded machine): do not burst to catch up
             next_t = now
 
@@ -447,9 +447,10 @@ class Result:
 class Harness:
     def __init__(self, tmp: Path, n: int, *, node_timeout: float = 10.0,
                  hang_timeout: float = 10.0, steady_s: float = 10.0,
-                 nofile: int | None = 1024) -> None:
+                 nofile: int | None = 1024, failures: bool = True) -> None:
         self.dir, self.n = tmp, n
         self.nofile = nofile  # the supervisor's soft limit of open files (a login shell's)
+        self.failures = failures  # False: start, steady state and the save only
         self.node_timeout, self.hang_timeout, self.steady_s = node_timeout, hang_timeout, steady_s
         self.alloc = [f"sn{i:05d}" for i in range(1, n + SPARES + 1)]
         bindir = tmp / "bin"
@@ -553,6 +554,14 @@ class Harness:
         return min(agents.record.aborts) - since
 
     # -- the scenario --------------------------------------------------------------------------
+    @staticmethod
+    def _all_exit(agents: Agents, ranks: Ranks) -> None:
+        ranks.send("stop")
+        for a in agents.agents:
+            agents.exit(a, 0)
+        os.kill(agents.srun_pid, signal.SIGTERM)
+        agents.close()
+
     def run(self, ranks: Ranks) -> Result:
         self._start()
         assert self.proc is not None
@@ -586,6 +595,11 @@ class Harness:
             f["save.burst_s"] = burst_s
             f["save.dropped"] = udp_drops(udp_port) - d0
             f["step1.aborts_before_failure"] = len(agents.record.aborts)
+            if not self.failures:  # the steady state alone: every agent exits 0
+                self._all_exit(agents, ranks)
+                res.steps.append(agents.record)
+                res.rc = self.proc.wait(timeout=30)
+                return res
             victim = agents.agents[-1]
             res.victims.append(victim.node)
             ranks.send("mute", victim.index)
@@ -632,10 +646,7 @@ class Harness:
             # 4. everyone exits 0
             agents = self._next_step(4, 30)
             agents.run_until(lambda: agents.record.all_go is not None, 60 + self.n / 20)
-            for a in agents.agents:
-                agents.exit(a, 0)
-            os.kill(agents.srun_pid, signal.SIGTERM)
-            agents.close()
+            self._all_exit(agents, ranks)
             res.steps.append(agents.record)
             res.rc = self.proc.wait(timeout=30)
         finally:

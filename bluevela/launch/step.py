@@ -56,6 +56,10 @@ MAX_BEATS_PER_TICK = 512  # then signals and agents get their turn (a flood cann
 # (or a quarter of the step's ranks: a turn takes 1/4 s of beats at most, with TURN_S in between)
 UDP_RCVBUF = 16 << 20  # bytes asked for the beat socket's receive buffer (rmem_max caps it)
 TURN_S = 0.01  # a turn woken by datagrams or agents' lines alone waits for this since the last
+# ... or 20 us per node of the step, up to 0.1 s: a turn's passes over every connection cost
+# O(nodes), so turns a second fall as nodes grow and their sum stays flat (docs/scale.md).
+TURN_PER_NODE_S = 20e-6
+TURN_MAX_S = 0.1
 HANG_CHECK_S = 0.2  # the hang watchdog's look over every rank's last progress, this often
 MAX_DROP_LOGS = 3  # per step; the rest are counted
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -366,7 +370,8 @@ class Step:
         if self.ends.listen not in ready and self.signals.wake_r not in ready:
             # Beats and pings alone: taken in batches, a turn (and its checks over every
             # node) at most TURN_S after the last; not one turn per datagram (docs/scale.md).
-            time.sleep(max(0.0, self.last_turn + TURN_S - time.monotonic()))
+            turn = min(TURN_MAX_S, max(TURN_S, TURN_PER_NODE_S * len(self.st.nodes)))
+            time.sleep(max(0.0, self.last_turn + turn - time.monotonic()))
         now = self.last_turn = time.monotonic()
         for sig in self.signals.drain():
             self._on_signal(sig)
