@@ -51,7 +51,7 @@ import json, os, signal, sys, time
 out = os.environ["BV_SCALE_DIR"]
 nodes = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--nodelist=")][0].split(",")
 keys = ("BV_SUPERVISOR", "BV_HEARTBEAT", "BV_JOB_SECRET", "BV_RDZV_NODE", "BV_ATTEMPT",
-        "BV_HEARTBEAT_INTERVAL_S")
+        "BV_HEARTBEAT_INTERVAL_S", "BV_PING_S")
 rec = {"pid": os.getpid(), "nodes": nodes, "t": time.monotonic(),
        "env": {k: os.environ.get(k, "") for k in keys}}
 n = sum(1 for f in os.listdir(out) if f.startswith("srun.") and f.endswith(".json")) + 1
@@ -266,6 +266,7 @@ class Agents:
         self.beat_addr = (socket.gethostbyname(bhost), int(bport))
         self.rdzv = self.env["BV_RDZV_NODE"] or self.nodes[0]
         self.interval = float(self.env["BV_HEARTBEAT_INTERVAL_S"] or 1.0)  # runtime.heartbeat
+        self.ping_s = float(self.env["BV_PING_S"] or PING_S)  # as launch/agent.py reads it
         self.sel = selectors.DefaultSelector()
         self.agents = [Agent(i, n) for i, n in enumerate(self.nodes)]
         self.record = StepRecord(launch, list(self.nodes), float(rec["t"]))
@@ -391,7 +392,7 @@ class Agents:
             if a.state == "retry" and now >= a.connect_at:
                 self._connect(a, now)
             elif (a.state in ("waiting", "running") and a.chan is not None
-                  and now - a.last_ping >= PING_S):
+                  and now - a.last_ping >= self.ping_s):
                 a.chan.send({"t": "ping"})
                 a.last_ping = now
         if self.record.all_go is None and all(a.go_at is not None for a in self.agents):

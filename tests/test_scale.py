@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from scale_harness import RANKS_PER_NODE, _beat, run_scale  # noqa: E402
 
-from bluevela.launch.supervisor import beat_interval  # noqa: E402
+from bluevela.launch.supervisor import beat_interval, ping_interval  # noqa: E402
 from bluevela.protocol.keys import beat_key  # noqa: E402
 from bluevela.protocol.messages import Beat, format_beat, parse_beat  # noqa: E402
 from bluevela.runtime.heartbeat import interval  # noqa: E402
@@ -82,11 +82,13 @@ def test_the_harness_beats_are_the_ranks_own_bytes() -> None:
         assert parse_beat(mine, key) is not None
 
 
-def test_the_beat_interval_follows_the_hang_timeout() -> None:
+def test_the_beat_and_ping_intervals_follow_the_timeouts() -> None:
     """A big job with a long hang timeout needs a fraction of the datagrams: an eighth of the
     timeout between beats, 1 to 10 s (no watchdog: every second, as before)."""
     assert [beat_interval(t) for t in (0, 4, 8, 15, 60, 600)] == [1, 1, 1, 1.875, 7.5, 10]
     assert interval({"BV_HEARTBEAT_INTERVAL_S": "7.5"}) == 7.5
+    # Pings: a fifth of the node timeout, 1 to 5 s (the default 10 s: every 2 s).
+    assert [ping_interval(t) for t in (1, 3, 10, 25, 100)] == [1, 1, 2, 5, 5]
     for junk in ("", "0", "0.1", "61", "nan", "inf", "-1", "1e9", "x", "1" * 40):
         assert interval({"BV_HEARTBEAT_INTERVAL_S": junk}) == 1.0, junk
 

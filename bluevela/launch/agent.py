@@ -47,6 +47,7 @@ SUPERVISOR_ENV = "BV_SUPERVISOR"  # HOST:PORT of the supervisor's line channel
 RDZV_ENDPOINT_ENV = "PET_RDZV_ENDPOINT"
 RDZV_NODE_ENV = "BV_RDZV_NODE"  # the step's first node, where the store runs
 PING_S = 1.0
+PING_ENV = "BV_PING_S"  # seconds between pings (the supervisor's, from its node timeout)
 TICK_S = 0.2
 CONNECT_FOR_S = 30.0
 # An aborted step is broken (a peer is gone, or it hangs): no checkpoint can complete, so
@@ -152,6 +153,7 @@ class Agent:
         self.rdzv_node = env.get(RDZV_NODE_ENV, "") or node
         self.copy = CopyWriter(env, node)  # the goodput events, when this node keeps them
         self.usr1_wait = _seconds(env.get(USR1_WAIT_ENV), USR1_UNCAUGHT_S)
+        self.ping_s = min(30.0, max(0.2, _seconds(env.get(PING_ENV), PING_S)))
         self.phase = Phase.WAITING
         self.code = 1  # the exit status, once DONE
         self.proc: subprocess.Popen[bytes] | None = None  # torchrun, once the supervisor says go
@@ -295,7 +297,7 @@ class Agent:
             signal_pid(proc.pid, signal.SIGTERM)
 
     def _ping(self) -> None:
-        if time.monotonic() - self.last_ping >= PING_S:
+        if time.monotonic() - self.last_ping >= self.ping_s:
             self.chan.send({"t": "ping"})
             self.last_ping = time.monotonic()
 

@@ -56,9 +56,9 @@ MAX_BEATS_PER_TICK = 512  # then signals and agents get their turn (a flood cann
 # (or a quarter of the step's ranks: a turn takes 1/4 s of beats at most, with TURN_S in between)
 UDP_RCVBUF = 16 << 20  # bytes asked for the beat socket's receive buffer (rmem_max caps it)
 TURN_S = 0.01  # a turn woken by datagrams or agents' lines alone waits for this since the last
-# ... or 20 us per node of the step, up to 0.1 s: a turn's passes over every connection cost
+# ... or 50 us per node of the step, up to 0.1 s: a turn's passes over every connection cost
 # O(nodes), so turns a second fall as nodes grow and their sum stays flat (docs/scale.md).
-TURN_PER_NODE_S = 20e-6
+TURN_PER_NODE_S = 50e-6
 TURN_MAX_S = 0.1
 HANG_CHECK_S = 0.2  # the hang watchdog's look over every rank's last progress, this often
 MAX_DROP_LOGS = 3  # per step; the rest are counted
