@@ -5,7 +5,8 @@
 The supervisor (bluevela/launch/supervisor.py) starts it with ``srun`` for every step, with
 the step's secret, the supervisor's address and the rendezvous node in the environment. The
 agent connects back (the signed line channel, bluevela/protocol/channel.py), says hello (with a
-free port for the c10d store on the rendezvous node), pings every second, and moves through
+free port for the c10d store on the rendezvous node), pings (every ``BV_PING_S``, the
+supervisor's fifth of its node timeout; else every second), and moves through
 four phases:
 
 - WAITING: no torchrun yet. ``go`` (with the store's port) starts torchrun; ``abort`` ends

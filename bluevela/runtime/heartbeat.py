@@ -12,7 +12,7 @@ It never blocks, never raises and is a no-op outside a bv job.
 
 Why UDP: nodes share no file system, a datagram costs one syscall and cannot stall a training
 loop (no connect, no back-pressure), and a lost datagram only delays one beat of many (the
-hang timeout is tens of seconds; beats go out every second). A beat is one signed ASCII line
+hang timeout is tens of seconds; beats go out every second or every eighth of it). A beat is one signed ASCII line
 (`Beat`, bluevela/protocol/messages.py), and so is the datagram `checkpoint_saved()` sends,
 both with a key from the step's secret, ``BV_JOB_SECRET``. Without that secret nothing is
 sent: the supervisor believes only signed datagrams, because anyone on the network can send
