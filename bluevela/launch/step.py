@@ -318,6 +318,7 @@ class Step:
         self.host = host
         self.cfg = cfg
         self.last_turn = 0.0  # when the loop's last turn began (`pump`)
+        self.backlog = False  # the last turn left datagrams unread (its cap): no wait
         self.hang_checked = 0.0
 
     def run(self) -> StepResult:
@@ -367,7 +368,7 @@ class Step:
     def pump(self) -> None:
         """One round: signals, new agents, agent messages, beats, srun, node timeouts."""
         ready = {key.fileobj for key, _ in self.ends.sel.select(TICK_S)}
-        if self.ends.listen not in ready and self.signals.wake_r not in ready:
+        if not self.backlog and self.ends.listen not in ready and self.signals.wake_r not in ready:
             # Beats and pings alone: taken in batches, a turn (and its checks over every
             # node) at most TURN_S after the last; not one turn per datagram (docs/scale.md).
             turn = min(TURN_MAX_S, max(TURN_S, TURN_PER_NODE_S * len(self.st.nodes)))
@@ -502,10 +503,12 @@ class Step:
 
     def _read_beats(self, now: float) -> None:
         st = self.st
+        self.backlog = True  # until a read finds nothing more (a save's burst of 8 N datagrams)
         for _ in range(max(MAX_BEATS_PER_TICK, st.max_ranks // 4)):
             try:
                 data = self.ends.udp.recv(2048)
             except OSError:  # nothing more now (BlockingIOError), or the socket failed
+                self.backlog = False
                 return
             if self.events.datagram(data, st.beat_key, st.max_ranks, now):
                 continue  # a checkpoint record (goodput events), not a beat
