@@ -103,82 +103,100 @@ def udp_drops(port: int) -> int:
 # The ranks (a child process): beats and checkpoint datagrams
 
 
-def _ranks_main(ctl: Connection) -> None:
-    """Commands: ("step", host, port, secret_hex, nodes, interval_s), ("mute", node_index),
-    ("stall", rank), ("save", step), ("stop",), ("stats",) -> sent counts, ("quit",)."""
-    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    udp.setblocking(False)
-    slots = 100  # a rank beats once per interval in its slot of 10 ms
-    addr: tuple[str, int] | None = None
-    key = b""
-    nodes: list[str] = []
-    seq: list[int] = []
-    stalled: dict[int, tuple[int, float]] = {}
-    muted: set[int] = set()
-    sent = errors = ckpts = 0
-    pid0 = 1000
-    slot = 0
-    next_t = time.monotonic()
-    while True:
-        timeout = max(0.0, next_t - time.monotonic()) if addr else 1.0
-        if ctl.poll(timeout):
-            cmd = ctl.recv()
-            if cmd[0] == "step":
-                addr = (cmd[1], cmd[2])
-                key = beat_key(bytes.fromhex(cmd[3]))
-                nodes = cmd[4]
-                slots = max(1, round(cmd[5] * 100))
-                slot = 0
-                seq = [0] * (len(nodes) * RANKS_PER_NODE)
-                stalled, muted = {}, set()
-                pid0 += len(seq)
-                next_t = time.monotonic()
-            elif cmd[0] == "mute":
-                muted.add(cmd[1])
-            elif cmd[0] == "stall":
-                stalled[cmd[1]] = (int(time.monotonic() * 5), time.monotonic())
-                ctl.send(stalled[cmd[1]][1])
-            elif cmd[0] == "save" and addr is not None:
-                t0 = time.monotonic()
-                for rank in range(len(seq)):
-                    if rank // RANKS_PER_NODE in muted:
-                        continue
-                    seq[rank] += 1
-                    data = format_ckpt(CkptMsg(rank, cmd[1], pid0 + rank, seq[rank], 0.5, 0.0),
-                                       key)
-                    try:
-                        udp.sendto(data, addr)
-                        ckpts += 1
-                    except OSError:
-                        errors += 1
-                ctl.send((ckpts, time.monotonic() - t0))
-            elif cmd[0] == "stop":
-                addr = None
-            elif cmd[0] == "stats":
-                ctl.send((sent, errors, ckpts))
-            elif cmd[0] == "quit":
-                return
-            continue
-        if addr is None:
-            continue
+class _RankSim:
+    """Every rank of the step, in the child process. Commands: ("step", host, port,
+    secret_hex, nodes, interval_s), ("mute", node_index), ("stall", rank) -> its last
+    progress, ("save", step) -> (datagrams sent, seconds), ("stop",), ("stats",) ->
+    (beats sent, send errors, checkpoint datagrams sent), ("quit",)."""
+
+    def __init__(self) -> None:
+        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.udp.setblocking(False)
+        self.slots = 100  # a rank beats once per interval, in its slot of 10 ms
+        self.slot = 0
+        self.addr: tuple[str, int] | None = None
+        self.key = b""
+        self.nodes: list[str] = []
+        self.seq: list[int] = []
+        self.stalled: dict[int, tuple[int, float]] = {}  # rank -> (its step, last progress)
+        self.muted: set[int] = set()  # node indexes whose packets are dropped
+        self.sent = self.errors = self.ckpts = 0
+        self.pid0 = 1000
+        self.next_t = time.monotonic()
+
+    def command(self, cmd: tuple[Any, ...]) -> Any:
+        """Act on one command; its answer, or None when it has none."""
+        if cmd[0] == "step":
+            self.addr, self.key = (cmd[1], cmd[2]), beat_key(bytes.fromhex(cmd[3]))
+            self.nodes, self.slots, self.slot = cmd[4], max(1, round(cmd[5] * 100)), 0
+            self.seq = [0] * (len(self.nodes) * RANKS_PER_NODE)
+            self.stalled, self.muted = {}, set()
+            self.pid0 += len(self.seq)
+            self.next_t = time.monotonic()
+        elif cmd[0] == "mute":
+            self.muted.add(cmd[1])
+        elif cmd[0] == "stall":
+            self.stalled[cmd[1]] = (int(time.monotonic() * 5), time.monotonic())
+            return self.stalled[cmd[1]][1]
+        elif cmd[0] == "save":
+            return self.save(cmd[1])
+        elif cmd[0] == "stop":
+            self.addr = None
+        elif cmd[0] == "stats":
+            return (self.sent, self.errors, self.ckpts)
+        return None
+
+    def _send(self, data: bytes) -> bool:
+        assert self.addr is not None
+        try:
+            self.udp.sendto(data, self.addr)
+            return True
+        except OSError:
+            self.errors += 1
+            return False
+
+    def save(self, step: int) -> tuple[int, float]:
+        """Every live rank's checkpoint datagram at once, as ranks ending one save send them."""
+        t0 = time.monotonic()
+        for rank in range(len(self.seq)):
+            if self.addr is None or rank // RANKS_PER_NODE in self.muted:
+                continue
+            self.seq[rank] += 1
+            msg = CkptMsg(rank, step, self.pid0 + rank, self.seq[rank], 0.5, 0.0)
+            self.ckpts += self._send(format_ckpt(msg, self.key))
+        return self.ckpts, time.monotonic() - t0
+
+    def tick(self) -> None:
+        """The beats of this 10 ms slot: each rank once per interval."""
         now = time.monotonic()
         step_now = int(now * 5)  # 5 training steps a second
-        for rank in range(slot, len(seq), slots):
+        for rank in range(self.slot, len(self.seq), self.slots):
             node = rank // RANKS_PER_NODE
-            if node in muted:
+            if node in self.muted:
                 continue
-            step, last = stalled.get(rank, (step_now, step_now / 5))
-            seq[rank] += 1
-            data = _beat(key, rank, nodes[node], step, pid0 + rank, seq[rank], now - last)
-            try:
-                udp.sendto(data, addr)
-                sent += 1
-            except OSError:
-                errors += 1
-        slot = (slot + 1) % slots
-        next_t += 0.01
-        if next_t < now - 0.5:  # far behind (an overloaded machine): do not burst to catch up
-            next_t = now
+            step, last = self.stalled.get(rank, (step_now, step_now / 5))
+            self.seq[rank] += 1
+            self.sent += self._send(_beat(self.key, rank, self.nodes[node], step,
+                                          self.pid0 + rank, self.seq[rank], now - last))
+        self.slot = (self.slot + 1) % self.slots
+        self.next_t += 0.01
+        if self.next_t < now - 0.5:  # far behind (an overloaded machine): no burst to catch up
+            self.next_t = now
+
+
+def _ranks_main(ctl: Connection) -> None:
+    sim = _RankSim()
+    while True:
+        timeout = max(0.0, sim.next_t - time.monotonic()) if sim.addr else 1.0
+        if ctl.poll(timeout):
+            cmd = ctl.recv()
+            if cmd[0] == "quit":
+                return
+            answer = sim.command(cmd)
+            if answer is not None:
+                ctl.send(answer)
+        elif sim.addr is not None:
+            sim.tick()
 
 
 def _beat(key: bytes, rank: int, node: str, step: int, pid: int, seq: int, age: float) -> bytes:
@@ -566,86 +584,19 @@ class Harness:
     def run(self, ranks: Ranks) -> Result:
         self._start()
         assert self.proc is not None
-        res, f = self.result, self.result.figures
+        res = self.result
         try:
-            # 1. start, steady state, a save, one connection closed
-            agents = self._next_step(1, 30)
-            self._started(agents, "step1")
-            ranks.send("step", *agents.beat_addr, agents.env["BV_JOB_SECRET"], agents.nodes,
-                       agents.interval)
-            udp_port = agents.beat_addr[1]
-            agents.run_for(min(3.0, self.steady_s))  # the beats reach their rate
-            pid = self.proc.pid
-            c0, t0, d0 = proc_cpu_s(pid), time.monotonic(), udp_drops(udp_port)
-            s0 = ranks.ask("stats")[0]
-            agents.run_for(self.steady_s)
-            c1, t1, d1 = proc_cpu_s(pid), time.monotonic(), udp_drops(udp_port)
-            s1 = ranks.ask("stats")[0]
-            rss, hwm = proc_mem_kb(pid)
-            f["steady.cpu_pct"] = 100 * (c1 - c0) / (t1 - t0)
-            f["steady.rss_mb"] = rss / 1024
-            f["steady.hwm_mb"] = hwm / 1024
-            f["steady.beats_sent_per_s"] = (s1 - s0) / (t1 - t0)
-            f["steady.beats_dropped"] = d1 - d0
-            f["steady.beats_received_pct"] = 100 * (1 - (d1 - d0) / max(1, s1 - s0))
-            res.load.append(loadavg())
-            d0 = udp_drops(udp_port)
-            sent, burst_s = ranks.ask("save", 1000)
-            agents.run_for(1.0)
-            f["save.datagrams_sent"] = sent
-            f["save.burst_s"] = burst_s
-            f["save.dropped"] = udp_drops(udp_port) - d0
-            f["step1.aborts_before_failure"] = len(agents.record.aborts)
+            agents = self._launch(1, 30, ranks)
+            self._steady_and_save(agents, ranks)
             if not self.failures:  # the steady state alone: every agent exits 0
                 self._all_exit(agents, ranks)
                 res.steps.append(agents.record)
                 res.rc = self.proc.wait(timeout=30)
                 return res
-            victim = agents.agents[-1]
-            res.victims.append(victim.node)
-            ranks.send("mute", victim.index)
-            t_fail = time.monotonic()
-            agents._forget(victim)
-            victim.state = "done"
-            f["lost_closed.decision_s"] = self._abort_latency(agents, t_fail, 30)
-            res.load.append(loadavg())
-            ranks.send("stop")
-            agents.close()
-            res.steps.append(agents.record)
-            # 2. relaunched on a spare: start again, then one agent silent
-            agents = self._next_step(2, 30)
-            self._started(agents, "step2")
-            ranks.send("step", *agents.beat_addr, agents.env["BV_JOB_SECRET"], agents.nodes,
-                       agents.interval)
-            agents.run_for(1.5)
-            f["step2.aborts_before_failure"] = len(agents.record.aborts)
-            victim = agents.agents[-1]
-            res.victims.append(victim.node)
-            ranks.send("mute", victim.index)
-            t_fail = agents.silence(victim)
-            f["lost_silent.decision_s"] = self._abort_latency(
-                agents, t_fail, self.node_timeout + 30)
-            res.load.append(loadavg())
-            ranks.send("stop")
-            agents.close()
-            res.steps.append(agents.record)
-            # 3. a hang: one rank's progress stops, its beats go on
-            agents = self._next_step(3, self.node_timeout + 30)
-            self._started(agents, "step3")
-            ranks.send("step", *agents.beat_addr, agents.env["BV_JOB_SECRET"], agents.nodes,
-                       agents.interval)
-            agents.run_for(1.5)
-            f["step3.aborts_before_failure"] = len(agents.record.aborts)
-            hung = (self.n // 2) * RANKS_PER_NODE + 3
-            res.hung = (hung, agents.nodes[self.n // 2])
-            t_stall = ranks.ask("stall", hung)
-            f["hang.decision_s"] = self._abort_latency(agents, t_stall, self.hang_timeout + 30)
-            res.load.append(loadavg())
-            ranks.send("stop")
-            agents.close()
-            res.steps.append(agents.record)
-            # 4. everyone exits 0
-            agents = self._next_step(4, 30)
+            self._closed(agents, ranks)
+            self._silent(self._launch(2, 30, ranks), ranks)
+            self._hang(self._launch(3, self.node_timeout + 30, ranks), ranks)
+            agents = self._next_step(4, 30)  # everyone exits 0
             agents.run_until(lambda: agents.record.all_go is not None, 60 + self.n / 20)
             self._all_exit(agents, ranks)
             res.steps.append(agents.record)
@@ -655,6 +606,77 @@ class Harness:
             self._stop()
         self._epilog_read()
         return res
+
+    def _launch(self, launch: int, timeout: float, ranks: Ranks) -> Agents:
+        """The step's agents connected and released, its ranks beating."""
+        agents = self._next_step(launch, timeout)
+        self._started(agents, f"step{launch}")
+        ranks.send("step", *agents.beat_addr, agents.env["BV_JOB_SECRET"], agents.nodes,
+                   agents.interval)
+        return agents
+
+    def _steady_and_save(self, agents: Agents, ranks: Ranks) -> None:
+        assert self.proc is not None
+        f, port, pid = self.result.figures, agents.beat_addr[1], self.proc.pid
+        agents.run_for(min(3.0, self.steady_s))  # the beats reach their rate
+        c0, t0, d0 = proc_cpu_s(pid), time.monotonic(), udp_drops(port)
+        s0 = ranks.ask("stats")[0]
+        agents.run_for(self.steady_s)
+        c1, t1, d1 = proc_cpu_s(pid), time.monotonic(), udp_drops(port)
+        s1 = ranks.ask("stats")[0]
+        rss, hwm = proc_mem_kb(pid)
+        f["steady.cpu_pct"] = 100 * (c1 - c0) / (t1 - t0)
+        f["steady.rss_mb"] = rss / 1024
+        f["steady.hwm_mb"] = hwm / 1024
+        f["steady.beats_sent_per_s"] = (s1 - s0) / (t1 - t0)
+        f["steady.beats_dropped"] = d1 - d0
+        f["steady.beats_received_pct"] = 100 * (1 - (d1 - d0) / max(1, s1 - s0))
+        self.result.load.append(loadavg())
+        d0 = udp_drops(port)
+        f["save.datagrams_sent"], f["save.burst_s"] = ranks.ask("save", 1000)
+        agents.run_for(1.0)
+        f["save.dropped"] = udp_drops(port) - d0
+        f["step1.aborts_before_failure"] = len(agents.record.aborts)
+
+    def _ended(self, agents: Agents, ranks: Ranks) -> None:
+        self.result.load.append(loadavg())
+        ranks.send("stop")
+        agents.close()
+        self.result.steps.append(agents.record)
+
+    def _closed(self, agents: Agents, ranks: Ranks) -> None:
+        """One agent's connection closed (its node died), its ranks silent."""
+        victim = agents.agents[-1]
+        self.result.victims.append(victim.node)
+        ranks.send("mute", victim.index)
+        t_fail = time.monotonic()
+        agents._forget(victim)
+        victim.state = "done"
+        self.result.figures["lost_closed.decision_s"] = self._abort_latency(agents, t_fail, 30)
+        self._ended(agents, ranks)
+
+    def _silent(self, agents: Agents, ranks: Ranks) -> None:
+        """One agent's packets dropped from now on (and its ranks'), the socket left open."""
+        agents.run_for(1.5)
+        f = self.result.figures
+        f["step2.aborts_before_failure"] = len(agents.record.aborts)
+        victim = agents.agents[-1]
+        self.result.victims.append(victim.node)
+        ranks.send("mute", victim.index)
+        t_fail = agents.silence(victim)
+        f["lost_silent.decision_s"] = self._abort_latency(agents, t_fail, self.node_timeout + 30)
+        self._ended(agents, ranks)
+
+    def _hang(self, agents: Agents, ranks: Ranks) -> None:
+        """One rank's progress stops; its beats go on, with a growing age."""
+        agents.run_for(1.5)
+        f = self.result.figures
+        f["step3.aborts_before_failure"] = len(agents.record.aborts)
+        hung = (self.n // 2) * RANKS_PER_NODE + 3
+        self.result.hung = (hung, agents.nodes[self.n // 2])
+        t_stall = ranks.ask("stall", hung)
+        f["hang.decision_s"] = self._abort_latency(agents, t_stall, self.hang_timeout + 30)
+        self._ended(agents, ranks)
 
     def _epilog_read(self) -> None:
         """The epilog's read of the supervisor's events (as the job's user, uid: ours)."""
