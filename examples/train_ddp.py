@@ -115,6 +115,9 @@ def main() -> int:
         if requested:
             stopped = True
             break
+    # Training is over: what follows (the last collectives, the group's teardown, the
+    # interpreter's exit) may be slow on a loaded node, and is not a hang.
+    runtime.finished()
     if stopped:
         dist.barrier()
         _say(f"rank={rank} stopping for requeue at step={done}")

@@ -150,6 +150,54 @@ def test_progress_sends_beats_over_udp(tmp_path: Path) -> None:
     assert not last.in_collective and last.where.startswith("<string>:")
 
 
+def test_a_finished_rank_tearing_down_is_not_a_hang() -> None:
+    """The recovery cluster test's hang case failed under load (and on cd8e436): after the
+    last step the ranks tore down the process group and the interpreter for longer than the
+    6 s hang timeout, and the watchdog aborted a finished job. A rank that says its training is
+    over is not watched; the others still are."""
+    done = {0: RankBeat("n1", 10, 100.0, False, "train.py:130:main", finished=True),
+            1: RankBeat("n2", 10, 100.1, True, "distributed_c10d.py:1:barrier", finished=True)}
+    assert find_hang(done, 1e6, 6.0) is None
+    one_left = {**done, 2: RankBeat("n3", 9, 99.0, False, "train.py:55:main")}
+    hang = find_hang(one_left, 110.0, 6.0)
+    assert hang is not None and hang.rank == 2  # never a finished rank named
+
+
+def test_finished_travels_in_the_beat_and_the_exit_says_it(tmp_path: Path) -> None:
+    """`runtime.finished()` (and, for a script that never calls it, the interpreter's exit)
+    sends a beat that says the rank is finished; the beats before it do not."""
+    beat = Beat(3, "n1", 12, 99, 1.5, False, "t.py:3:f", seq=4, finished=True)
+    assert parse_beat(format_beat(beat, KEY), KEY) == beat
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    udp.settimeout(10)
+    secret = new_secret()
+    key = beat_key(bytes.fromhex(secret))
+    env = {**os.environ, "BV_HEARTBEAT": f"127.0.0.1:{udp.getsockname()[1]}", "RANK": "1",
+           SECRET_ENV: secret}
+    for code, steps in (("from bluevela import runtime\nruntime.progress(7)\n"
+                         "runtime.finished()\nimport time; time.sleep(1.5)\n", 7),
+                        ("from bluevela.runtime import progress\nprogress(3)\n", 3)):
+        proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, timeout=30,
+                              check=True)
+        assert proc.returncode == 0
+        got = []
+        while not got or not got[-1].finished:
+            b = parse_beat(udp.recv(1024), key)
+            assert b is not None
+            got.append(b)
+        assert not got[0].finished and got[-1].finished and got[-1].step == steps
+        assert sum(b.finished for b in got) >= 1
+        udp.settimeout(0.5)
+        try:  # nothing left over for the next script (a finished rank's later beats)
+            while True:
+                udp.recv(1024)
+        except TimeoutError:
+            pass
+        udp.settimeout(10)
+    udp.close()
+
+
 def test_progress_outside_a_job_is_a_noop() -> None:
     code = "from bluevela.runtime import progress\nfor i in range(1000): progress(i)\nprint('ok')"
     env = {k: v for k, v in os.environ.items() if k != "BV_HEARTBEAT"}

@@ -81,6 +81,7 @@ class RankBeat:
     last_progress: float  # monotonic time of its last progress() call (receive time - age)
     in_collective: bool = False
     where: str = "?"
+    finished: bool = False  # its training is over (runtime.finished()): tearing down
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,9 @@ def find_hang(beats: dict[int, RankBeat], now: float, timeout: float) -> Hang | 
     and init_process_group, and may legitimately take longer than a short hang timeout. The
     rank named as stopped first: one NOT waiting in a collective (its peers wait for it
     there), then the oldest progress, lowest step, rank."""
+    # A rank whose training is over may take its time to tear down (the process group, the
+    # interpreter, on a loaded node): it is not watched, and not named.
+    beats = {r: b for r, b in beats.items() if not b.finished}
     if timeout <= 0 or not beats:
         return None
     oldest = min(b.last_progress for b in beats.values())
@@ -521,7 +525,8 @@ class Step:
                 continue  # a replayed or reordered beat
             self.events.progress(now - beat.age_s)
             st.beats[beat.rank] = RankBeat(safe_name(beat.node), beat.step, now - beat.age_s,
-                                           beat.in_collective, safe_name(beat.where, 200))
+                                           beat.in_collective, safe_name(beat.where, 200),
+                                           beat.finished)
 
     def _on_msg(self, conn: Conn, msg: dict[str, object]) -> str | None:
         """Act on one signed message; a reason to drop the connection, or None."""

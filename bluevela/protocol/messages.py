@@ -1,10 +1,12 @@
 """The ranks' datagrams to the supervisor: one signed ASCII line each, over UDP.
 
-    bvhb2 <rank> <node> <step> <pid> <seq> <age_ms> <in_collective 0|1> <where> <mac>
+    bvhb2 <rank> <node> <step> <pid> <seq> <age_ms> <state 0|1|2> <where> <mac>
     bvck1 <rank> <step> <pid> <seq> <start_age_ms> <end_age_ms> <mac>
 
 A heartbeat (`Beat`, bluevela/runtime/heartbeat.py: `step` -1 when the caller gave none,
-`age_ms` since its last progress() call, `where` its main thread's ``file:line:function``)
+`age_ms` since its last progress() call, `state` 1 while its main thread waits inside
+``torch.distributed``, 2 once its training is over (`finished()`: teardown under way, not
+watched for hangs), else 0, `where` its main thread's ``file:line:function``)
 and a checkpoint (`CkptMsg`: how long before the send a save started and ended). `mac` is
 `keys.mac` with the beat key over the rest of the line; `seq` counts the sending process's
 datagrams of that kind. Each kind is one `Form`: its magic word, its size cap and its
@@ -125,13 +127,14 @@ class Beat:
     in_collective: bool = False
     where: str = "?"
     seq: int = 0  # this process's beat number (replay: the supervisor keeps the newest)
+    finished: bool = False  # its training is over (runtime.finished()): no hang to watch for
 
 
 def format_beat(beat: Beat, key: bytes) -> bytes:
     """The signed datagram for `beat` (`key`: `keys.beat_key(secret)`)."""
     return sign_datagram(BEAT, (beat.rank, safe_name(beat.node, NODE_WORD, replace=""),
                                 beat.step, beat.pid, beat.seq, max(0, int(beat.age_s * 1000)),
-                                int(beat.in_collective),
+                                2 if beat.finished else int(beat.in_collective),
                                 safe_name(beat.where, WHERE_WORD, replace="",
                                           extra=WHERE_PUNCT)), key)
 
@@ -142,7 +145,8 @@ def parse_beat(data: bytes, key: bytes) -> Beat | None:
     if v is None:
         return None
     return Beat(rank=int(v[0]), node=str(v[1]), step=int(v[2]), pid=int(v[3]), seq=int(v[4]),
-                age_s=int(v[5]) / 1000.0, in_collective=v[6] == "1", where=str(v[7]))
+                age_s=int(v[5]) / 1000.0, in_collective=v[6] == "1", where=str(v[7]),
+                finished=v[6] == "2")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@
             if runtime.checkpoint_requested():
                 break                         # bv requeues the job; the next attempt resumes
         runtime.progress(step)                # heartbeat for --hang-timeout (opt-in)
+    runtime.finished()                        # training over: teardown is not a hang
 
 See docs/resilience.md ("For script authors").
 """
@@ -35,6 +36,7 @@ __all__ = [
     "checkpoint_saved",
     "checkpointing",
     "clear_checkpoint_request",
+    "finished",
     "install_signal_handler",
     "progress",
     "request_checkpoint",
@@ -44,7 +46,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # The heartbeat lives in its own module (the in-job supervisor's side); loaded on first use.
-    if name in ("progress", "checkpoint_saved", "checkpointing"):
+    if name in ("progress", "finished", "checkpoint_saved", "checkpointing"):
         from bluevela.runtime import heartbeat
 
         return getattr(heartbeat, name)

@@ -21,6 +21,7 @@ it one.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -82,6 +83,7 @@ class _Sender:
         self.seq = 0
         self.ck_seq = 0
         self.step = -1
+        self.finished = False
         self.last_progress = time.monotonic()
         self.thread_pid: int | None = None  # the process whose thread runs (fork-safe)
         self.sock_pid: int | None = None  # the process whose socket `sock` is
@@ -102,6 +104,17 @@ class _Sender:
                 return
             self.send()
             threading.Thread(target=self._loop, name="bv-heartbeat", daemon=True).start()
+            # A rank whose script returned is tearing down (the process group, the interpreter),
+            # which may take longer than a short hang timeout on a loaded node: say so.
+            atexit.register(self.finish)
+
+    def finish(self) -> None:
+        """Training is over: every later beat says so (the watchdog stops watching this
+        rank), and one goes out now."""
+        if self.finished or self.thread_pid != os.getpid():
+            return
+        self.finished = True
+        self.send()
 
     def _socket(self) -> bool:
         """This process's socket to the supervisor (made once per process: a forked child
@@ -162,7 +175,7 @@ class _Sender:
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         beat = Beat(rank=_int_env("RANK", 0), node=node, step=self.step,
                     pid=os.getpid(), age_s=time.monotonic() - self.last_progress,
-                    in_collective=in_coll, where=where, seq=self.seq)
+                    in_collective=in_coll, where=where, seq=self.seq, finished=self.finished)
         try:
             self.sock.sendto(format_beat(beat, self.key), self.target)
         except OSError:  # a full buffer or an unreachable supervisor: skip this beat
@@ -192,6 +205,16 @@ def progress(step: int | None = None) -> None:
     """Tell bv's hang watchdog this rank made progress (reached `step`). Cheap; never raises."""
     try:
         _SENDER.progress(step)
+    except Exception:  # noqa: BLE001 - a heartbeat must never break training
+        logger.debug("heartbeat failed", exc_info=True)
+
+
+def finished() -> None:
+    """Tell bv's hang watchdog this rank's training is over (call it after the training loop,
+    before the final collectives and the process group's teardown): it stops watching the
+    rank, so a slow exit is not a hang. Called at interpreter exit too. Never raises."""
+    try:
+        _SENDER.finish()
     except Exception:  # noqa: BLE001 - a heartbeat must never break training
         logger.debug("heartbeat failed", exc_info=True)
 
