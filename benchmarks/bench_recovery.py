@@ -27,7 +27,8 @@ The runs are interleaved (bv, bare, bv silent, ...) on the same cluster. A measu
 prints, not a timed test. Dev cluster: SlurmdTimeout=30, cred_expire=20 (left as they are).
 
 Before/after a change (issue 16: the signed control channel; issues 23/24: the happy path):
-with ``BV_BENCH_OLD=<checkout of the old commit>`` only the `bv` (spare) crash is run,
+with ``BV_BENCH_OLD=<checkout of the old commit>`` only the `bv` (spare) crash is run (and,
+with ``BV_BENCH_AB_GROW=1``, a grow crash by each side in every pair too),
 alternately by the old checkout (``PYTHONPATH`` points the submit and the job at it) and by
 this one (``BV_BENCH_NEW=<checkout>`` pins the new side to a commit too), old first in even
 pairs and new first in odd ones. Two figures come from each run:
@@ -167,10 +168,10 @@ def _settle(env: dict[str, str], job: str, crashed: str) -> None:
         time.sleep(0.5)
 
 
-def _grow_site(work: Path) -> Path:
+def _grow_site(work: Path, base: Path = REPO) -> Path:
     import yaml
 
-    data = yaml.safe_load((REPO / "site.yaml").read_text())
+    data = yaml.safe_load((base / "site.yaml").read_text())
     data.setdefault("launch", {})["grow_deadline_s"] = 30
     path = work / "site-grow.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -183,10 +184,10 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
     run = Run("bv silent" if silent else "bv grow" if grow else "bv shrink" if shrink
               else "bv" if spare else "bv no spare")
     if grow:
-        env = {**env, "BV_SITE": str(_grow_site(work))}
+        env = {**env, "BV_SITE": str(_grow_site(work, checkout or REPO))}
     if checkout is not None:  # the submit and the job (sbatch exports it) import that checkout
         env = {**env, "PYTHONPATH": str(checkout)}
-        if "BV_SITE" in env:  # an older site model rejects keys added since
+        if "BV_SITE" in env and not grow:  # an older site model rejects keys added since
             env["BV_SITE"] = str(checkout / "site.yaml")
     else:
         env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
@@ -352,6 +353,8 @@ def _before_after(env: dict[str, str], old: Path, pairs: int,
     # the new script may use calls the old runtime lacks).
     example = str(old / "examples" / "train_ddp.py")
     runs: dict[str, list[Run]] = {"old": [], "new": []}
+    grows: dict[str, list[Run]] = {"old": [], "new": []}  # BV_BENCH_AB_GROW=1
+    gratios: list[float] = []
     ratios: list[float] = []
     sratios: list[float] = []
     lratios: list[float] = []  # job started -> first rank line: bv's launch, no Slurm scheduling
@@ -378,6 +381,12 @@ def _before_after(env: dict[str, str], old: Path, pairs: int,
             if not run.error and "first rank line" in run.start:
                 pair[which] = run
                 runs[which].append(run)
+        if os.environ.get("BV_BENCH_AB_GROW") == "1":
+            gpair = _grow_pair(env, old, new, example, hooks, i)
+            for which, run in gpair.items():
+                grows[which].append(run)
+            if len(gpair) == 2:
+                gratios.append(gpair["new"].total / gpair["old"].total)
         if len(pair) == 2:
             ratios.append(pair["new"].total / pair["old"].total)
             sratios.append(pair["new"].start["first rank line"]
@@ -421,10 +430,38 @@ def _before_after(env: dict[str, str], old: Path, pairs: int,
     yield Figure("recovery.submit_new_vs_old_ratio",
                  statistics.median(sratios) if sratios else float("nan"), "ratio", "<= 1.1",
                  "submit -> first rank line; " + spread(sratios))
+    if gratios or any(grows.values()):
+        yield Figure("recovery.grow_new_vs_old_ratio",
+                     statistics.median(gratios) if gratios else float("nan"), "ratio",
+                     "<= 1.1", "crash -> resumed on a grown node (no spare, the job grows); "
+                     + "; ".join(f"{w}: " + ", ".join(f"{r.total:.1f}" for r in grows[w])
+                                 for w in ("old", "new")) + "; " + spread(gratios))
     yield Figure("recovery.launch_new_vs_old_ratio",
                  statistics.median(lratios) if lratios else float("nan"), "ratio", "",
                  "job started (attempt-1 banner) -> first rank line: supervisor, agents, "
                  "torchrun, ranks; " + spread(lratios))
+
+
+def _grow_pair(env: dict[str, str], old: Path, new: Path | None, example: str,
+               hooks: SideHooks | None, i: int) -> dict[str, Run]:
+    """One grow run (no spare: the job grows by the free node) by each side, in the pair's
+    order."""
+    pair: dict[str, Run] = {}
+    for which in (("old", "new") if i % 2 == 0 else ("new", "old")):
+        if hooks is not None:
+            hooks.switch(which)
+        with tempfile.TemporaryDirectory(prefix="bv-bench-recovery-") as tmp:
+            try:
+                run = run_bv(env, Path(tmp), silent=False, spare=False, grow=True,
+                             checkout=old if which == "old" else new, example=example)
+            except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
+                run = Run("bv grow", error=f"{type(exc).__name__}: {exc}")
+        print(f"recovery: pair {i + 1} grow ({which}, job {run.job}): crash -> " + ", ".join(
+            f"{k} {v:.1f} s" for k, v in run.phases.items())
+            + (f" (ERROR {run.error})" if run.error else ""), flush=True)
+        if not run.error:
+            pair[which] = run
+    return pair
 
 
 FIGURE_KINDS = {  # figures that need a kind's runs: left out when BV_BENCH_KINDS skips it
