@@ -35,8 +35,8 @@ NO_ROOM = "no spare node (--spare-nodes) and no shrink (--min-nodes)"
 
 
 def res(kind: StepEnd, cause: str = "x", rc: int = 1, lost: Mapping[str, Loss] | None = None,
-        hang_node: str | None = None) -> StepResult:
-    return StepResult(kind, rc, cause, dict(lost or {}), hang_node)
+        hang_node: str | None = None, hang_rank: int | None = None) -> StepResult:
+    return StepResult(kind, rc, cause, dict(lost or {}), hang_node, hang_rank=hang_rank)
 
 
 def at(nodes: tuple[str, ...] = N, step: tuple[str, ...] = STEP, launch: int = 1,
@@ -74,6 +74,42 @@ CASES: list[tuple[str, StepResult, Allocation, PolicyOptions, Action]] = [
     ("the 8th relaunch still relaunches", res(StepEnd.HANG, HANG), at(nodes=STEP, launch=8),
      FIXED,
      Relaunch(STEP, f"{HANG}; relaunching on the same nodes (node[1-3]; no Slurm requeue)")),
+    ("a hang, no spare, growth on: grow in place of the hung rank's node, keeping it for now",
+     res(StepEnd.HANG, HANG, hang_node="node2", hang_rank=1), at(nodes=STEP), GROWS,
+     Grow(("node1", "node3"), ("node2",), 1, {}, alive=True)),
+    ("a hang whose spare is excluded, growth on: grow",
+     res(StepEnd.HANG, HANG, hang_node="node2", hang_rank=1), at(excluded={"node4": CLOSED}),
+     GROWS, Grow(("node1", "node3"), ("node2",), 1, {}, alive=True)),
+    ("a hang with a spare, growth on: the spare, no grow",
+     res(StepEnd.HANG, HANG, hang_node="node2", hang_rank=1), at(), GROWS,
+     Relaunch(("node1", "node3", "node4"),
+              f"{HANG}; relaunching on node[1,3-4] (spare node4 for node2; no Slurm requeue)",
+              {"node2": Loss.hung()})),
+    ("a hang on a one-node job, growth on: nothing to keep, in place",
+     res(StepEnd.HANG, HANG, hang_node="node2", hang_rank=0), at(nodes=("node2",),
+                                                                 step=("node2",)),
+     PolicyOptions(want=1, min_nodes=1, grow=True),
+     Relaunch(("node2",), f"{HANG}; relaunching on the same nodes (node2; no Slurm requeue)")),
+    ("a hang, grown: relaunch on the grown node, the end line says which node and why",
+     res(StepEnd.HANG, HANG, hang_node="node2", hang_rank=1),
+     at(nodes=("node1", "node3", "node4"), grown=Grown(("node4",), 2.04, released=("node2",))),
+     GROWS,
+     Relaunch(("node1", "node3", "node4"),
+              f"{HANG}; grown node4 in place of node2 (rank 1 hung there): relaunching on "
+              "node[1,3-4] (grown node4 in 2.0 s, same job, no Slurm requeue)",
+              {"node2": Loss.hung()})),
+    ("a hang, not grown: relaunch in place (the nodes are alive: no requeue)",
+     res(StepEnd.HANG, HANG, hang_node="node2", hang_rank=1),
+     at(nodes=STEP, grown=Grown(why="no node granted in 15 s (timeout)")),
+     GROWS, Relaunch(STEP, f"{HANG}; no node grown in place of node2 (no node granted in 15 s "
+                     "(timeout)): relaunching on the same nodes (node[1-3]; no Slurm requeue)")),
+    ("a hang, not grown after letting go of the hung node: requeue, no second let-go",
+     res(StepEnd.HANG, HANG, hang_node="node2", hang_rank=1),
+     at(nodes=("node1", "node3"), step=STEP,
+        grown=Grown(why="the job did not take the new node", released=("node2",))), GROWS,
+     Requeue(f"{HANG}; no node grown (the job did not take the new node) and node2 let go; no "
+             "healthy node left to relaunch on in this allocation (need 3), requeued by bv",
+             (), {"node2": Loss.hung()})),
     ("a lost node with a spare", res(StepEnd.LOST, LOST2, lost={"node2": CLOSED}), at(), FIXED,
      Relaunch(("node1", "node3", "node4"), f"{LOST2}; relaunching on node[1,3-4] (spare node4)",
               {"node2": CLOSED})),

@@ -6,7 +6,10 @@
   file, and `bv submit --wait` exits 0.
 - One rank hangs (sleeps forever): the watchdog ends the step within the hang timeout, names
   that rank and its node, and the step is relaunched in the same allocation (no Slurm
-  requeue: issue 19); the next attempt finishes.
+  requeue: issue 19); the next attempt finishes. No spare and growth on (site.yaml
+  launch.grow_deadline_s): the job grows by the free node in place of the hung rank's, lets
+  go of that one, and the end line says so (issue 28 §2; in place when the grow fails:
+  tests/test_policy.py, and on stand-ins tests/test_grow.py).
 
 Not timed tests beyond a generous bound on the watchdog; benchmarks/bench_recovery.py measures.
 """
@@ -31,9 +34,11 @@ END = re.compile(r"^==== bv attempt (\d+) ended: (.*) ====$", re.M)
 STEP_S = 0.4
 
 
-def _submit_wait(cluster: DevCluster, cwd: Path, *args: str) -> subprocess.Popen[str]:
+def _submit_wait(cluster: DevCluster, cwd: Path, *args: str,
+                 site: Path | None = None) -> subprocess.Popen[str]:
+    env = cluster.environ(**({"BV_SITE": str(site)} if site else {}))
     return subprocess.Popen([sys.executable, "-m", "bluevela", "submit", "--wait", *args],
-                            cwd=cwd, env=cluster.environ(), stdout=subprocess.PIPE,
+                            cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -138,14 +143,20 @@ def test_node_crash_resumes_from_checkpoint_on_healthy_nodes(devcluster: DevClus
 @pytest.mark.timeout(400)
 def test_hung_rank_is_named_and_the_step_relaunched_in_place(devcluster: DevCluster,
                                                             tmp_path: Path) -> None:
+    import yaml
+
     devcluster.resume_all()
     devcluster.wait_idle(timeout=120)
     hang_timeout = 6.0
+    data = yaml.safe_load((REPO / "site.yaml").read_text())
+    data.setdefault("launch", {})["grow_deadline_s"] = 15
+    site = tmp_path / "site-grow.yaml"
+    site.write_text(yaml.safe_dump(data))
     proc = _submit_wait(devcluster, tmp_path, "-N", "2", "--procs-per-node", "1",
                         "--hang-timeout", f"{hang_timeout:g}",
                         str(DATA / "resilience" / "train_ckpt.py"), "--ckpt-dir",
                         str(tmp_path / "ckpt"), "--steps", "10", "--step-time", "0.3", "--ckpt-every", "2",
-                        "--hang-rank", "1", "--hang-step", "4")
+                        "--hang-rank", "1", "--hang-step", "4", site=site)
     try:
         _wait_for("step=4", lambda: re.search(r"^step=4$", _output(tmp_path), re.M), 150, proc)
         stuck_at = time.monotonic()
@@ -168,8 +179,14 @@ def test_hung_rank_is_named_and_the_step_relaunched_in_place(devcluster: DevClus
     assert "not in a collective" in end1.group(2)
     banners = BANNER.findall(text)
     assert [b[0] for b in banners] == ["1", "2"] and banners[1][3] == end1.group(2)
-    assert end1.group(2).endswith("no Slurm requeue)"), end1.group(2)
-    assert banners[1][2] == banners[0][2]  # the same nodes: both answered the abort
+    assert end1.group(2).endswith("same job, no Slurm requeue)"), end1.group(2)
+    # No spare, growth on: the free node grown in place of the hung rank's.
+    first, second = (hostlist.expand_hostlist(b[2]) for b in banners)
+    hung, kept = host1.group(1), [n for n in first if n != host1.group(1)]
+    grown = [n for n in second if n not in first]
+    assert len(grown) == 1 and hung not in second and kept[0] in second, banners
+    assert f"; grown {grown[0]} in place of {hung} (rank 1 hung there): relaunching on " \
+        in end1.group(2), end1.group(2)
     # Relaunched in the same allocation, resumed from its checkpoint.
     part2 = text[text.index("==== bv attempt 2 job"):]
     assert re.search(r"^rank=\d attempt=2 start_step=[1-4] ", part2, re.M), part2
@@ -178,6 +195,11 @@ def test_hung_rank_is_named_and_the_step_relaunched_in_place(devcluster: DevClus
     show = devcluster.run(["scontrol", "show", "job", jobid], check=False).stdout
     if show:  # still known to slurmctld (MinJobAge)
         assert "Restarts=0" in show, show
+        held = re.search(r"^\s*NodeList=(\S+)", show, re.M)
+        assert held is not None and hung not in hostlist.expand_hostlist(held.group(1)), show
+    # The job let go of the hung node, and no helper job is left.
+    assert not devcluster.run(["squeue", "-h", "-t", "PENDING,RUNNING", "-n",
+                               f"bv-grow-{jobid}", "-o", "%i"]).stdout.strip()
 
 
 @pytest.mark.timeout(400)

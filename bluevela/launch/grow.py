@@ -223,6 +223,7 @@ class GrowResult:
     why: str = ""  # the reason when `added` is empty
     left: list[str] = field(default_factory=list)  # helper jobs not confirmed gone
     released: list[str] = field(default_factory=list)  # lost nodes the job already let go of
+    helper: str = ""  # the helper job (bv-grow-JOB) whose node the job took: its prolog ran
 
     @property
     def ok(self) -> bool:
@@ -317,8 +318,10 @@ def release_helpers(job: str, known: Sequence[str] = (), until: float | None = N
 
 
 def grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
-         run: Runner = run_cli, count: int = 1) -> GrowResult:
+         run: Runner = run_cli, count: int = 1, alive: bool = False) -> GrowResult:
     """Let go of `lost`, then add `count` node(s) to `job`; `keep` are the nodes it keeps.
+    `alive` (a hung rank's node, which still answers): let go of `lost` only once a node is
+    granted (a grow that finds none leaves the job as it was).
 
     Never raises for Slurm's answers: a failed step returns a GrowResult with `why`. Every
     path ends with `release_helpers`: no helper job is left behind that squeue can see."""
@@ -331,7 +334,7 @@ def grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
         try:
             try:
                 res = _grow(job, keep, lost, deadline_s, run, tmp, count, helpers, released,
-                            start)
+                            start, alive)
             finally:
                 guard.armed = False
         except _Ending as exc:
@@ -353,7 +356,7 @@ def _fields(run: Runner, job: str) -> tuple[dict[str, str], str]:
 
 def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
           run: Runner, tmp: str, count: int, helpers: list[str], released: list[str],
-          start: float) -> GrowResult:
+          start: float, alive: bool = False) -> GrowResult:
 
     def fail(why: str) -> GrowResult:
         return GrowResult([], {}, time.monotonic() - start, why)
@@ -370,15 +373,10 @@ def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
     if fields.get("JobState") != "RUNNING":
         return fail(f"job {job} is {fields.get('JobState')}, not RUNNING")
     shape = shape_of(fields)
-    if lost and keep:
+    if lost and keep and not alive:
         # The dead node out first: the job stays COMPLETING on it otherwise (SlurmdTimeout).
-        upd = _retry(run, ["scontrol", "update", f"JobId={job}", f"NodeList={','.join(keep)}"],
-                     start + deadline_s, cwd=tmp)
-        if upd.returncode != 0:
-            return fail(f"letting go of {','.join(lost)}: {_one_line(upd.stderr)}")
-        # A second `update NodeList=` of this job is refused for good on 22.05 without
-        # accounting ("the DB index is being set"): the requeue path must not repeat it.
-        released.extend(lost)
+        if (why := _let_go(job, keep, lost, run, tmp, start + deadline_s, released)):
+            return fail(why)
     left = deadline_s - (time.monotonic() - start)
     if left < 1:
         return fail(f"no time left of the {deadline_s:g} s deadline")
@@ -390,6 +388,33 @@ def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
     if alloc.returncode != 0 or new is None or "Granted" not in said:
         text = _one_line(alloc.stderr or alloc.stdout) or f"exit {alloc.returncode}"
         return fail(f"no node granted in {deadline_s:g} s ({text})")
+    if lost and keep and alive:
+        # A node is granted: now let go of the live one it replaces. Before the merge: once
+        # a job has taken a node, 22.05 without accounting refuses its `update NodeList=`.
+        if (why := _let_go(job, keep, lost, run, tmp, start + deadline_s, released)):
+            return fail(why)
+    res = _take_node(job, new, keep, run, tmp, helpers, start + deadline_s, fail)
+    res.seconds = time.monotonic() - start
+    return res
+
+
+def _let_go(job: str, keep: Sequence[str], lost: Sequence[str], run: Runner, tmp: str,
+            until: float, released: list[str]) -> str | None:
+    """`scontrol update NodeList=keep`: the job lets go of `lost`; why not, or None."""
+    upd = _retry(run, ["scontrol", "update", f"JobId={job}", f"NodeList={','.join(keep)}"],
+                 until, cwd=tmp)
+    if upd.returncode != 0:
+        return f"letting go of {','.join(lost)}: {_one_line(upd.stderr)}"
+    # A second `update NodeList=` of this job is refused for good on 22.05 without
+    # accounting ("the DB index is being set"): the requeue path must not repeat it.
+    released.extend(lost)
+    return None
+
+
+def _take_node(job: str, new: str, held: Sequence[str], run: Runner, tmp: str,
+               helpers: list[str], until: float,
+               fail: Callable[[str], GrowResult]) -> GrowResult:
+    """Move the node of the granted helper job `new` into `job`, which holds `held`."""
     # Should every process of ours die from here on, the helper holds its node minutes, not
     # the job's remaining time (users may shorten their own jobs; the merge is unaffected).
     cut = run(["scontrol", "update", f"JobId={new}", f"TimeLimit={HELPER_HOLD_MIN}"], 30, tmp)
@@ -412,26 +437,40 @@ def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
     now = _expand_nodes(fields.get("NodeList", ""))
     env: dict[str, str] = {}
     if not added or not set(added) <= set(now):
-        resize = Path(tmp) / f"slurm_job_{job}_resize.sh"
-        resize.unlink(missing_ok=True)  # the one the shrink above wrote
-        merge = _retry(run, ["scontrol", "update", f"JobId={job}", "NumNodes=ALL"],
-                       start + deadline_s, cwd=tmp)
+        _resize_env(tmp, job)  # the one the shrink above wrote
+        merge = _retry(run, ["scontrol", "update", f"JobId={job}", "NumNodes=ALL"], until,
+                       cwd=tmp)
         if merge.returncode != 0:
             return fail(f"scontrol update JobId={job} NumNodes=ALL: {_one_line(merge.stderr)}")
-        try:
-            env = parse_resize(resize.read_text())
-        except OSError:
-            env = {}
+        env = _resize_env(tmp, job)
         fields, _ = _fields(run, job)
         now = _expand_nodes(fields.get("NodeList", ""))
-    added = [n for n in now if n not in keep]
+    added = [n for n in now if n not in held]
     if not added:
         return fail("the job did not take the new node")
+    return GrowResult(added, _node_env(env, fields, now), 0.0, helper=new)
+
+
+def _resize_env(tmp: str, job: str) -> dict[str, str]:
+    """The variables of the resize script Slurm wrote for `job` into `tmp`, which is then
+    removed (the next resize writes its own)."""
+    resize = Path(tmp) / f"slurm_job_{job}_resize.sh"
+    try:
+        return parse_resize(resize.read_text())
+    except OSError:
+        return {}
+    finally:
+        resize.unlink(missing_ok=True)
+
+
+def _node_env(env: dict[str, str], fields: dict[str, str], now: Sequence[str]) -> dict[str, str]:
+    """`env` (a resize script's), with the job's nodes from squeue where it says none."""
+    env = dict(env)
     env.setdefault("SLURM_JOB_NODELIST", fields.get("NodeList", ""))
     env.setdefault("SLURM_NODELIST", fields.get("NodeList", ""))
     env.setdefault("SLURM_JOB_NUM_NODES", str(len(now)))
     env.setdefault("SLURM_NNODES", str(len(now)))
-    return GrowResult(added, env, time.monotonic() - start)
+    return env
 
 
 def _retry(run: Runner, argv: Sequence[str], until: float,

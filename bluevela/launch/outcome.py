@@ -95,6 +95,7 @@ class StepResult:
     hang_node: str | None = None  # the node of the rank that stopped first
     failed_at: float | None = None  # monotonic: when the failure happened (the ledger's)
     detected_at: float | None = None  # monotonic: when the supervisor acted on it
+    hang_rank: int | None = None  # the rank that stopped first (a hang)
 
 
 def lost_text(lost: Mapping[str, Loss]) -> str:

@@ -8,7 +8,8 @@ job holds (`Allocation`) and what it allows (`PolicyOptions`), and answers one o
 - `Requeue`: through Slurm, after letting go of lost nodes (the checkpoint signal; nothing
   left in this allocation to run on; too many relaunches);
 - `Relaunch`: a new step in this allocation (in place after a hang, on a spare, on fewer
-  nodes, or on a node just grown);
+  nodes, or on a node just grown: for a lost node, or for a hang's node when no spare is
+  left);
 - `Grow`: ask Slurm for nodes first (bluevela/launch/grow.py), then ask again with the
   outcome in `Allocation.grown`.
 
@@ -87,6 +88,9 @@ class Grow:
     lost: tuple[str, ...]  # the nodes to let go of, in whose place nodes are added
     count: int  # nodes to add
     exclude: Mapping[str, Loss] = field(default_factory=dict)
+    # The nodes in `lost` answered (a hang's node): let go of them only once a node is
+    # grown, so that a failed grow still relaunches in place.
+    alive: bool = False
 
 
 Action = Exit | Requeue | Relaunch | Grow
@@ -129,22 +133,54 @@ def _after_hang(result: StepResult, alloc: Allocation, opts: PolicyOptions) -> A
     exclude: dict[str, Loss] = {}
     how = f"relaunching on the same nodes ({compress(alloc.step)}; no Slurm requeue)"
     if hung and hung in alloc.step:
+        if alloc.grown is not None:
+            return _after_hang_grow(result, hung, alloc, opts)
         spare = [n for n in alloc.nodes if n not in alloc.step and n not in alloc.excluded]
+        keep = tuple(n for n in alloc.nodes if n != hung and n not in alloc.excluded)
         if spare:
             exclude[hung] = Loss.hung()
             excluded = {**alloc.excluded, **exclude}
             shown = choose_nodes(alloc.nodes, excluded, opts.want, opts.want) or alloc.step
             how = (f"relaunching on {compress(shown)} (spare {spare[0]} for {hung}; no Slurm "
                    "requeue)")
+        elif opts.grow and keep:
+            # No spare left: a node grown in place of the hung rank's (it may be the broken
+            # one); the hung node is let go only once the new one is in.
+            return Grow(keep, (hung,), 1, alive=True)
     return _relaunch(f"{result.cause}; {how}", alloc, exclude, opts)
 
 
+def _after_hang_grow(result: StepResult, hung: str, alloc: Allocation,
+                     opts: PolicyOptions) -> Relaunch | Requeue:
+    """The grow a hang asked for is done: relaunch on the grown node instead of the hung
+    rank's; when none came, in place (the hung node is still the job's), or, had the grow
+    already let go of it, on what is left."""
+    grown = alloc.grown
+    assert grown is not None
+    who = f"rank {result.hang_rank}" if result.hang_rank is not None else "a rank"
+    if grown.ok:
+        exclude = {hung: Loss.hung()}
+        nxt = choose_nodes(alloc.nodes, {**alloc.excluded, **exclude}, opts.want,
+                           opts.min_nodes) or []
+        cause = (f"{result.cause}; grown {compress(grown.added)} in place of {hung} ({who} "
+                 f"hung there): relaunching on {compress(nxt)} (grown {compress(grown.added)} "
+                 f"in {grown.seconds:.1f} s, same job, no Slurm requeue)")
+        return _relaunch(cause, alloc, exclude, opts)
+    if hung in grown.released:
+        return _relaunch(f"{result.cause}; no node grown ({grown.why}) and {hung} let go",
+                         alloc, {hung: Loss.hung()}, opts, released=grown.released)
+    return _relaunch(f"{result.cause}; no node grown in place of {hung} ({grown.why}): "
+                     f"relaunching on the same nodes ({compress(alloc.step)}; no Slurm "
+                     "requeue)", alloc, {}, opts)
+
+
 def _relaunch(cause: str, alloc: Allocation, exclude: Mapping[str, Loss],
-              opts: PolicyOptions) -> Relaunch | Requeue:
+              opts: PolicyOptions, released: tuple[str, ...] = ()) -> Relaunch | Requeue:
     nodes = choose_nodes(alloc.nodes, {**alloc.excluded, **exclude}, opts.want, opts.min_nodes)
-    if nodes is None:  # not reached today: every caller checked there is room
+    if nodes is None:  # only after a grow that let go of a hung node and added none
         return Requeue(f"{cause}; no healthy node left to relaunch on in this allocation "
-                       f"(need {opts.min_nodes}), requeued by bv", exclude=exclude)
+                       f"(need {opts.min_nodes}), requeued by bv",
+                       tuple(n for n in exclude if n not in released), exclude)
     return Relaunch(tuple(nodes), cause, exclude)
 
 

@@ -339,12 +339,15 @@ class Supervisor:
         return action
 
     def grow(self, want: Grow) -> Grown:
-        """Add nodes to this job in place of the lost ones (bluevela/launch/grow.py); on
-        success the allocation and the SLURM_* variables of the next srun follow."""
+        """Add nodes to this job in place of the lost ones, or of a hung rank's (`alive`:
+        let go of only once the new node is in; bluevela/launch/grow.py); on success the
+        allocation and the SLURM_* variables of the next srun follow, and the job's events
+        name the helper job whose id the new node's prolog ran under (the archive gives that
+        prolog to this job)."""
         log(f"growing job {self.job} by {want.count} node(s) in place of {compress(want.lost)} "
             f"(deadline {self.opts.grow_deadline:g} s)")
         res = grow_job(self.job, list(want.keep), list(want.lost), self.opts.grow_deadline,
-                       count=want.count)
+                       count=want.count, alive=want.alive)
         if not res.ok:
             log(f"no node grown: {res.why}")
             return Grown(why=res.why, released=tuple(res.released))
@@ -356,6 +359,7 @@ class Supervisor:
         for name in UNSET_ON_RESIZE:  # as Slurm's resize script does: srun recomputes them
             self.env.pop(name, None)
         log(f"grew job {self.job} by {compress(res.added)} in {res.seconds:.1f} s")
+        self.events.grown(res.helper, list(res.added))
         return Grown(tuple(res.added), res.seconds, "", tuple(res.released))
 
     def requeue(self, attempt: int, cause: str, release: Sequence[str] = ()) -> int:
