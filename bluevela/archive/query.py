@@ -200,6 +200,10 @@ def show_job(archive_dir: Path, job_id: int, spool: Path | None = None) -> dict[
                                      "epilog": _strip_job(reports.get((name, "epilog", k)))}
                                     for k in ks[:-1]]
             nodes.append(entry)
+        if grown_prologs(segs, job, nodes):
+            have = {n["node"] for n in nodes if n["prolog"] is not None}
+            job["missing_prolog_nodes"] = [n for n in job["missing_prolog_nodes"]
+                                           if n not in have]
         attempts = job_attempts(reports.values())
         job["restarts"] = max(job["restarts"], attempts[-1]["restart"] if attempts else 0)
         if job["restarts"]:
@@ -212,6 +216,64 @@ def show_job(archive_dir: Path, job_id: int, spool: Path | None = None) -> dict[
         return job
 
     return archive.read_segments(read)
+
+
+def _grows_of(job_id: int, nodes: list[dict[str, Any]]) -> dict[int, set[str]]:
+    """Helper job id -> the nodes without a prolog that the job's goodput record says grew
+    into it through that helper (`grows`, written by the job's supervisor)."""
+    from bluevela.launch.events import EventsError, validate
+
+    names = {n["node"]: n for n in nodes}
+    want: dict[int, set[str]] = {}
+    for n in nodes:
+        rep = n.get("epilog")
+        if not rep or "goodput_events" not in rep:
+            continue
+        try:
+            rec = validate(rep["goodput_events"])
+        except EventsError:
+            continue
+        if rec["job"] != job_id or rec["host"] not in names:
+            continue
+        for g in rec.get("grows") or []:
+            for node in g["nodes"]:
+                if g["helper"] != job_id and node in names and names[node]["prolog"] is None:
+                    want.setdefault(g["helper"], set()).add(node)
+    return want
+
+
+def grown_prologs(segs: Segments, job: dict[str, Any], nodes: list[dict[str, Any]]) -> int:
+    """A node grown into a running job (bluevela/launch/grow.py) ran its prolog under the
+    short-lived helper job's id (`bv-grow-JOB`), so the job has its epilog alone. The job's
+    own goodput record names the helper and the node; the helper's prolog of that node is
+    then shown as the node's, marked `grown_via_job`: only when the helper is archived and
+    its user is the job's (a job of another user never lends its checks). Read here, not at
+    ingest: the helper and the job are archived in either order. Returns how many."""
+    from bluevela.archive.ingest import find_jobs
+
+    want = _grows_of(int(job["job_id"]), nodes)
+    if not want or not job.get("user"):
+        return 0
+    found = find_jobs(segs, sorted(want))
+    by_name = {n["node"]: n for n in nodes}
+    given = 0
+    for helper, names in sorted(want.items()):
+        got = found.get(helper)
+        if got is None or text(got.row["user"]) != job["user"]:
+            continue
+        for info, path in segs:
+            if not info.job_id_min <= helper <= info.job_id_max:
+                continue
+            with open_h5(path) as f:
+                reports = _job_reports(f, helper)
+            for r in reports:
+                entry = by_name.get(r["node"])
+                if r["phase"] == "prolog" and r["node"] in names and entry is not None \
+                        and entry["prolog"] is None:
+                    entry["prolog"] = {**(_strip_job(r) or {}), "grown_via_job": helper,
+                                       "archive_file": str(path)}
+                    given += 1
+    return given
 
 
 def job_attempts(reports: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -206,6 +206,12 @@ def _health_cell(report: dict[str, Any] | None) -> str:
     return f"{health.get('status')} {checks}".strip()
 
 
+def _prolog_cell(report: dict[str, Any] | None) -> str:
+    """A grown node's prolog ran under the helper job's id (archive.query.grown_prologs)."""
+    via = (report or {}).get("grown_via_job")
+    return _health_cell(report) + (f" (grown via job {via})" if via else "")
+
+
 @command.command("show")
 @click.argument("job_id", type=click.IntRange(min=1))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (includes the archive file).")
@@ -248,7 +254,7 @@ def show_cmd(ctx: click.Context, job_id: int, as_json: bool, efficiency: bool,
         click.echo(printable(f"missing epilog reports: {','.join(job['missing_nodes'])}"))
     click.echo(printable(f"archive file: {job['archive_file']}"))
     table(f"Job {job_id}", ["NODE", "PROLOG", "EPILOG", "EXIT", "TELEMETRY"],
-          [(n["node"], _health_cell(n["prolog"]), _health_cell(n["epilog"]),
+          [(n["node"], _prolog_cell(n["prolog"]), _health_cell(n["epilog"]),
             _exit(n["epilog"] or {}), _telemetry_cell(n["epilog"])) for n in job["nodes"]])
     if job.get("attempts"):  # a requeued job: one row per attempt (the nodes above: the last)
         click.echo(f"requeued {job['restarts']} time(s); each node above shows its last "

@@ -43,6 +43,7 @@ from bluevela.protocol.names import NAME_MAX, safe_name
 
 MAX_CKPTS = 4096  # per launch kept one by one in the record; later saves are summed
 MAX_LAUNCHES = 64
+MAX_GROWS = MAX_LAUNCHES  # nodes grown into the job (one grow per launch at most)
 # The writer's bounds are the reader's: the supervisor never writes a file the epilog refuses.
 MAX_LINES = 65536
 MAX_FILE_BYTES = 2 << 20
@@ -169,7 +170,7 @@ def fold(lines: list[dict[str, Any]]) -> dict[str, Any]:
             raise EventsError(f"line {i + 1} is not an object")
         kind = ev.get("e")
         where = f"line {i + 1} ({safe_name(kind, 16)})"
-        if kind in ("job", "requeue", "gone"):
+        if kind in ("job", "requeue", "gone", "grow"):
             _fold_attempt_line(rec, kind, ev, where)
             continue
         n = ev.get("launch")
@@ -194,9 +195,15 @@ def fold(lines: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _fold_attempt_line(rec: dict[str, Any], kind: str, ev: dict[str, Any], where: str) -> None:
-    """A line of the Slurm attempt (not of one launch): `job`, `requeue` or `gone` (a copy's
-    keeper saw the supervisor's connection end)."""
-    if kind == "job":
+    """A line of the Slurm attempt (not of one launch): `job`, `requeue`, `gone` (a copy's
+    keeper saw the supervisor's connection end) or `grow` (nodes that joined the job through
+    a helper job, `bv-grow-JOB`, whose id their prolog ran under)."""
+    if kind == "grow":
+        grows = rec.setdefault("grows", [])
+        if len(grows) >= MAX_GROWS:
+            raise EventsError(f"{where}: more than {MAX_GROWS} grows")
+        grows.append({k: ev.get(k) for k in ("t", "helper", "nodes")})
+    elif kind == "job":
         if "host" in rec:
             raise EventsError(f"{where}: a second job line")
         rec["host"] = ev.get("host")
@@ -253,10 +260,27 @@ def validate(rec: Any) -> dict[str, Any]:
         if not isinstance(on, str) or safe_name(on) != on:
             raise EventsError("copy_on is not a node name")
         out["copy_on"] = on
+    if rec.get("grows") is not None:
+        out["grows"] = _valid_grows(rec["grows"])
     launches = rec.get("launches")
     if not isinstance(launches, list) or len(launches) > MAX_LAUNCHES:
         raise EventsError(f"launches is not a list of at most {MAX_LAUNCHES}")
     out["launches"] = [_valid_launch(la, f"launch {i + 1}") for i, la in enumerate(launches)]
+    return out
+
+
+def _valid_grows(grows: Any) -> list[dict[str, Any]]:
+    """The nodes grown into the job: [{t, helper (the helper job's id), nodes}]."""
+    if not isinstance(grows, list) or len(grows) > MAX_GROWS:
+        raise EventsError(f"grows is not a list of at most {MAX_GROWS}")
+    out = []
+    for i, g in enumerate(grows):
+        w = f"grow {i + 1}"
+        if not isinstance(g, dict):
+            raise EventsError(f"{w} is not an object")
+        out.append({"t": _t(g.get("t"), f"{w} t"),
+                    "helper": _int(g.get("helper"), f"{w} helper", 1, 10**12),
+                    "nodes": _nodes(g.get("nodes"), f"{w} nodes")})
     return out
 
 
@@ -340,6 +364,9 @@ def merge_records(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]
     for key in ("gone", "copy_on"):
         if out.get(key) is None and b.get(key) is not None:
             out[key] = b[key]
+    if a.get("grows") or b.get("grows"):
+        by = {g["helper"]: g for g in [*(b.get("grows") or []), *(a.get("grows") or [])]}
+        out["grows"] = sorted(by.values(), key=lambda g: (g["t"], g["helper"]))[:MAX_GROWS]
     mine = {la["launch"]: la for la in a["launches"]}
     merged = []
     for la in b["launches"]:

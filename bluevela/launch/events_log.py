@@ -272,6 +272,13 @@ class EventLog:
                     closing=True)
         self.open_launch = False
 
+    def grown(self, helper: str, nodes: list[str]) -> None:
+        """Nodes that joined the job from a helper job (bluevela/launch/grow.py): their prolog
+        ran under the helper's id, and the archive gives it to this job (archive/query.py)."""
+        names = [n for n in nodes if safe_name(n) == n][:MAX_NODES]
+        if helper.isdigit() and len(helper) <= 12 and int(helper) > 0 and names:
+            self._write({"e": "grow", "t": time.time(), "helper": int(helper), "nodes": names})
+
     def requeue(self) -> None:
         self._flush_ckpts()
         self._write({"e": "requeue", "t": time.time()}, closing=True)
