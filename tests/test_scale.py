@@ -123,4 +123,4 @@ def _beats_in(tmp_path: Path, every: str, seconds: float) -> int:
 def test_a_rank_beats_at_the_interval_the_supervisor_sets(tmp_path: Path) -> None:
     """cd8e436: one beat a second whatever the job said (3 in 2.6 s here)."""
     assert _beats_in(tmp_path, "0.25", 2.6) >= 6
-    assert _beats_in(tmp_path, "junk", 2.6) <= 3
+    assert _beats_in(tmp_path, "junk", 2.6) <= 4  # every second (3, or 4 on a slow exit)

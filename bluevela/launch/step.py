@@ -60,7 +60,6 @@ TURN_S = 0.01  # a turn woken by datagrams or agents' lines alone waits for this
 # O(nodes), so turns a second fall as nodes grow and their sum stays flat (docs/scale.md).
 TURN_PER_NODE_S = 50e-6
 TURN_MAX_S = 0.1
-DATAGRAM_TRUESIZE = 2048  # bytes of receive buffer a beat costs the kernel, at most
 HANG_CHECK_S = 0.2  # the hang watchdog's look over every rank's last progress, this often
 MAX_DROP_LOGS = 3  # per step; the rest are counted
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -324,13 +323,6 @@ class Step:
         self.cfg = cfg
         self.last_turn = 0.0  # when the loop's last turn began (`pump`)
         self.backlog = False  # the last turn left datagrams unread (its cap): no wait
-        # Datagrams the beat socket's buffer holds (~2 KB of kernel memory each, conservative)
-        # and the rate they came at in the last turn: a turn never waits longer than a
-        # quarter of the buffer takes to fill (a save's burst of 8 N datagrams).
-        room = ends.udp.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // DATAGRAM_TRUESIZE
-        self.udp_room = max(64, room)
-        self.udp_rate = 0.0
-        self.read_at = 0.0  # when the last turn's beat read began
         self.hang_checked = 0.0
 
     def run(self) -> StepResult:
@@ -383,16 +375,13 @@ class Step:
         if not self.backlog and self.ends.listen not in ready and self.signals.wake_r not in ready:
             # Beats and pings alone: taken in batches, a turn (and its checks over every
             # node) at most TURN_S after the last; not one turn per datagram (docs/scale.md).
-            turn = min(TURN_MAX_S, max(TURN_S, TURN_PER_NODE_S * len(self.st.nodes)),
-                       self.udp_room / 4 / max(1.0, self.udp_rate))
+            turn = min(TURN_MAX_S, max(TURN_S, TURN_PER_NODE_S * len(self.st.nodes)))
             time.sleep(max(0.0, self.last_turn + turn - time.monotonic()))
         now = self.last_turn = time.monotonic()
         for sig in self.signals.drain():
             self._on_signal(sig)
         if self.ends.udp in ready:
             self._read_beats(now)
-        else:
-            self.udp_rate = 0.0
         # Reads before accepts: hellos already sent are taken before new connections can push
         # their senders out of the pending set.
         for conn in [c for c in self.st.conns if not c.closed and c.sock in ready]:
@@ -519,10 +508,7 @@ class Step:
     def _read_beats(self, now: float) -> None:
         st = self.st
         self.backlog = True  # until a read finds nothing more (a save's burst of 8 N datagrams)
-        since = max(0.001, now - self.read_at)
-        self.read_at = now
-        for got in range(max(MAX_BEATS_PER_TICK, st.max_ranks // 4)):
-            self.udp_rate = got / since
+        for _ in range(max(MAX_BEATS_PER_TICK, st.max_ranks // 4)):
             try:
                 data = self.ends.udp.recv(2048)
             except OSError:  # nothing more now (BlockingIOError), or the socket failed
