@@ -586,6 +586,40 @@ def test_health_nodes_shows_each_nodes_last_report(tmp_path: Path) -> None:
     assert {r["last_report"]["phase"] for r in rows[:32]} == {"epilog"}
 
 
+def test_the_fleet_views_read_of_done_keeps_no_list_of_it(tmp_path: Path) -> None:
+    """done/ keeps a week of every job's reports (~460,000 files on 4,096 nodes running 8
+    jobs a day): `bv health nodes` held all their directory entries at once (42 MB for
+    50,000 files, 435 MB of RSS for 460,000); now its memory is that of the newest report per
+    node. A requeued attempt's report (`.r<k>`) counts as the node's newest too (it was
+    skipped)."""
+    import tracemalloc
+
+    from bluevela.fleet.api import latest_reports
+
+    done = tmp_path / "done"
+    done.mkdir()
+    fd = os.open(done, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for job in range(12):
+            for i in range(2000):
+                f = os.open(f"{1000 + job}.{node_name(i + 1)}.epilog.json",
+                            os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+                os.write(f, b"{}")
+                os.close(f)
+    finally:
+        os.close(fd)
+    requeued = tmp_path / f"2000.{node_name(5)}.epilog.r1.json"
+    requeued.write_text(json.dumps({"phase": "epilog", "job_id": 2000, "restart": 1}))
+    tracemalloc.start()
+    try:
+        last = latest_reports(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(last) == 2000 and peak < 6 * 2**20, peak  # the list: 20 MB
+    assert last[node_name(5)]["file"] == str(requeued) and last[node_name(5)]["job_id"] == 2000
+
+
 def _expanded_expr(expr: str) -> str:
     """The old rule: expand SLURM_NODELIST, check every name, keep it when all pass."""
     from bluevela.hooks.env import _MAX_NODES, _nodelist
