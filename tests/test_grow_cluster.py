@@ -9,7 +9,8 @@ SIGKILLs its second node with `slurm/devcluster crash`):
 - no node free: node3 is held by another job. The grow finds no node by its deadline; the job
   lets go of the dead node and is requeued (Restarts=1), and the end line says why.
 
-Both: every attempt's output is in the file (`bv logs --attempt N`), `bv submit --wait` exits
+The grown node's prolog ran under the helper job's id: `bv archive show JOB` shows it as
+that node's (issue 28 §2). Both: every attempt's output is in the file (`bv logs --attempt N`), `bv submit --wait` exits
 0, `bv status` tells the truth (restarts, final state).
 """
 
@@ -131,6 +132,7 @@ def test_lost_node_without_spare_grows_the_job_else_requeues(devcluster: DevClus
     rows = [ln.split("\t") for ln in devcluster.bv("status", job).stdout.splitlines()]
     assert [job, "1", ours[0]["nodes"], f"{grown} in {m.group(2)} s", "no"] in \
         [r[:5] for r in rows], rows
+    _check_grown_prolog(devcluster, job, grown)
 
     devcluster.resume_all()
     devcluster.wait_idle(timeout=120)
@@ -159,6 +161,24 @@ def test_lost_node_without_spare_grows_the_job_else_requeues(devcluster: DevClus
     ours = status["bv_attempts"]
     assert [(a["attempt"], a["grown"], a["slurm_requeue"]) for a in ours] == [
         (1, None, True), (2, None, False)], ours
+
+
+def _check_grown_prolog(cluster: DevCluster, job: str, grown: str) -> None:
+    """The grown node's prolog ran under the helper job's id (bv-grow-JOB): once both are
+    archived, `bv archive show JOB` shows it as that node's prolog, marked (issue 28 §2)."""
+    helpers = cluster.run(["squeue", "-h", "-t", "all", "-n", f"bv-grow-{job}", "-o",
+                           "%i"]).stdout.split()
+    assert len(helpers) == 1, helpers
+    for j in (job, helpers[0]):
+        cluster.bv("archive", "ingest", "--job", j, "--wait", "60", "--timeout-min", "0")
+    shown = json.loads(cluster.bv("archive", "show", job, "--json").stdout)
+    nodes = {n["node"]: n for n in shown["nodes"]}
+    assert nodes[grown]["prolog"]["grown_via_job"] == int(helpers[0]), nodes[grown]
+    assert nodes[grown]["prolog"]["health"]["status"] == "OK"
+    assert nodes[grown]["epilog"] is not None and shown["missing_prolog_nodes"] == []
+    row = [ln for ln in cluster.bv("archive", "show", job).stdout.splitlines()
+           if ln.startswith(grown + "\t")]
+    assert len(row) == 1 and f"(grown via job {helpers[0]})" in row[0], row
 
 
 def _run_crash_with_release(cluster: DevCluster, workdir: Path, site: Path,

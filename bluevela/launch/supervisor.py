@@ -36,7 +36,8 @@ the job"):
   when a rank that reported falls silent, or no rank reports, for that long, the step is
   aborted; the end line names the rank and node that stopped first. When every node answers
   the abort, the step is relaunched in place (a spare instead of the hung rank's node when
-  the allocation has one), without a Slurm requeue.
+  the allocation has one; with none left and growth on, a node grown in its place), without
+  a Slurm requeue.
 
 A rank failure on nodes that are all alive ends the job with that exit status (torchrun's
 ``--max-restarts`` is the in-place retry for those): a bug must not loop through requeues.
