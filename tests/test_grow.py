@@ -164,14 +164,22 @@ def _wait(job: Job, pattern: str, timeout: float) -> re.Match[str]:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("spare", [0, 1], ids=["same-nodes", "spare"])
-def test_a_hang_relaunches_in_place_without_a_requeue(tmp_path: Path, spare: int) -> None:
+@pytest.mark.parametrize(("spare", "grow"), [(0, False), (1, False), (0, True)],
+                         ids=["same-nodes", "spare", "grow-refused"])
+def test_a_hang_relaunches_in_place_without_a_requeue(tmp_path: Path, spare: int,
+                                                      grow: bool) -> None:
     """Every rank stops (mode `stall`): the watchdog ends the step, every node answers the
     abort, and the step is relaunched in the same allocation (on the spare instead of the hung
-    rank's node when there is one): no `scontrol requeue`, the job then finishes 0."""
+    rank's node when there is one): no `scontrol requeue`, the job then finishes 0. With growth
+    on and no spare, the supervisor tries to grow in place of the hung rank's node; this Slurm
+    (the stand-in scontrol) cannot: in place all the same, no node let go (issue 28 §2)."""
     nodes = ("n1", "n2", "n3")[: 2 + spare]
     job = Job(tmp_path, nodes=nodes, mode="stall",
-              options=["--nodes=2", f"--spare-nodes={spare}", "--hang-timeout=2"])
+              options=["--nodes=2", f"--spare-nodes={spare}", "--hang-timeout=2",
+                       *(["--grow-deadline=10"] if grow else [])])
+    for name in ("squeue", "scancel"):  # no helper job to find or cancel
+        (job.bin / name).write_text("#!/bin/sh\nexit 0\n")
+        (job.bin / name).chmod(0o755)
     try:
         job.start()
         for node in nodes[:2]:
@@ -186,8 +194,14 @@ def test_a_hang_relaunches_in_place_without_a_requeue(tmp_path: Path, spare: int
             second = hostlist.expand_hostlist(banner2.group(1))
             assert hung.group(1) not in second and "n3" in second and len(second) == 2
         else:
-            assert "relaunching on the same nodes (n[1-2]; no Slurm requeue)" in end, end
+            assert end.endswith("relaunching on the same nodes (n[1-2]; no Slurm requeue)"), end
             assert banner2.group(1) == "n[1-2]"
+        if grow:
+            assert f"; no node grown in place of {hung.group(1)} (this Slurm cannot grow jobs: " \
+                "SchedulerParameters lacks permit_job_expansion" in end, end
+            assert job.scontrol() == ["show config"], job.scontrol()
+        else:
+            assert "grown" not in end, end
         job.finish()  # the relaunched ranks end by themselves
         rc = job.wait(60)
         assert rc == 0, job.stdout() + job.stderr()
