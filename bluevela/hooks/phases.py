@@ -264,7 +264,9 @@ def _spool(site: Site, hctx: HookContext, report: HealthReport, drain: DrainResu
         "phase": hctx.phase, "job_id": hctx.job_id, "node": hctx.node,
         "restart": hctx.restart_count if restart is None else restart, "user": hctx.user,
         "partition": hctx.partition, "num_nodes": hctx.num_nodes,
-        "nodelist": hctx.nodelist_expr or _compressed(hctx.nodelist), "time": time.time(),
+        # Slurm's own compressed expression (`gpu[001-128]`): a 10,000-node job's reports
+        # stay small (the expanded list in every report made ~2 GB of spool).
+        "nodelist": hctx.nodelist_expr, "time": time.time(),
         "exit_code": hctx.exit_code, "exit_signal": hctx.exit_signal,
         "derived_exit_code": hctx.derived_exit_code,
         "health": report.to_dict(), "telemetry": telemetry,
@@ -387,13 +389,3 @@ def healthcheck(site: Site, hctx: HookContext) -> HookOutcome:
     return _finish(state, HookOutcome("healthcheck", hctx.node, None, report, drain,
                                       resumed=resumed, resume_note=note, resume_gated=gated,
                                       exit_code=0))
-
-
-def _compressed(nodes: tuple[str, ...]) -> str:
-    """The job's nodes as one hostlist expression (`gpu[001-128]`): a 10,000-node job's
-    reports stay small (the expanded list in every report made ~2 GB of spool)."""
-    if not nodes:
-        return ""
-    import hostlist
-
-    return str(hostlist.collect_hostlist(list(nodes)))
