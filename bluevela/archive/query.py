@@ -181,25 +181,7 @@ def show_job(archive_dir: Path, job_id: int, spool: Path | None = None) -> dict[
             for r in got:
                 r["archive_file"] = str(path)
                 reports.setdefault((r["node"], r["phase"], int(r.get("restart") or 0)), r)
-        by_node: dict[str, list[int]] = {}
-        for node, _, k in sorted(reports):
-            if k not in by_node.setdefault(node, []):
-                by_node[node].append(k)
-        nodes = []
-        for n in rows(jrow.nodes):
-            name = text(n["node"])
-            ks = by_node.get(name) or [0]
-            entry: dict[str, Any] = {
-                "node": name, "expected": bool(n["expected"]),
-                "prolog": _strip_job(reports.get((name, "prolog", ks[-1]))),
-                "epilog": _strip_job(reports.get((name, "epilog", ks[-1]))),
-            }
-            if len(ks) > 1:
-                entry["earlier"] = [{"restart": k,
-                                     "prolog": _strip_job(reports.get((name, "prolog", k))),
-                                     "epilog": _strip_job(reports.get((name, "epilog", k)))}
-                                    for k in ks[:-1]]
-            nodes.append(entry)
+        nodes = _node_entries(rows(jrow.nodes), reports)
         if grown_prologs(segs, job, nodes):
             have = {n["node"] for n in nodes if n["prolog"] is not None}
             job["missing_prolog_nodes"] = [n for n in job["missing_prolog_nodes"]
@@ -216,6 +198,32 @@ def show_job(archive_dir: Path, job_id: int, spool: Path | None = None) -> dict[
         return job
 
     return archive.read_segments(read)
+
+
+def _node_entries(job_nodes: list[dict[str, Any]],
+                  reports: dict[tuple[str, str, int], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each node of the job with its prolog and epilog of its latest attempt, and `earlier`:
+    [{restart, prolog, epilog}] of its earlier attempts."""
+    by_node: dict[str, list[int]] = {}
+    for node, _, k in sorted(reports):
+        if k not in by_node.setdefault(node, []):
+            by_node[node].append(k)
+    nodes = []
+    for n in job_nodes:
+        name = text(n["node"])
+        ks = by_node.get(name) or [0]
+        entry: dict[str, Any] = {
+            "node": name, "expected": bool(n["expected"]),
+            "prolog": _strip_job(reports.get((name, "prolog", ks[-1]))),
+            "epilog": _strip_job(reports.get((name, "epilog", ks[-1]))),
+        }
+        if len(ks) > 1:
+            entry["earlier"] = [{"restart": k,
+                                 "prolog": _strip_job(reports.get((name, "prolog", k))),
+                                 "epilog": _strip_job(reports.get((name, "epilog", k)))}
+                                for k in ks[:-1]]
+        nodes.append(entry)
+    return nodes
 
 
 def _grows_of(job_id: int, nodes: list[dict[str, Any]]) -> dict[int, set[str]]:
