@@ -176,18 +176,10 @@ def salloc_argv(job: str, shape: JobShape, exclude: Sequence[str], deadline_s: f
         argv.append("--exclusive")
     elif shape.cpus_per_node > 1:
         argv.append(f"--mincpus={shape.cpus_per_node}")
-    if shape.mem_per_node:
-        argv.append(f"--mem={shape.mem_per_node}")
-    if shape.partition:
-        argv.append(f"--partition={shape.partition}")
-    if shape.account:
-        argv.append(f"--account={shape.account}")
-    if shape.qos:
-        argv.append(f"--qos={shape.qos}")
-    if shape.constraints:
-        argv.append(f"--constraint={shape.constraints}")
-    if shape.gres:
-        argv.append(f"--gres={shape.gres.removeprefix('gres:').replace('gres:', '')}")
+    gres = shape.gres.removeprefix("gres:").replace("gres:", "") if shape.gres else ""
+    argv += [f"--{flag}={value}" for flag, value in (
+        ("mem", shape.mem_per_node), ("partition", shape.partition), ("account", shape.account),
+        ("qos", shape.qos), ("constraint", shape.constraints), ("gres", gres)) if value]
     if shape.minutes_left is not None:
         # Placed as for the job's whole remaining time (never on a node that a reservation or
         # a planned job needs sooner). No --deadline: slurmctld then leaves the request to its
