@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import subprocess
@@ -92,3 +93,20 @@ def devcluster_env(nodes: int = 3) -> dict[str, str] | None:
             key, _, value = words[1].partition("=")
             env[key] = value
     return env
+
+
+def fit_exponent(ns: Sequence[int], values: Sequence[float]) -> float | None:
+    """How a figure grows with N: the least-squares slope of log(value) on log(N) over the
+    points with a value > 0 (1: linear, 2: quadratic); None with fewer than 3 such points."""
+    pts = [(math.log(n), math.log(v)) for n, v in zip(ns, values, strict=True) if v > 0]
+    if len(pts) < 3:
+        return None
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else None
+
+
+def loadavg() -> float:
+    """The 1-minute load average, recorded next to a figure on a shared machine."""
+    return os.getloadavg()[0]

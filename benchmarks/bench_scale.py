@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import resource
 import subprocess
@@ -30,7 +29,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from scale_harness import loadavg, run_scale  # noqa: E402
+from _common import fit_exponent, loadavg  # noqa: E402
+from scale_harness import run_scale  # noqa: E402
 
 # The figures of the table, in order, with their goal at 1,024 nodes (issue 27).
 COLUMNS = [
@@ -49,17 +49,6 @@ COLUMNS = [
     ("lost_silent.decision_s", "silent s", "<= node_timeout + 1"),
     ("hang.decision_s", "hang s", "<= hang_timeout + 1"),
 ]
-
-
-def fit_exponent(ns: list[int], values: list[float]) -> float | None:
-    """The slope of log(value) on log(N), least squares; None with fewer than 3 points > 0."""
-    pts = [(math.log(n), math.log(v)) for n, v in zip(ns, values, strict=True) if v > 0]
-    if len(pts) < 3:
-        return None
-    mx = sum(x for x, _ in pts) / len(pts)
-    my = sum(y for _, y in pts) / len(pts)
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else None
 
 
 # --------------------------------------------------------------------------------------------

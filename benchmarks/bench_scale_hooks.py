@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import shutil
 import sys
 import tempfile
@@ -38,6 +36,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from _common import fit_exponent, loadavg  # noqa: E402
 
 from tests.test_scale_hooks import (  # noqa: E402
     NodeDirs,
@@ -58,19 +59,8 @@ from tests.test_scale_hooks import (  # noqa: E402
 FLEET_SITE_NODES = 4096  # the cluster (a)'s jobs run on
 
 
-def loadavg() -> float:
-    return os.getloadavg()[0]
-
-
 def exponent(points: dict[int, float]) -> float | None:
-    """Least-squares slope of log(value) on log(N) over the points with value > 0."""
-    xs = [(math.log(n), math.log(v)) for n, v in points.items() if v > 0]
-    if len(xs) < 2:
-        return None
-    mx = sum(x for x, _ in xs) / len(xs)
-    my = sum(y for _, y in xs) / len(xs)
-    den = sum((x - mx) ** 2 for x, _ in xs)
-    return sum((x - mx) * (y - my) for x, y in xs) / den if den else None
+    return fit_exponent(list(points), list(points.values()))
 
 
 def job_side(base: Path, n: int, window_s: float) -> tuple[dict[str, Any], NodeDirs]:

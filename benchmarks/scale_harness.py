@@ -37,6 +37,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from _common import loadavg
+
 from bluevela.launch.events_epilog import collect_files
 from bluevela.protocol.channel import Channel, ChannelError, parse_challenge
 from bluevela.protocol.keys import beat_key, derive, mac
@@ -70,8 +72,6 @@ with open(os.path.join(os.environ["BV_SCALE_DIR"], "scontrol.log"), "a") as fh:
 SQUEUE = "import sys\nsys.exit(1)\n"
 
 
-def loadavg() -> float:
-    return float(Path("/proc/loadavg").read_text().split()[0])
 
 
 def proc_cpu_s(pid: int) -> float:
