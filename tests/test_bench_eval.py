@@ -18,7 +18,8 @@ from bluevela.bench.evaluate import baseline_of, evaluate
 from bluevela.bench.registry import Check, get, measurements, register
 from bluevela.bench.result import Facts, Figure, Status
 from bluevela.bench.runner import facts_from_document
-from bluevela.site import BenchThresholds, Site, validate
+from bluevela.site import BenchThresholds, Site
+from bluevela.site_file import validate
 from tests.conftest import DATA
 
 BENCH = DATA / "bench"

@@ -31,7 +31,7 @@ from bluevela.health.kmsg import bus_key, parse_xids
 from bluevela.health.nvml_fields import LATE_FIELDS
 from bluevela.health.nvml_snapshot import load_snapshot
 from bluevela.health.result import Status
-from bluevela.health.runner import run_checks
+from bluevela.health.runner import RunPlan, run_plan
 from bluevela.health.state import IB_COUNTERS
 from bluevela.site import NodeClass, Site
 from tests import fixture_trees
@@ -110,12 +110,16 @@ def test_evaluator_on_fixture(h100: NodeClass, tmp_path: Path, fixture: str, nam
 def test_each_failure_fixture_fails_one_check_only(h100: NodeClass, tmp_path: Path,
                                                    fixture: str) -> None:
     ctx = ctx_for(h100, fixture, tmp_path)
-    # Through the runner: a replayed NVML hang blocks until the check's timeout kills it. The
-    # timeout leaves room for a loaded machine (the suite runs two workers on two cores: at 1 s
-    # the ib check of the xid79 fixture once timed out there, UNKNOWN, a second failing check).
-    report = run_checks(["gpu", "ib", "node"], ctx, timeout_s=3.0, cap_s=8.0)
+    # Through the runner: a replayed NVML hang blocks until the gpu check's timeout kills it
+    # (3 s, tried twice). The others get room for a loaded machine: the suite runs two workers
+    # on two cores, and at 1 s, then at 3 s, an ib check timed out there (UNKNOWN, a second
+    # failing check: the xid79 fixture's, then the edac one's in CI).
+    plan = RunPlan("custom", ("gpu", "ib", "node"), 40.0,
+                   {"gpu": 3.0, "ib": 15.0, "node": 15.0}, 1)
+    report = run_plan(plan, ctx)
     statuses = {c.name: c.status for c in report.checks}
     bad = {n for n, s in statuses.items() if s is not Status.OK}
+    statuses = {c.name: (c.status, c.summary) for c in report.checks}  # what a failure shows
     if fixture in HEALTHY_FIXTURES:
         assert bad == set(), statuses
     else:

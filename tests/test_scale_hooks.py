@@ -257,28 +257,31 @@ class Measured:
     cpu_s: float = 0.0  # its user + system time: less bent by the machine's load than wall
 
 
+# The command runs under a small interpreter of its own: a child's ru_maxrss starts from its
+# parent's RSS at fork/exec (Linux keeps the old mm's high-water mark across exec), so measured
+# straight from a pytest worker that grew to 700 MB, a 200 MB child read as 716 MB (CI).
+_WRAP = """
+import json, os, resource, subprocess, sys
+rc = subprocess.call(sys.argv[2:])
+u = resource.getrusage(resource.RUSAGE_CHILDREN)
+with open(sys.argv[1], "w") as f:
+    json.dump([rc, u.ru_maxrss, u.ru_utime + u.ru_stime], f)
+"""
+
+
 def run_measured(argv: list[str], env: dict[str, str], cwd: Path, timeout_s: float = 600.0
                  ) -> Measured:
-    """Run `argv` with stdout/stderr to files; peak RSS from wait4's rusage of the child."""
-    out, err = cwd / ".stdout", cwd / ".stderr"
+    """Run `argv` with stdout/stderr to files; its peak RSS and CPU from the rusage of a small
+    wrapper interpreter's one child."""
+    out, err, usage = cwd / ".stdout", cwd / ".stderr", cwd / ".rusage"
     with open(out, "wb") as fo, open(err, "wb") as fe:
         t0 = time.perf_counter()
-        p = subprocess.Popen(argv, env=env, stdout=fo, stderr=fe, cwd=cwd)
-        deadline = t0 + timeout_s
-        while True:
-            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() > deadline:
-                p.kill()
-                pid, status, usage = os.wait4(p.pid, 0)
-                break
-            time.sleep(0.005)
+        p = subprocess.run([sys.executable, "-c", _WRAP, str(usage), *argv], env=env, stdout=fo,
+                           stderr=fe, cwd=cwd, timeout=timeout_s, check=False)
         wall = time.perf_counter() - t0
-    p.returncode = os.waitstatus_to_exitcode(status)
-    # ru_maxrss is in KiB on Linux.
-    return Measured(p.returncode, wall, usage.ru_maxrss / 1024.0, out.read_text(),
-                    err.read_text(), usage.ru_utime + usage.ru_stime)
+    rc, maxrss_kib, cpu = json.loads(usage.read_text()) if p.returncode == 0 else (
+        p.returncode, 0, 0.0)
+    return Measured(rc, wall, maxrss_kib / 1024.0, out.read_text(), err.read_text(), cpu)
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
@@ -673,7 +676,12 @@ def test_a_hooks_read_of_slurm_nodelist_does_not_grow_with_the_job() -> None:
 
 
 def test_rss_is_the_childs_own_peak() -> None:
-    """run_measured's RSS is the child's peak (200 MB touched), not the parent's."""
+    """run_measured's RSS is the child's peak (200 MB touched), not the parent's: measured from
+    a parent that holds 600 MB itself (CI's pytest worker had grown to 700 MB, and a child
+    forked straight from it read as 716 MB)."""
+    ballast = bytearray(600 << 20)
+    ballast[::4096] = b"x" * len(ballast[::4096])  # touched: resident
     m = run_measured([sys.executable, "-c", "b = b'x' * (200 << 20)"], child_env({}),
                      Path("/tmp"))
+    del ballast
     assert m.rc == 0 and 200 <= m.rss_mb < 260, m.rss_mb

@@ -452,7 +452,10 @@ class Step:
         # oldest pending goes first (docs/scale.md).
         pending = [c for c in st.conns if c.node is None]
         cap = MAX_PENDING + max(0, len(st.nodes) - (len(st.conns) - len(pending)))
-        for _ in range(MAX_ACCEPT_PER_TICK):
+        # As many as fit without pushing one out (a member's whole storm in one turn: the
+        # turns, each O(nodes), stay few), then MAX_ACCEPT_PER_TICK that may push the oldest
+        # out (a flood's pace, as before: an accepted agent is read before it can go).
+        for _ in range(MAX_ACCEPT_PER_TICK + max(0, cap - len(pending))):
             try:
                 sock, _ = self.ends.listen.accept()
             except (BlockingIOError, InterruptedError):
