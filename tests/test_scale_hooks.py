@@ -613,13 +613,14 @@ def test_the_fleet_views_read_of_done_keeps_no_list_of_it(tmp_path: Path) -> Non
         os.close(fd)
     requeued = tmp_path / f"2000.{node_name(5)}.epilog.r1.json"
     requeued.write_text(json.dumps({"phase": "epilog", "job_id": 2000, "restart": 1}))
+    latest_reports(tmp_path / "empty")  # its lazy imports once, outside the measurement
     tracemalloc.start()
     try:
         last = latest_reports(tmp_path)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert len(last) == 2000 and peak < 6 * 2**20, peak  # the list: 20 MB
+    assert len(last) == 2000 and peak < 10 * 2**20, peak  # the list: 20 MB (24 on cd8e436)
     assert last[node_name(5)]["file"] == str(requeued) and last[node_name(5)]["job_id"] == 2000
 
 
