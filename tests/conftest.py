@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -66,6 +68,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _has_gpu() -> bool:
     return os.path.exists("/dev/nvidiactl")
 
+
+
+def build_standin_nvml(directory: Path, source: str, *flags: str) -> Path:
+    """A stand-in `libnvidia-ml.so.1` compiled from C `source` into `directory` (a test puts it
+    first on LD_LIBRARY_PATH, where the real one is found through ld.so.cache). Skips the test
+    when this machine has no C compiler."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build a stand-in libnvidia-ml.so.1")
+    (directory / "standin.c").write_text(source)
+    subprocess.run([cc, "-shared", "-fPIC", *flags, "-o", str(directory / "libnvidia-ml.so.1"),
+                    str(directory / "standin.c")], check=True, capture_output=True, timeout=60)
+    return directory
+
+
+def unix_dgram_listener(path: Path, timeout_s: float) -> socket.socket:
+    """A datagram socket bound at `path` (what systemd's NOTIFY_SOCKET is), reads bounded by
+    `timeout_s`."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.settimeout(timeout_s)
+    return sock
 
 @pytest.fixture(scope="module")
 def site() -> Site:

@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.conftest import build_standin_nvml
 
 pynvml = pytest.importorskip("pynvml")
 
@@ -74,14 +75,7 @@ print(json.dumps(gather_live(include_kmsg=False, raise_init_error=True)))
 
 
 def _build(tmp_path_factory: pytest.TempPathFactory, *flags: str) -> Path:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to build the stand-in libnvidia-ml.so.1")
-    d = tmp_path_factory.mktemp("nvml-standin")
-    (d / "standin.c").write_text(STANDIN_C)
-    subprocess.run([cc, "-shared", "-fPIC", *flags, "-o", str(d / "libnvidia-ml.so.1"),
-                    str(d / "standin.c")], check=True, capture_output=True, timeout=60)
-    return d
+    return build_standin_nvml(tmp_path_factory.mktemp("nvml-standin"), STANDIN_C, *flags)
 
 
 @pytest.fixture(scope="module")

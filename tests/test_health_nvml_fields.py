@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 
 from bluevela.health.nvml_fields import FIELDS_BY_NAME, GPU_FIELDS, LATE_FIELDS, RECHECK_FIELDS
 from bluevela.health.nvml_snapshot import GPUInfo, load_snapshot, parse_gpu
+from tests.conftest import build_standin_nvml
 from tests.fixture_trees import materialized
 from tests.test_health_nvml_errors import STANDIN_C
 
@@ -86,13 +86,8 @@ print(json.dumps({"gpus": [g.temperature_c for g in snap.gpus], "kmsg": snap.kms
 
 
 def test_a_sample_is_one_nvml_session(tmp_path: Path) -> None:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to build the stand-in libnvidia-ml.so.1")
     pytest.importorskip("pynvml")
-    (tmp_path / "standin.c").write_text(COUNTING)
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / "libnvidia-ml.so.1"),
-                    str(tmp_path / "standin.c")], check=True, capture_output=True, timeout=60)
+    build_standin_nvml(tmp_path, COUNTING)
     log = tmp_path / "calls.log"
     env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path), PYTHONPATH=str(REPO),
                STANDIN_LOG=str(log))

@@ -31,6 +31,7 @@ from bluevela.health.context import ProbeContext
 from bluevela.site import load_site
 from bluevela.telemetry.format import Column, Header, SegmentWriter, list_segments, read_file
 from bluevela.telemetry.sampler import Config, Sampler
+from tests.conftest import build_standin_nvml, unix_dgram_listener
 
 REPO = Path(__file__).resolve().parent.parent
 H100 = REPO / "tests" / "data" / "health" / "h100-healthy"
@@ -57,14 +58,7 @@ def _cfg(samples: Path, interval: float = 0.1, retain_s: float = 48 * 3600.0,
 
 @pytest.fixture(scope="module")
 def hung_nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to build the hung libnvidia-ml.so.1")
-    d = tmp_path_factory.mktemp("hung-nvml")
-    (d / "hung.c").write_text(HUNG_NVML_C)
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(d / "libnvidia-ml.so.1"), str(d / "hung.c")],
-                   check=True, capture_output=True, timeout=60)
-    return d
+    return build_standin_nvml(tmp_path_factory.mktemp("hung-nvml"), HUNG_NVML_C)
 
 
 def _root(tmp: Path, proc_stat: bool = False) -> Path:
@@ -195,9 +189,7 @@ def test_replayed_nvml_hang_mid_run_keeps_the_gpu_columns_as_nan(tmp_path: Path)
 @pytest.fixture()
 def notify_sock(tmp_path: Path) -> Iterator[tuple[socket.socket, Path]]:
     path = tmp_path / "notify.sock"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(str(path))
-    sock.settimeout(0.1)
+    sock = unix_dgram_listener(path, 0.1)
     yield sock, path
     sock.close()
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import build_standin_nvml
 
 pytest.importorskip("pynvml")
 
@@ -86,14 +87,7 @@ print(json.dumps({"per_sample": per_sample, "values": {
 
 @pytest.fixture(scope="module")
 def standin_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to build the stand-in libnvidia-ml.so.1")
-    d = tmp_path_factory.mktemp("nvml-counting")
-    (d / "standin.c").write_text(STANDIN_C)
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(d / "libnvidia-ml.so.1"),
-                    str(d / "standin.c")], check=True, capture_output=True, timeout=60)
-    return d
+    return build_standin_nvml(tmp_path_factory.mktemp("nvml-counting"), STANDIN_C)
 
 
 def test_one_nvml_session_per_sample_with_util_and_clocks(standin_lib: Path,

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from bluevela.util.sdnotify import Notifier, notify_address, watchdog_period_s
+from tests.conftest import unix_dgram_listener
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -23,9 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def listener(tmp_path: Path) -> Iterator[tuple[socket.socket, Path]]:
     path = tmp_path / "notify.sock"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(str(path))
-    sock.settimeout(2.0)
+    sock = unix_dgram_listener(path, 2.0)
     yield sock, path
     sock.close()
 
