@@ -363,26 +363,12 @@ def _before_after(env: dict[str, str], old: Path, pairs: int,
         return r.start["first rank line"] - r.start.get("job started", float("nan"))
 
     for i in range(pairs):
-        pair: dict[str, Run] = {}
-        for which in (("old", "new") if i % 2 == 0 else ("new", "old")):
-            if hooks is not None:
-                hooks.switch(which)
-            with tempfile.TemporaryDirectory(prefix="bv-bench-recovery-") as tmp:
-                try:
-                    run = run_bv(env, Path(tmp), silent=False,
-                                 checkout=old if which == "old" else new,
-                                 example=example)
-                except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
-                    run = Run("bv", error=f"{type(exc).__name__}: {exc}")
-            print(f"recovery: pair {i + 1} bv ({which}, job {run.job}): crash -> " + ", ".join(
-                f"{k} {v:.1f} s" for k, v in run.phases.items()) + "; submit " + ", ".join(
-                f"{k} {v:.2f} s" for k, v in run.start.items())
-                + (f" (ERROR {run.error})" if run.error else ""), flush=True)
-            if not run.error and "first rank line" in run.start:
-                pair[which] = run
-                runs[which].append(run)
+        pair = {w: r for w, r in _pair(env, old, new, example, hooks, i, grow=False).items()
+                if "first rank line" in r.start}
+        for which, run in pair.items():
+            runs[which].append(run)
         if os.environ.get("BV_BENCH_AB_GROW") == "1":
-            gpair = _grow_pair(env, old, new, example, hooks, i)
+            gpair = _pair(env, old, new, example, hooks, i, grow=True)
             for which, run in gpair.items():
                 grows[which].append(run)
             if len(gpair) == 2:
@@ -442,22 +428,24 @@ def _before_after(env: dict[str, str], old: Path, pairs: int,
                  "torchrun, ranks; " + spread(lratios))
 
 
-def _grow_pair(env: dict[str, str], old: Path, new: Path | None, example: str,
-               hooks: SideHooks | None, i: int) -> dict[str, Run]:
-    """One grow run (no spare: the job grows by the free node) by each side, in the pair's
-    order."""
+def _pair(env: dict[str, str], old: Path, new: Path | None, example: str,
+          hooks: SideHooks | None, i: int, *, grow: bool) -> dict[str, Run]:
+    """One crash run by each side, in the pair's order (old first in even pairs): on a spare,
+    or (`grow`) with no spare, the job growing by the free node. The runs that completed."""
+    kind = "grow" if grow else "bv"
     pair: dict[str, Run] = {}
     for which in (("old", "new") if i % 2 == 0 else ("new", "old")):
         if hooks is not None:
             hooks.switch(which)
         with tempfile.TemporaryDirectory(prefix="bv-bench-recovery-") as tmp:
             try:
-                run = run_bv(env, Path(tmp), silent=False, spare=False, grow=True,
+                run = run_bv(env, Path(tmp), silent=False, spare=not grow, grow=grow,
                              checkout=old if which == "old" else new, example=example)
             except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
-                run = Run("bv grow", error=f"{type(exc).__name__}: {exc}")
-        print(f"recovery: pair {i + 1} grow ({which}, job {run.job}): crash -> " + ", ".join(
-            f"{k} {v:.1f} s" for k, v in run.phases.items())
+                run = Run("bv grow" if grow else "bv", error=f"{type(exc).__name__}: {exc}")
+        print(f"recovery: pair {i + 1} {kind} ({which}, job {run.job}): crash -> " + ", ".join(
+            f"{k} {v:.1f} s" for k, v in run.phases.items()) + "; submit " + ", ".join(
+            f"{k} {v:.2f} s" for k, v in run.start.items())
             + (f" (ERROR {run.error})" if run.error else ""), flush=True)
         if not run.error:
             pair[which] = run
