@@ -96,7 +96,7 @@ def test_broken_install_audit_and_kill_switch_act_nowhere(cluster: DevCluster,
         (etc["node2"] / "python").write_text(f"{half_installed(tmp_path, 'no-phases')}\n")
         job = run_job(cluster, "node1,node2", tmp_path)
         lines = lines_of(syslog, 4)
-        assert len(lines) == 4, lines
+        assert len(lines) == 4, "\n".join(lines)
         for node, error in (("node1", "No module named 'bluevela'"),
                             ("node2", "No module named 'bluevela.hooks.phases'")):
             for phase in ("prolog", "epilog"):
@@ -114,7 +114,7 @@ def test_broken_install_audit_and_kill_switch_act_nowhere(cluster: DevCluster,
         (etc["node3"] / "actions").write_text("audit\n")
         job = run_job(cluster, "node3", tmp_path)
         lines = lines_of(syslog, 2)
-        assert len(lines) == 2, lines
+        assert len(lines) == 2, "\n".join(lines)
         for ln in lines:
             assert f"job={job} node=node3 verdict=CRITICAL action=audit-would-drain" in ln, ln
             assert "mlx5_3/1 state DOWN" in ln and "mode=audit" in ln
@@ -129,7 +129,7 @@ def test_broken_install_audit_and_kill_switch_act_nowhere(cluster: DevCluster,
                      "Flags=IGNORE_JOBS,OVERLAP"])
         job = run_job(cluster, "node3", tmp_path)
         lines = lines_of(syslog, 2)
-        assert len(lines) == 2, lines
+        assert len(lines) == 2, "\n".join(lines)
         for ln in lines:
             assert f"job={job} node=node3 verdict=CRITICAL action=off-would-drain" in ln, ln
             assert "reservation bv-actions-off" in ln
