@@ -3,7 +3,8 @@ for a network failure (an IB link that went down since the last reading) and a h
 (a required mount that hangs), and resumes it once the failure is gone.
 
 - Network: node2 reads the `h100-ib-link-downed-rising` fixture (mlx5_2/1 link_downed 3) and
-  its own state dir holds the previous reading (link_downed 0) taken 40 minutes ago.
+  its own state dir holds the previous reading (link_downed 0) taken 40 minutes ago. First
+  the same reading 3 days old: a rate over those days, not a drain (issue 24).
 - Host: node3 keeps its real root, its class requires a mount, and inside node3's mount
   namespace (private propagation: the host never sees it) that mount is a FUSE file system
   whose daemon never answers (tests/fuse_hang.py): statfs on it blocks in the kernel exactly
@@ -62,8 +63,17 @@ def test_ib_link_downed_since_last_reading_drains_then_resumes(cluster: DevClust
     point_at(cluster, "node2", "h100-ib-link-downed-rising")
     baseline = json.loads((FIXTURES / "h100-ib-link-downed-rising" / "state" /
                            "ib_counters.json").read_text())
-    baseline["time"] = time.time() - 40 * 60
     state = state_dir(cluster, "node2")
+
+    # Issue 24: the same +3 since a reading 3 days old (a switch reboot during a long job) is
+    # judged as a rate over those days: a WARNING, not a drain (9058adc drained node2).
+    baseline["time"] = time.time() - 3 * 86400
+    (state / "ib_counters.json").write_text(json.dumps(baseline))
+    hc = run_in_node(cluster, "node2", "healthcheck")
+    assert hc.returncode == 0, hc.stderr
+    assert node_state(cluster, "node2") == ("idle", ""), hc.stderr
+
+    baseline["time"] = time.time() - 40 * 60
     (state / "ib_counters.json").write_text(json.dumps(baseline))
 
     hc = run_in_node(cluster, "node2", "healthcheck")
