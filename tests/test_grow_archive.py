@@ -26,6 +26,8 @@ from bluevela.archive.spool import write_report
 from bluevela.launch import events as E
 from bluevela.launch import events_log
 from bluevela.launch.outcome import StepEnd
+from bluevela.telemetry.format import Column, Header, SegmentWriter, read_file
+from bluevela.telemetry.window import write_side_file
 from tests.test_goodput_events import sticky_dir
 
 T = 1_800_000_000.0
@@ -182,3 +184,124 @@ def test_bv_archive_show_marks_the_grown_prolog(tmp_path: Path) -> None:
                         check=False)
     (n3,) = [n for n in json.loads(js.stdout)["nodes"] if n["node"] == "node3"]
     assert n3["prolog"]["grown_via_job"] == HELPER
+
+
+# -- the grown node's time series (the node's own state: health/state.py take_over) ------------
+
+
+def _segment(samples: Path, node: str, start: float, n: int, util: float) -> None:
+    """A sampler segment in its real format: n records a second apart from `start`."""
+    samples.mkdir(parents=True, exist_ok=True)
+    cols = tuple(Column(c, c.rpartition(".")[0], u) for c, u in
+                 (("gpu0.util_pct", "%"), ("node.cpu_busy_pct", "%")))
+    w = SegmentWriter(samples / f"seg-{int(start)}.bvts", Header(node, 1.0, cols, start))
+    for i in range(n):
+        w.append(start + i, [util, 50.0])
+    w.close()
+
+
+def _energy(hook_env: Path, tmp: Path, kj: int) -> None:
+    """The node's NVML: each GPU's energy counter `kj` kJ past the fixture's."""
+    from tests.test_hooks_run import FIXTURES
+
+    snap = json.loads((FIXTURES / "h100-healthy" / "nvml.json").read_text())
+    for g in snap["gpus"]:
+        g["total_energy_mj"] += kj * 1_000_000
+    path = tmp / f"nvml-{kj}.json"
+    path.write_text(json.dumps(snap))
+    hook_env.write_text("".join(
+        f"BV_NVML_SNAPSHOT={path}\n" if ln.startswith("BV_NVML_SNAPSHOT=") else ln + "\n"
+        for ln in hook_env.read_text().splitlines()))
+
+
+def test_take_over_is_the_same_users_later_job_once_and_nothing_else(tmp_path: Path) -> None:
+    from bluevela.health.state import hand_over, take_over
+
+    state = tmp_path / "state"
+    state.mkdir()
+    hand_over(state, HELPER, "alice", T, {"gpu": {"energy_j": 5.0}})
+    assert json.loads((state / "handover.json").read_text())["time"] == T
+    for job, user in ((JOB, "bob"), (JOB, ""), (HELPER, "alice"), (HELPER + 1, "alice")):
+        assert take_over(state, job, user, now=T + 60) is None, (job, user)
+    assert take_over(state, JOB, "alice", now=T - 1) is None  # a start in the future
+    taken = take_over(state, JOB, "alice", now=T + 60)
+    assert taken == {"time": T, "metrics": {"gpu": {"energy_j": 5.0}}, "grown_via_job": HELPER}
+    assert take_over(state, JOB, "alice", now=T + 60) is None  # once
+    # The hooks' own file only: a symlink, a forged or damaged one gives nothing.
+    (tmp_path / "forged.json").write_text(json.dumps({"job": HELPER, "user": "alice", "time": T}))
+    (state / "handover.json").symlink_to(tmp_path / "forged.json")
+    assert take_over(state, JOB, "alice", now=T + 60) is None
+    (state / "handover.json").unlink()
+    for bad in ({"job": True, "user": "alice", "time": T}, {"job": HELPER, "user": "alice",
+                                                            "time": "T"}, [HELPER], "x"):
+        (state / "handover.json").write_text(json.dumps(bad))
+        assert take_over(state, JOB, "alice", now=T + 60) is None, bad
+    (state / "handover.json").write_text("{")
+    assert take_over(state, JOB, "alice", now=T + 60) is None
+
+
+def test_the_grown_nodes_series_reaches_the_jobs_efficiency_page(tmp_path: Path) -> None:
+    """The real hooks on node3: the helper's prolog and epilog (Slurm ran them when it gave the
+    node to the helper and then to the job), then the job's epilog, which had no prolog there:
+    it spools node3's window from the helper's epilog on. Ingested with the job's node1, the
+    job's efficiency page has node3's series; another user's job there later takes nothing."""
+    from bluevela.report.efficiency import job_efficiency
+    from bluevela.report.efficiency_html import render_html
+    from tests.test_hooks_run import make_node, run_hook
+
+    hook_env, base = make_node(tmp_path, BV_SAMPLER_INTERVAL_S="1")
+    spool, state = base / "spool", base / "state"
+    t0 = time.time()
+    _segment(state / "samples", "node3", t0 - 20, 900, util=90.0)
+    slurm = {"SLURMD_NODENAME": "node3", "SLURM_JOB_USER": "alice", "SLURM_JOB_PARTITION": "gpu"}
+    helper = {**slurm, "SLURM_JOB_ID": str(HELPER), "SLURM_NODELIST": "node3",
+              "SLURM_JOB_NUM_NODES": "1"}
+    job = {**slurm, "SLURM_JOB_ID": str(JOB), "SLURM_NODELIST": "node[1,3]",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_EXIT_CODE2": "0:0"}
+    assert run_hook("prolog", hook_env, helper).returncode == 0
+    _energy(hook_env, tmp_path, 1)  # each GPU used 1 kJ more by the helper's epilog: the join
+    joined = time.time()
+    assert run_hook("epilog", hook_env, {**helper, "SLURM_JOB_EXIT_CODE2": "0:0"}).returncode == 0
+    left = time.time()
+    _energy(hook_env, tmp_path, 3)  # and 2 kJ more in the job
+    p = run_hook("epilog", hook_env, job)
+    ended = time.time()
+    assert p.returncode == 0 and "the node joined from job 42" in p.stderr, p.stderr
+    window = read_file(spool / f"{JOB}.node3.series.bvts", strict=True)
+    times = [t for t, _ in window.records()]
+    assert window.header.job_id == JOB and window.header.node == "node3"
+    # From the helper's epilog (less one interval) to the job's end on node3.
+    assert joined - 1.0 <= times[0] <= left and times[-1] <= ended, (times, joined, left)
+    report = json.loads((spool / f"{JOB}.node3.epilog.json").read_text())
+    # The job's telemetry on node3 counts from the join: 8 GPUs x 2 kJ.
+    assert report["restart"] == 0 and report["telemetry"]["gpu_energy_j"] == pytest.approx(16e3)
+    assert 0 < report["telemetry"]["job_wall_s"] <= ended - joined + 1.0
+
+    # The job's first node (its prolog, its window, the supervisor's grow) and ingest.
+    nodes = ["node1", "node2"]
+    write_report(spool, sample_report(JOB, "node1", "prolog", nodelist=nodes, time=t0 - 10))
+    epi = sample_report(JOB, "node1", "epilog", nodelist="node[1,3]", time=ended)
+    epi["goodput_events"] = {"v": 1, "host": "node1", "job": JOB, "restart": 0, "opened": t0,
+                             "slurm": {}, "requeue": None, "launches": [],
+                             "grows": [{"t": joined, "helper": HELPER, "nodes": ["node3"]}]}
+    write_report(spool, epi)
+    _segment(tmp_path / "node1" / "samples", "node1", t0 - 20, 900, util=80.0)
+    write_side_file(spool, tmp_path / "node1" / "samples", JOB, "node1", t0 - 10, ended, 1.0)
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    for _ in range(2):
+        ingest(spool, archive, timeout_s=0.0, prolog_only_timeout_s=0.0, now=ended + 4000)
+    shown, n3 = _node3(archive)
+    assert n3["prolog"]["grown_via_job"] == HELPER and n3["epilog"] is not None
+    eff = job_efficiency(archive, JOB, job=shown)
+    assert eff.nodes == ["node1", "node3"], eff.nodes
+    (row,) = [r for r in eff.per_node if r["node"] == "node3"]
+    assert row["gpu_util_pct"] == 90.0, row
+    assert "node3" not in {m["node"] for m in eff.missing
+                           if m["why"] == "no time series from this node"}, eff.missing
+    assert "node3 (no time series" not in render_html(eff)
+
+    # bob's job on node3 next, with no prolog there: the handover is alice's job's, not his.
+    bob = {**job, "SLURM_JOB_ID": "40", "SLURM_JOB_USER": "bob"}
+    assert run_hook("epilog", hook_env, bob).returncode == 0
+    assert not (spool / "40.node3.series.bvts").exists()

@@ -8,6 +8,9 @@ Layout:
     last_results.json     the last result of each check (the Prometheus file is rendered from it)
     last_run.json         the last hook run: phase, job, health report, drain
     jobs/<job_id>.json    the prolog's readings of a running job (the epilog's per-job deltas)
+    handover.json         the last epilog's job, user, start and check metrics: where a
+                          node grown into a running job (its prolog ran under the helper job
+                          `bv-grow-JOB`) starts that job's window (`take_over`)
 
 Every file name is fixed or built from a validated job id; nothing is followed through a
 symlink; a file that cannot be read or parsed counts as absent.
@@ -39,6 +42,7 @@ LAST_RESULTS = "last_results.json"
 LAST_RUN = "last_run.json"
 JOBS = "jobs"
 JOB_READING_MAX_AGE_S = 30 * 86400.0
+HANDOVER = "handover.json"
 
 
 def read_json(path: Path) -> Any | None:
@@ -181,3 +185,47 @@ def _prune_jobs(directory: Path, max_age_s: float = JOB_READING_MAX_AGE_S) -> No
                 os.unlink(entry.path)
         except OSError:
             continue
+
+
+# -- a node handed from one job to the next (a grown node) ----------------------------------
+
+
+def hand_over(state_dir: Path, job_id: int, user: str, started: float,
+              metrics: Mapping[str, Any]) -> None:
+    """Every epilog leaves its job, user, start and the metrics of its checks in
+    `handover.json`: the next epilog of a job with no reading of its own here takes its window
+    (and its telemetry's baseline) from it (`take_over`). One slot, overwritten by each epilog."""
+    write_json(state_dir / HANDOVER, {"job": job_id, "user": user, "time": started,
+                                      "metrics": dict(metrics)})
+
+
+def take_over(state_dir: Path, job_id: int, user: str, now: float | None = None
+              ) -> dict[str, Any] | None:
+    """The start of `job_id` on a node where its prolog left no reading, or None.
+
+    A node grown into a running job (bluevela/launch/grow.py) ran its prolog under the helper job
+    (`bv-grow-JOB`), whose epilog ran when Slurm gave the node to the job: that epilog's start
+    is when the node joined, and its checks' metrics the baseline of the job's telemetry. It is taken (and removed, once) only when the last epilog here was
+    of the same user and of a job submitted later than this one (a helper exists only while its
+    job runs; a wrapped job id counts as unrelated: no window). The record is the hooks' own
+    (root's state directory): nothing a user writes, neither the job's name nor its goodput
+    events, decides it. The reading has no "restart": the epilog's own count is used.
+    """
+    data = read_json(state_dir / HANDOVER)
+    if not isinstance(data, dict):
+        return None
+    helper, start = data.get("job"), data.get("time")
+    now = time.time() if now is None else now
+    if not (user and data.get("user") == user
+            and isinstance(helper, int) and not isinstance(helper, bool) and helper > job_id
+            and isinstance(start, int | float) and not isinstance(start, bool)
+            and 0 < start <= now):
+        return None
+    try:
+        (state_dir / HANDOVER).unlink()
+    except OSError as exc:  # not removed: not taken (it could be taken twice)
+        logger.warning("cannot remove %s: %s", state_dir / HANDOVER, exc)
+        return None
+    metrics = data.get("metrics")
+    return {"time": float(start), "metrics": metrics if isinstance(metrics, dict) else {},
+            "grown_via_job": helper}

@@ -7,6 +7,8 @@
   outside the breaker). WARNING/UNKNOWN: exit 0, recorded.
 - epilog: quick tier after the job, with its exit status and per-job telemetry, spooled.
   The sampler's window of the job goes to the spool beside it (bluevela.telemetry.window).
+  A node grown into a running job had its prolog under the helper job `bv-grow-JOB`: its
+  window and telemetry start where the helper's epilog handed the node over (`_reading`).
   CRITICAL: drain with the precise reason; always exit 0 (a non-zero exit would drain with
   Slurm's vague "Epilog error").
 - healthcheck: full tier on an idle node; drain on CRITICAL; resume a node only when its drain
@@ -328,13 +330,13 @@ def prolog(site: Site, hctx: HookContext) -> HookOutcome:
 
 
 def epilog(site: Site, hctx: HookContext) -> HookOutcome:
-    from bluevela.health.state import pop_job_reading
     from bluevela.hooks.telemetry import job_telemetry
 
+    started = time.time()  # a helper's epilog: when its node joined the job (_reading)
     state = _state_dir(site)
     report = _run(site, hctx, state, "quick")
     _record(site, state, report, "epilog")
-    reading = pop_job_reading(state, hctx.job_id) if state and hctx.job_id is not None else None
+    reading = _reading(state, hctx, started, report)
     telemetry = job_telemetry(reading, report, time.time())
     if hctx.job_id is not None:  # the sampler's window of this job, before the report
         from bluevela.telemetry.window import spool_series
@@ -354,6 +356,28 @@ def epilog(site: Site, hctx: HookContext) -> HookOutcome:
         events.remove()
     return _finish(state, HookOutcome("epilog", hctx.node, hctx.job_id, report, drain,
                                       spooled=spooled, exit_code=0))
+
+
+def _reading(state: Path | None, hctx: HookContext, started: float,
+             report: HealthReport) -> dict[str, Any] | None:
+    """The prolog's reading of this job here, removed; else, on a node grown into the job (its
+    prolog ran under the helper job `bv-grow-JOB`), the start and metrics the helper's epilog
+    handed over (`health.state.take_over`: same user, a later job). Either way this epilog
+    then hands its own start and its checks' metrics over to the next (`hand_over`)."""
+    from bluevela.health.state import hand_over, pop_job_reading, take_over
+    from bluevela.hooks.telemetry import reading_of
+
+    if state is None or hctx.job_id is None:
+        return None
+    reading = pop_job_reading(state, hctx.job_id)
+    if reading is None:
+        reading = take_over(state, hctx.job_id, hctx.user)
+        if reading is not None:
+            logger.info("job %s: no prolog reading here; the node joined from job %s at %.3f "
+                        "(grown): its window starts there", hctx.job_id,
+                        reading["grown_via_job"], reading["time"])
+    hand_over(state, hctx.job_id, hctx.user, started, reading_of(report, started)["metrics"])
+    return reading
 
 
 def _attempt(hctx: HookContext, reading: dict[str, Any] | None) -> int:

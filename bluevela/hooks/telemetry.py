@@ -1,7 +1,9 @@
 """Per-job telemetry: the prolog keeps its readings, the epilog reports the differences.
 
 The prolog stores the metrics of its checks in `<state>/jobs/<job_id>.json`; the epilog
-subtracts them from its own (`telemetry` of the epilog report). Names carry units:
+subtracts them from its own (`telemetry` of the epilog report). On a node grown into the job
+(no prolog of the job there) the baseline is the helper job's epilog, when the node joined
+(health/state.py `take_over`). Names carry units:
 
     job_wall_s                                     prolog to epilog
     gpu_energy_j                                   NVML total energy, all GPUs

@@ -2,7 +2,8 @@
 
 `<spool>/<job_id>.<node>.series.bvts` (`<job_id>.<node>.r<k>.series.bvts` for a requeued job's
 restart k, archive/spool.py) holds the records of `<state>/samples/` from one interval
-before the job's start (the prolog's reading) to now, over the union of the segments' columns
+before the job's start (the prolog's reading; on a node grown into the job, the helper job's
+epilog: health/state.py `take_over`) to now, over the union of the segments' columns
 (`format.cut_window`). Written atomically (temporary file with O_EXCL|O_NOFOLLOW, fsync,
 rename) relative to the spool directory opened without following a symlink, by the spool's
 bounded writer (`archive.spool.write_spool_file`: a forked child, at most `SPOOL_WRITE_TIMEOUT_S`),
