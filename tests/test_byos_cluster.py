@@ -137,7 +137,8 @@ def test_framework_job_checkpoints_at_the_signal_and_resumes_on_the_spare(
     # own, at the time limit) with exit 0 on every rank, and the next one started where it
     # stopped: 0 steps lost.
     signalled = [n for n in range(len(parts) - 1) if n != crash.attempt - 1]
-    assert info["state"] == "COMPLETED" and info["restarts"] == len(signalled) >= 1, info
+    assert info["state"] == "COMPLETED" and info["restarts"] == len(signalled) >= 1, (
+        info, crash, [(n + 1, _ends(p)) for n, p in enumerate(parts)], text[-20000:])
     if not time_limit:
         assert len(parts) == 3 and crash.attempt == 2, _ends(text)
     for n in signalled:
