@@ -10,6 +10,8 @@ supervisor (`python3 -P -m bluevela.launch.supervisor`) on them, without Slurm.
   ``finished.<node>`` when the file ``done`` appears, ``usr1.<node>`` on SIGUSR1.
 - scontrol: records its argv in ``scontrol.log``; hangs or refuses as ``BV_TEST_SCONTROL``
   says (``hang``, ``refuse``, ``refuse:N``).
+- squeue: records its argv in ``squeue.log``; answers ``-o %L|%l`` (the time left at the
+  checkpoint signal) with ``BV_TEST_SQUEUE`` when set, else as for a job it does not know.
 """
 
 from __future__ import annotations
@@ -97,6 +99,17 @@ if mode == "refuse" and (not count or calls <= int(count)):
     sys.exit(1)
 """
 
+SQUEUE = """
+import os, sys
+with open(os.path.join(os.environ["BV_TEST_DIR"], "squeue.log"), "a") as fh:
+    fh.write(" ".join(sys.argv[1:]) + "\\n")
+if "%L|%l" in sys.argv and os.environ.get("BV_TEST_SQUEUE"):
+    print(os.environ["BV_TEST_SQUEUE"])
+    sys.exit(0)
+sys.stderr.write("slurm_load_jobs error: Invalid job id specified\\n")
+sys.exit(1)
+"""
+
 
 def _script(path: Path, body: str) -> Path:
     path.write_text(f"#!{sys.executable} -P\n{body}")
@@ -114,7 +127,8 @@ class Job:
         self.nodes = list(nodes)
         self.bin = tmp / "bin"
         self.bin.mkdir(exist_ok=True)
-        for name, body in (("srun", SRUN), ("torchrun", TORCHRUN), ("scontrol", SCONTROL)):
+        for name, body in (("srun", SRUN), ("torchrun", TORCHRUN), ("scontrol", SCONTROL),
+                           ("squeue", SQUEUE)):
             _script(self.bin / name, body)
         self.cwd = cwd or tmp / "work"
         self.cwd.mkdir(exist_ok=True)

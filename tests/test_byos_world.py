@@ -15,6 +15,8 @@ import time
 import warnings
 from pathlib import Path
 
+import pytest
+
 from bluevela import integrations
 from bluevela.protocol.channel import Channel, challenge_line
 from bluevela.protocol.keys import SECRET_ENV, derive, new_secret
@@ -162,11 +164,17 @@ def _kill_running(program: Path) -> None:
                 pass
 
 
-def test_agent_stops_a_worker_without_a_handler_with_sigterm(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("env_wait", "left_s", "wait"), [
+    ("1", None, 1),  # the job's BV_USR1_WAIT_S
+    (None, 47, 2),  # the time limit near: 47 s left, 45 s of them for the stop path
+])
+def test_agent_stops_a_worker_without_a_handler_with_sigterm(
+        tmp_path: Path, env_wait: str | None, left_s: int | None, wait: int) -> None:
     """bv's checkpoint signal to a node whose worker never handles SIGUSR1: after the wait
-    (BV_USR1_WAIT_S, 30 s by default) torchrun gets SIGTERM (it stops its workers, as at a
-    Slurm stop), the worker is never sent SIGUSR1 (its default action would kill it), and the
-    agent's exit message counts it; torchrun got the training world in its environment."""
+    (BV_USR1_WAIT_S, else what the request's time left allows, else 30 s) torchrun gets
+    SIGTERM (it stops its workers, as at a Slurm stop), the worker is never sent SIGUSR1 (its
+    default action would kill it), and the agent's exit message counts it and says the wait;
+    torchrun got the training world in its environment."""
     secret = new_secret()
     listen = socket.socket()
     listen.bind(("127.0.0.1", 0))
@@ -177,8 +185,11 @@ def test_agent_stops_a_worker_without_a_handler_with_sigterm(tmp_path: Path) -> 
     torchrun.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
     env.update(SRUN_ENV, BV_SUPERVISOR=f"127.0.0.1:{listen.getsockname()[1]}",
-               SLURMD_NODENAME="node1", BV_RDZV_NODE="node1", BV_USR1_WAIT_S="1",
+               SLURMD_NODENAME="node1", BV_RDZV_NODE="node1",
                PYTHONPATH=str(REPO), **{SECRET_ENV: secret})
+    env.pop("BV_USR1_WAIT_S", None)
+    if env_wait is not None:
+        env["BV_USR1_WAIT_S"] = env_wait
     agent = subprocess.Popen([sys.executable, "-P", "-m", "bluevela.launch.agent",
                               "--", str(torchrun), "--nproc-per-node=1", str(tmp_path)],
                              env=env, cwd=REPO)
@@ -204,7 +215,7 @@ def test_agent_stops_a_worker_without_a_handler_with_sigterm(tmp_path: Path) -> 
             assert time.monotonic() < deadline
             time.sleep(0.05)
         asked = time.monotonic()
-        chan.send({"t": "usr1"})
+        chan.send({"t": "usr1", **({} if left_s is None else {"left_s": left_s})})
         while (msg := nxt())["t"] != "exit":
             pass
         took = time.monotonic() - asked
@@ -214,9 +225,9 @@ def test_agent_stops_a_worker_without_a_handler_with_sigterm(tmp_path: Path) -> 
         agent.wait(timeout=20)
         listen.close()
         _kill_running(torchrun)  # torchrun leads its own session: a failed run must not leak it
-    assert msg["termed"] == 1 and msg["signalled"] == 0, msg
+    assert msg["termed"] == 1 and msg["signalled"] == 0 and msg["waited"] == wait, msg
     assert (tmp_path / "torchrun.sigterm").exists()
-    assert 1.0 <= took < 10, took
+    assert wait <= took < wait + 9, took
     seen = json.loads((tmp_path / "torchrun.env").read_text())
     assert seen == {"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "2",
                     "SLURM_JOB_NODELIST": "node[1,3]", "SLURM_PROCID": None,
@@ -228,5 +239,7 @@ def test_supervisor_end_line_names_the_sigterm_stop() -> None:
 
     result = signal_result(signal.SIGUSR1, {"node1": 1}, 1, termed=2)
     assert result.kind == "signal"
-    assert "2 worker(s) had no handler for it" in result.cause
+    assert "2 worker(s) had no handler for it after 30 s" in result.cause
+    waited = signal_result(signal.SIGUSR1, {"node1": 1}, 1, termed=2, waited=15)
+    assert "had no handler for it after 15 s" in waited.cause  # the agents' wait, said
     assert "stopped with SIGTERM through torchrun" in result.cause

@@ -12,8 +12,9 @@ four phases:
 - WAITING: no torchrun yet. ``go`` (with the store's port) starts torchrun; ``abort`` ends
   the agent with 1.
 - RUNNING: torchrun runs. ``usr1`` (or a SIGUSR1 from srun) sends SIGUSR1 to every worker
-  once it handles it (a worker that never does gets torchrun's SIGTERM stop after
-  ``BV_USR1_WAIT_S``); ``abort`` moves to ABORTING.
+  once it handles it (a worker that never does gets torchrun's SIGTERM stop after the wait
+  of bluevela/launch/usr1_wait.py: ``BV_USR1_WAIT_S``, else what the job's time left allows
+  when the request carries it, else 30 s); ``abort`` moves to ABORTING.
 - ABORTING: torchrun's group got SIGTERM; ABORT_KILL_S later everything under it is killed.
 - DONE: torchrun ended (or could not start): one ``exit`` message with its status, then the
   agent exits with it. When the supervisor is gone the agent kills torchrun's tree and ends.
@@ -38,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from bluevela.launch.events_copy import CopyWriter
 from bluevela.launch.proctree import catches, kill_group, kill_tree, signal_pid, worker_pids
 from bluevela.launch.rdzv_guard import guarded_argv
+from bluevela.launch.usr1_wait import USR1_WAIT_ENV, explicit_wait, handler_wait, request_left
 from bluevela.protocol.channel import Channel, ChannelError, read_challenge
 from bluevela.protocol.keys import SECRET_ENV, line_key, secret_from_env
 from bluevela.protocol.names import printable, safe_name
@@ -54,10 +56,9 @@ CONNECT_FOR_S = 30.0
 # An aborted step is broken (a peer is gone, or it hangs): no checkpoint can complete, so
 # torchrun's SIGTERM is followed by SIGKILL to everything under it soon after.
 ABORT_KILL_S = 0.5
-# Then a node with a worker that never installed a SIGUSR1 handler gets torchrun's own stop
-# (SIGTERM to torchrun: forwarded to the workers, SIGKILL 30 s later), never SIGUSR1's kill.
-USR1_UNCAUGHT_S = 30.0
-USR1_WAIT_ENV = "BV_USR1_WAIT_S"  # the job's own value for it (bv submit --env), 0-600 s
+# A node with a worker that never installed a SIGUSR1 handler gets torchrun's own stop
+# (SIGTERM to torchrun: forwarded to the workers, SIGKILL 30 s later), never SIGUSR1's kill:
+# after 30 s, the job's BV_USR1_WAIT_S, or what its time left allows (usr1_wait.py).
 
 
 def agent_argv() -> list[str]:
@@ -153,7 +154,8 @@ class Agent:
         self.env = env
         self.rdzv_node = env.get(RDZV_NODE_ENV, "") or node
         self.copy = CopyWriter(env, node)  # the goodput events, when this node keeps them
-        self.usr1_wait = _seconds(env.get(USR1_WAIT_ENV), USR1_UNCAUGHT_S)
+        self.usr1_explicit = explicit_wait(env.get(USR1_WAIT_ENV))
+        self.usr1_end: float | None = None  # monotonic: the job's time limit, when near
         self.ping_s = min(30.0, max(0.2, _seconds(env.get(PING_ENV), PING_S)))
         self.phase = Phase.WAITING
         self.code = 1  # the exit status, once DONE
@@ -234,6 +236,13 @@ class Agent:
             self.copy.feed(msg)
         elif kind == "usr1":
             self.want_usr1 = True
+            left = request_left(msg)
+            if left is not None:
+                end = time.monotonic() + left
+                self.usr1_end = end if self.usr1_end is None else min(self.usr1_end, end)
+            elif "left_s" in msg:
+                _log(f"agent on {safe_name(self.node)}: a checkpoint request with a bad "
+                     "left_s: ignored")
         elif kind == "go" and self.phase is Phase.WAITING:
             port = msg.get("port")
             if isinstance(port, int) and 1 <= port <= 65535:
@@ -297,6 +306,15 @@ class Agent:
                  "workers, SIGKILL 30 s later)")
             signal_pid(proc.pid, signal.SIGTERM)
 
+    @property
+    def usr1_wait(self) -> float:
+        """Seconds to hold the checkpoint signal for a worker without a handler, from the
+        first request (usr1_wait.handler_wait: the time left measured from then)."""
+        left = None
+        if self.usr1_end is not None:
+            left = self.usr1_end - (self.usr1_at if self.usr1_at is not None else time.monotonic())
+        return handler_wait(self.usr1_explicit, left)
+
     def _ping(self) -> None:
         if time.monotonic() - self.last_ping >= self.ping_s:
             self.chan.send({"t": "ping"})
@@ -306,6 +324,8 @@ class Agent:
         """DONE: the one exit message (torchrun's status, or why it could not start)."""
         msg: dict[str, object] = {"t": "exit", "rc": code, "node": self.node,
                                   "signalled": len(self.signalled), "termed": self.termed}
+        if self.termed:
+            msg["waited"] = round(self.usr1_wait)  # the wait those workers had: the end line
         if why:
             msg["why"] = why
         self.chan.send(msg)

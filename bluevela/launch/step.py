@@ -11,8 +11,9 @@ it can say how it ended (`Step.run`):
   connected) or the hang watchdog fired: the step is aborted (`Step.end`): agents kill their
   torchrun, a node that does not answer the abort is lost too, srun is killed here -> LOST or
   HANG, with the reason for each lost node as a typed `outcome.Loss`;
-- SIGUSR1 / SIGTERM: every agent is told to forward SIGUSR1 to its workers; once the step has
-  ended -> SIGNAL (requeue) or TERMINATED.
+- SIGUSR1 / SIGTERM: every agent is told to forward SIGUSR1 to its workers (at SIGUSR1 with
+  the job's time left when its limit is near: bluevela/launch/usr1_wait.py); once the step
+  has ended -> SIGNAL (requeue) or TERMINATED.
 
 Only the step's own processes can speak to it (bluevela/protocol/): a new secret per
 step, an HMAC on every line and beat, a hello only from a node of the step and once, caps on
@@ -34,12 +35,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from bluevela.launch.agent import USR1_UNCAUGHT_S
 from bluevela.launch.events import failure_time
 from bluevela.launch.events_copy import keeper_of
 from bluevela.launch.events_log import EventLog
 from bluevela.launch.outcome import Loss, StepEnd, StepResult, lost_text
 from bluevela.launch.proctree import reap
+from bluevela.launch.usr1_wait import USR1_UNCAUGHT_S, USR1_WAIT_MAX_S, LimitClock, usr1_request
 from bluevela.protocol.channel import Channel, ChannelError, challenge_line
 from bluevela.protocol.messages import fresh_seq, parse_beat
 from bluevela.protocol.names import printable, safe_name
@@ -239,6 +240,7 @@ class Conn:
         self.exit_rc: int | None = None
         self.signalled = 0  # workers this agent sent SIGUSR1 to (from its exit message)
         self.termed = 0  # workers without a SIGUSR1 handler, stopped with SIGTERM instead
+        self.waited = USR1_UNCAUGHT_S  # how long the agent held the signal for them
         self.why = ""  # the agent's own reason with a failed exit (e.g. no torchrun)
         self.go_sent = False
         self.closed = False
@@ -259,6 +261,9 @@ class Conn:
         self.exit_rc = rc if isinstance(rc, int) and 0 <= rc <= 255 else 1
         self.signalled = signalled if isinstance(signalled, int) else 0
         self.termed = termed if isinstance(termed, int) else 0
+        waited = msg.get("waited")
+        if type(waited) is int and 0 <= waited <= USR1_WAIT_MAX_S:
+            self.waited = float(waited)
         self.why = printable(why) if isinstance(why, str) else ""
 
 
@@ -313,8 +318,10 @@ class Step:
     """One srun step, from its start to how it ended."""
 
     def __init__(self, st: StepState, srun: subprocess.Popen[bytes], ends: Endpoints,
-                 signals: Signals, events: EventLog, host: str, cfg: StepConfig) -> None:
+                 signals: Signals, events: EventLog, host: str, cfg: StepConfig,
+                 clock: LimitClock | None = None) -> None:
         self.st = st
+        self.clock = clock  # the job's time limit, learned at the first SIGUSR1 (the supervisor's)
         self.srun = srun
         self.ends = ends
         self.signals = signals
@@ -439,10 +446,19 @@ class Step:
         if not self.signals.note(sig):
             return
         self.events.signal(time.monotonic())
-        log(f"{signal.Signals(sig).name} received: asking every worker to checkpoint")
+        request = self._usr1_request()
+        near = (f" (the time limit in {request['left_s']} s)" if "left_s" in request else "")
+        log(f"{signal.Signals(sig).name} received: asking every worker to checkpoint{near}")
         for conn in self.st.conns:
             if not conn.closed and conn.node is not None:
-                conn.send({"t": "usr1"})
+                conn.send(request)
+
+    def _usr1_request(self) -> dict[str, object]:
+        """The checkpoint request: at SIGUSR1 with the job's time left when its limit is near
+        (the agents' wait for a handler follows it); at SIGTERM, or the limit unknown, bare."""
+        if self.signals.seen != signal.SIGUSR1 or self.clock is None:
+            return {"t": "usr1"}
+        return usr1_request(self.clock.left())
 
     def _accept(self, now: float) -> None:
         st = self.st
@@ -568,7 +584,7 @@ class Step:
                     c.send({"t": "go", "port": st.rdzv_port})
                     c.go_sent = True
         if self.signals.seen is not None:
-            conn.send({"t": "usr1"})
+            conn.send(self._usr1_request())
         return None
 
     # -- how it ended ----------------------------------------------------------------------
@@ -615,21 +631,23 @@ class Step:
         if (exits and not st.lost and set(exits.values()) == {0}
                 and not any(c.signalled for c in st.conns)):
             return StepResult(StepEnd.OK, 0, "exit 0")  # done before the signal
+        termed = [c for c in st.conns if c.termed]
         return signal_result(self.signals.seen, exits, st.srun_rc,
-                             sum(c.termed for c in st.conns))
+                             sum(c.termed for c in termed),
+                             max((c.waited for c in termed), default=USR1_UNCAUGHT_S))
 
 
 def signal_result(seen: int | None, exits: dict[str, int], srun_rc: int | None,
-                  termed: int) -> StepResult:
+                  termed: int, waited: float = USR1_UNCAUGHT_S) -> StepResult:
     """A step that ended after the checkpoint signal (SIGNAL: requeue) or Slurm's SIGTERM
-    (TERMINATED)."""
+    (TERMINATED). `waited`: how long the agents held the signal for the `termed` workers."""
     codes = ",".join(map(str, sorted(set(exits.values()))
                          or [srun_rc if srun_rc is not None else -1]))
     name = signal.Signals(seen or signal.SIGUSR1).name
     if seen == signal.SIGUSR1 and termed:
         # A script with no handler for bv's signal: torchrun's SIGTERM stop, not a kill.
         return StepResult(StepEnd.SIGNAL, 0, f"checkpoint signal {name} from Slurm; {termed} "
-                          f"worker(s) had no handler for it after {USR1_UNCAUGHT_S:.0f} s and "
+                          f"worker(s) had no handler for it after {waited:.0f} s and "
                           "were stopped with SIGTERM through torchrun (its grace period), no "
                           f"checkpoint from them; exited {codes}, requeued by bv")
     if seen == signal.SIGUSR1:

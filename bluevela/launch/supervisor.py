@@ -98,6 +98,7 @@ from bluevela.launch.policy import (
     next_action,
 )
 from bluevela.launch.step import Endpoints, Signals, Step, StepConfig, StepState, log
+from bluevela.launch.usr1_wait import LimitClock
 from bluevela.protocol.keys import SECRET_ENV, beat_key, derive, new_secret
 from bluevela.runtime.heartbeat import ENV_ADDR as HEARTBEAT_ENV
 from bluevela.runtime.heartbeat import INTERVAL_ENV as BEAT_INTERVAL_ENV
@@ -259,6 +260,9 @@ class Supervisor:
         self.events = EventLog(None, self.host)
         self.slurm = JobControl(self.job, self.env, timeout_s=opts.slurm_timeout,
                                 retry_for_s=opts.slurm_retry_for, wait=self._wait_stop)
+        # The job's time limit, read once at the first SIGUSR1 (the agents' wait for a
+        # handler follows the time left: bluevela/launch/usr1_wait.py).
+        self.clock = LimitClock(self.slurm.time_left)
 
     def start(self) -> tuple[Signals, Endpoints]:
         """The signals' pipe, and the ports the step's agents and ranks reach."""
@@ -438,7 +442,8 @@ class Supervisor:
         except OSError as exc:
             return StepResult(StepEnd.FAILED, 127 if exc.errno == errno.ENOENT else 126,
                               f"cannot start srun: {exc.strerror or exc}")
-        return Step(st, srun, ends, signals, self.events, self.host, self.opts.step()).run()
+        return Step(st, srun, ends, signals, self.events, self.host, self.opts.step(),
+                    self.clock).run()
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,12 +10,16 @@ retry changes ends the call at once (PERMANENT_SLURM_ERRORS), one that may never
 retried briefly (SLOW_SLURM_ERRORS); and the `wait` between tries can stop them (Slurm's
 SIGTERM: the job is ending, nothing is left to retry for). The first try is immediate.
 
+One read: the job's time left at the checkpoint signal (`JobControl.time_left`: one bounded
+``squeue``, no retry; the wait for a worker's handler follows it, bluevela/launch/usr1_wait.py).
+
 Standard library only: it runs as the job's main process.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +38,10 @@ PERMANENT_SLURM_ERRORS = ("invalid job id", "access/permission denied", "present
 # same job is refused so for good. Retried for this long only, not the call's whole budget.
 SLOW_SLURM_ERRORS = ("db index is being set",)
 SLOW_SLURM_RETRY_S = 30.0
+TIME_LEFT_TIMEOUT_S = 5.0  # the one squeue at the checkpoint signal (the loop waits for it)
+# squeue's durations: [days-][hours:]minutes:seconds (Slurm's secs2time_str); UNLIMITED,
+# NOT_SET, INVALID and anything else are no duration.
+_DURATION = re.compile(r"(?:(\d{1,5})-)?(?:(\d{1,2}):)?(\d{1,2}):(\d{2})")
 
 # Waits `seconds`; True when the job is ending (stop retrying).
 Wait = Callable[[float], bool]
@@ -75,6 +83,33 @@ def retry_budget(env: Mapping[str, str], retry_for: float, now: float) -> float:
     return max(1.0, retry_for)
 
 
+def slurm_duration(text: str) -> int | None:
+    """Seconds of one of squeue's durations (``59:58``, ``1:59:58``, ``2-00:00:00``), or None
+    for anything else (``UNLIMITED``, ``INVALID``, a minute or second of 60 or more)."""
+    m = _DURATION.fullmatch(text)
+    if m is None:
+        return None
+    days, hours, mins, secs = (int(g) if g else 0 for g in m.groups())
+    if hours > 23 or mins > 59 or secs > 59:
+        return None
+    return ((days * 24 + hours) * 60 + mins) * 60 + secs
+
+
+def parse_time_left(stdout: str) -> tuple[float, float | None] | None:
+    """(time left, time limit) from ``squeue -h -j JOB -o %L|%l``: one line, the time left a
+    duration (else None), the limit a duration or None (UNLIMITED)."""
+    lines = stdout.splitlines()
+    if len(stdout) > 100 or len(lines) != 1:
+        return None
+    words = lines[0].strip().split("|")
+    if len(words) != 2:
+        return None
+    left, limit = slurm_duration(words[0]), slurm_duration(words[1])
+    if left is None:
+        return None
+    return float(left), None if limit is None else float(limit)
+
+
 def _one_line(text: str, limit: int = 200) -> str:
     raw = " ".join(text.split())
     out = "".join(c if c.isascii() and c.isprintable() else "?" for c in raw[:limit])
@@ -112,6 +147,28 @@ class JobControl:
     def keep_only(self, nodelist: str) -> SlurmCall:
         """``scontrol update JobId=JOB NodeList=...``: the job lets go of every other node."""
         return self.run(["scontrol", "update", f"JobId={self.job}", f"NodeList={nodelist}"])
+
+    def time_left(self) -> tuple[float, float | None] | None:
+        """The job's (time left, time limit) in seconds: slurmctld's own count from one
+        ``squeue -h -j JOB -o %L|%l`` (one try, TIME_LEFT_TIMEOUT_S at most; no clock of
+        ours), else the time left from ``SLURM_JOB_END_TIME`` (Slurm 23.02+; limit unknown);
+        None when neither says (no limit, or slurmctld unreachable on an older Slurm).
+        Never raises."""
+        try:
+            proc = subprocess.run(["squeue", "-h", "-j", self.job, "-o", "%L|%l"],
+                                  capture_output=True, text=True, check=False,
+                                  timeout=min(self.timeout_s, TIME_LEFT_TIMEOUT_S),
+                                  stdin=subprocess.DEVNULL, errors="replace")
+        except (OSError, subprocess.SubprocessError) as exc:
+            logger.warning("squeue -j %s: %s", self.job, _one_line(str(exc)))
+        else:
+            got = parse_time_left(proc.stdout) if proc.returncode == 0 else None
+            if got is not None:
+                return got
+        end = self.env.get("SLURM_JOB_END_TIME", "")
+        if end.isdigit() and len(end) <= 12:
+            return max(0.0, int(end) - time.time()), None
+        return None
 
     def run(self, argv: Sequence[str]) -> SlurmCall:
         """One Slurm command, tried and retried as the module says. Never raises; the
