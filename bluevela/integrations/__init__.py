@@ -9,6 +9,9 @@ bluevela/runtime/world.py, bluevela/integrations/boot.py):
 - Hugging Face Trainer (`hf.py`): a `TrainerCallback` added to every Trainer (Transformers has
   no plugin entry point: the start-up hook wraps `Trainer.__init__` when `transformers.trainer`
   is imported).
+- torchtitan (`torchtitan.py`): the start-up hook wraps the Trainer's `__init__` and its loop
+  condition `should_continue_training` when `torchtitan.trainer` is imported (no plugin entry
+  point either); only when checkpointing is enabled.
 - Accelerate: one documented line in the loop (docs/byos.md).
 
 Each one: bv's checkpoint signal (SIGUSR1 from the node agent) sets bluevela.runtime's flag; at
@@ -29,9 +32,11 @@ logger = logging.getLogger(__name__)
 
 # Tested versions (docs/byos.md); the ranges they stand for: same major version, not older.
 TESTED = {"lightning": "2.6.6", "pytorch_lightning": "2.6.6", "transformers": "5.24.0",
-          "accelerate": "1.15.0"}
+          "accelerate": "1.15.0", "torchtitan": "0.3.0"}
+# torchtitan is 0.x and reshapes its trainer between minor releases: its minor version only.
 RANGES = {"lightning": ((2, 0), (3, 0)), "pytorch_lightning": ((2, 0), (3, 0)),
-          "transformers": ((4, 40), (6, 0)), "accelerate": ((0, 30), (2, 0))}
+          "transformers": ((4, 40), (6, 0)), "accelerate": ((0, 30), (2, 0)),
+          "torchtitan": ((0, 3), (0, 4))}
 _warned: set[str] = set()
 
 

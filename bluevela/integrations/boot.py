@@ -3,6 +3,7 @@
 - The per-rank Slurm names (`bluevela.runtime.world.rank_env`) into `os.environ`.
 - Post-import hooks (a `sys.meta_path` finder that runs a function after a module's own code):
   when `transformers.trainer` is imported, every `Trainer` gets bv's callback (hf.py); when
+  `torchtitan.trainer` is, its Trainer saves and stops at bv's signal (torchtitan.py); when
   Lightning is imported, the checkpoint handler for SIGUSR1 is installed at once (its callback
   comes through Lightning's entry point; the handler must be there before the Trainer is, as
   importing Lightning takes seconds). Nothing else is imported here: a process that never
@@ -40,8 +41,15 @@ def _hf(module: ModuleType) -> None:
     hf.patch(module)
 
 
+def _torchtitan(module: ModuleType) -> None:
+    from bluevela.integrations import torchtitan
+
+    torchtitan.patch(module)
+
+
 HOOKS: dict[str, Callable[[ModuleType], None]] = {
     "transformers.trainer": _hf,
+    "torchtitan.trainer": _torchtitan,
     "lightning.pytorch": _install_usr1,
     "pytorch_lightning": _install_usr1,
 }
