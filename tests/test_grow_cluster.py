@@ -179,6 +179,13 @@ def _check_grown_prolog(cluster: DevCluster, job: str, grown: str) -> None:
     row = [ln for ln in cluster.bv("archive", "show", job).stdout.splitlines()
            if ln.startswith(grown + "\t")]
     assert len(row) == 1 and f"(grown via job {helpers[0]})" in row[0], row
+    # Its time series and telemetry are the job's from the join (the helper's epilog handed
+    # the node over: health/state.py take_over).
+    assert "job_wall_s" in nodes[grown]["epilog"]["telemetry"], nodes[grown]["epilog"]
+    eff = json.loads(cluster.bv("archive", "show", job, "--efficiency", "--json").stdout)
+    assert grown in [r["node"] for r in eff["per_node"]], eff["per_node"]
+    assert grown not in {m["node"] for m in eff["missing"]
+                         if m["why"] == "no time series from this node"}, eff["missing"]
 
 
 def _run_crash_with_release(cluster: DevCluster, workdir: Path, site: Path,
