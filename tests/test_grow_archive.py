@@ -4,8 +4,10 @@ A node grown into a running job (bluevela/launch/grow.py) runs its prolog under 
 helper job's id (`bv-grow-JOB`). The supervisor records the grow in the job's goodput events
 (`grow`: the helper's id and the node; bluevela/launch/events_log.py), and `bv archive show JOB`
 gives the helper's prolog of that node to the job, marked `grown_via_job`, when the helper's
-user is the job's (bluevela/archive/query.py: `grown_prologs`). The real grow on the dev
-cluster: tests/test_grow_cluster.py."""
+user is the job's (bluevela/archive/query.py: `grown_prologs`). The node's time series and
+epilog telemetry start where the helper's epilog handed the node over (the node's own state:
+bluevela/health/state.py `take_over`), so the job's efficiency page has the grown node. The
+real grow on the dev cluster: tests/test_grow_cluster.py."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ SIGKILLs its second node with `slurm/devcluster crash`):
   lets go of the dead node and is requeued (Restarts=1), and the end line says why.
 
 The grown node's prolog ran under the helper job's id: `bv archive show JOB` shows it as
-that node's (issue 28 §2). Both: every attempt's output is in the file (`bv logs --attempt N`), `bv submit --wait` exits
+that node's, and the node's time series is on the job's efficiency page (issue 28 §2). Both: every attempt's output is in the file (`bv logs --attempt N`), `bv submit --wait` exits
 0, `bv status` tells the truth (restarts, final state).
 """
 
