@@ -45,6 +45,7 @@ def _callback_class(base: type) -> type:
             from bluevela.integrations.agree import any_rank
 
             if any_rank(runtime.checkpoint_requested(), args.device):
+                runtime.stopping_for_checkpoint()  # bv requeues: this rank stopped for it
                 control.should_save = True
                 control.should_training_stop = True
                 self.stopped_at = int(state.global_step)
@@ -53,6 +54,13 @@ def _callback_class(base: type) -> type:
                                      f"): saving step {state.global_step} in {args.output_dir} "
                                      "and stopping\n")
             return control
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            from bluevela import runtime
+
+            # At bv's request or because training ended (a request after the last step):
+            # bv's supervisor learns which, and requeues only for the first.
+            runtime.finished()
 
     return BvCheckpointCallback
 

@@ -58,6 +58,7 @@ def _callback_class(base: type) -> type:
             local = runtime.checkpoint_requested()
             if not trainer.strategy.reduce_boolean_decision(local, all=False):
                 return
+            runtime.stopping_for_checkpoint()  # bv requeues: this rank stopped for it
             path = hpc_save_path(str(trainer.default_root_dir))
             path = trainer.strategy.broadcast(path)  # rank 0's name on every rank
             trainer.save_checkpoint(path)
@@ -66,6 +67,14 @@ def _callback_class(base: type) -> type:
             if trainer.is_global_zero:
                 sys.stderr.write(f"bv: checkpoint requested ({runtime.requested_by() or 'signal'}"
                                  f"): saved step {trainer.global_step} to {path}, stopping\n")
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            from bluevela import runtime
+
+            # Training is over, at bv's request or because it ended (a request that came
+            # after the last batch): bv's supervisor learns which, and requeues only for the
+            # first.
+            runtime.finished()
 
     return BvCheckpoint
 

@@ -104,6 +104,7 @@ def save_and_stop(trainer: Any) -> bool:
     runtime.install_signal_handler()  # idempotent; __init__ normally did it already
     if not any_rank(runtime.checkpoint_requested()):
         return False
+    runtime.stopping_for_checkpoint()  # bv requeues: this rank stopped for it
     step = int(trainer.step)
     if step == trainer._bv_first_step:
         what = "nothing trained in this attempt, nothing to save"  # resumes where it started

@@ -112,7 +112,7 @@ def choose_nodes(alloc: Sequence[str], excluded: Iterable[str], want: int,
 def next_action(result: StepResult, alloc: Allocation, opts: PolicyOptions) -> Action:
     """What to do after a step that ended as `result`."""
     if result.kind is StepEnd.OK:
-        return Exit(0, "exit 0")
+        return Exit(0, result.cause or "exit 0")
     if result.kind is StepEnd.FAILED:
         return Exit(result.rc or 1, result.cause)
     if result.kind is StepEnd.TERMINATED:

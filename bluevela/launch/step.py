@@ -83,6 +83,7 @@ class RankBeat:
     in_collective: bool = False
     where: str = "?"
     finished: bool = False  # its training is over (runtime.finished()): tearing down
+    at_request: bool = False  # ... maybe at the checkpoint request (else: simply ended)
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,7 @@ class StepState:
     line_key: bytes = b""
     beat_key: bytes = b""
     max_ranks: int = 1
+    world: int | None = None  # the step's exact world size, when torchrun's command says it
     rdzv_port: int | None = None  # reported by the rendezvous node's agent
     conns: list[Conn] = field(default_factory=list)
     beats: dict[int, RankBeat] = field(default_factory=dict)
@@ -304,6 +306,12 @@ class StepState:
     def by_node(self) -> dict[str, Conn]:
         """Each node's agent (set at its hello, kept once closed): not to be modified."""
         return self.agents
+
+    def training_ended(self) -> bool:
+        """Every rank of the step said its training is over and none acted on the checkpoint
+        request: a request that came too late to be acted on, and nothing to requeue for."""
+        return (self.world is not None and len(self.beats) == self.world
+                and all(b.finished and not b.at_request for b in self.beats.values()))
 
     def exits(self) -> dict[str, int]:
         return {n: c.exit_rc for n, c in self.by_node().items() if c.exit_rc is not None}
@@ -545,7 +553,7 @@ class Step:
             self.events.progress(now - beat.age_s)
             st.beats[beat.rank] = RankBeat(safe_name(beat.node), beat.step, now - beat.age_s,
                                            beat.in_collective, safe_name(beat.where, 200),
-                                           beat.finished)
+                                           beat.finished, beat.at_request)
 
     def _on_msg(self, conn: Conn, msg: dict[str, object]) -> str | None:
         """Act on one signed message; a reason to drop the connection, or None."""
@@ -631,6 +639,9 @@ class Step:
         if (exits and not st.lost and set(exits.values()) == {0}
                 and not any(c.signalled for c in st.conns)):
             return StepResult(StepEnd.OK, 0, "exit 0")  # done before the signal
+        if exits and not st.lost and set(exits.values()) == {0} and st.training_ended():
+            return StepResult(StepEnd.OK, 0, "exit 0 (the training ended before the checkpoint "
+                              "signal could be acted on: nothing to requeue for)")
         termed = [c for c in st.conns if c.termed]
         return signal_result(self.signals.seen, exits, st.srun_rc,
                              sum(c.termed for c in termed),

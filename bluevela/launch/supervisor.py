@@ -156,6 +156,12 @@ def ping_interval(node_timeout: float) -> float:
 def ranks_bound(torchrun: Sequence[str], nodes: int) -> int:
     """How many ranks a step can have: nodes x torchrun's --nproc-per-node (1024 per node when
     it is not a number, e.g. `gpu`). Beats naming a rank beyond it are dropped."""
+    return world_size(torchrun, nodes) or max(1, nodes * 1024)
+
+
+def world_size(torchrun: Sequence[str], nodes: int) -> int | None:
+    """The step's exact world size when torchrun's --nproc-per-node is a number (1 to 1024),
+    else None (`gpu`, `auto`, or not given: not known here)."""
     per_node: str | None = None
     words = list(torchrun)
     for i, word in enumerate(words):
@@ -164,8 +170,9 @@ def ranks_bound(torchrun: Sequence[str], nodes: int) -> int:
                 per_node = word.split("=", 1)[1]
             elif word == flag and i + 1 < len(words):
                 per_node = words[i + 1]
-    k = int(per_node) if per_node is not None and per_node.isdigit() else 1024
-    return max(1, nodes * max(1, min(k, 1024)))
+    if per_node is None or not per_node.isdigit() or not 1 <= int(per_node) <= 1024:
+        return None
+    return max(1, nodes * int(per_node))
 
 
 def open_files_for(nodes: int) -> str | None:
@@ -433,7 +440,8 @@ class Supervisor:
         key = bytes.fromhex(secret)
         st = StepState(nodes=list(nodes), started=time.monotonic(),
                        line_key=derive(key, b"line"), beat_key=beat_key(key),
-                       max_ranks=ranks_bound(self.opts.torchrun, len(nodes)))
+                       max_ranks=ranks_bound(self.opts.torchrun, len(nodes)),
+                       world=world_size(self.opts.torchrun, len(nodes)))
         spares = len([n for n in self.alloc if n not in self.excluded]) - len(nodes)
         self.events.launch(attempt, launch, nodes, spares, st.started)
         try:

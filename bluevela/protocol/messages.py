@@ -1,12 +1,15 @@
 """The ranks' datagrams to the supervisor: one signed ASCII line each, over UDP.
 
-    bvhb2 <rank> <node> <step> <pid> <seq> <age_ms> <state 0|1|2> <where> <mac>
+    bvhb2 <rank> <node> <step> <pid> <seq> <age_ms> <state 0|1|2|3> <where> <mac>
     bvck1 <rank> <step> <pid> <seq> <start_age_ms> <end_age_ms> <mac>
 
 A heartbeat (`Beat`, bluevela/runtime/heartbeat.py: `step` -1 when the caller gave none,
 `age_ms` since its last progress() call, `state` 1 while its main thread waits inside
 ``torch.distributed``, 2 once its training is over (`finished()`: teardown under way, not
-watched for hangs), else 0, `where` its main thread's ``file:line:function``)
+watched for hangs), 3 when it is over and it may have been at bv's checkpoint request (the
+rank acted on it, or a handler other than bv's had the signal: the job is requeued after a
+request; 2 means the training simply ended, and a request that came later is no reason to
+requeue), else 0, `where` its main thread's ``file:line:function``)
 and a checkpoint (`CkptMsg`: how long before the send a save started and ended). `mac` is
 `keys.mac` with the beat key over the rest of the line; `seq` counts the sending process's
 datagrams of that kind. Each kind is one `Form`: its magic word, its size cap and its
@@ -128,13 +131,21 @@ class Beat:
     where: str = "?"
     seq: int = 0  # this process's beat number (replay: the supervisor keeps the newest)
     finished: bool = False  # its training is over (runtime.finished()): no hang to watch for
+    at_request: bool = False  # ... maybe at the checkpoint request (state 3)
+
+
+def beat_state(beat: Beat) -> int:
+    """The `state` word: 3 finished at the checkpoint request, 2 finished, 1 in a collective."""
+    if beat.finished:
+        return 3 if beat.at_request else 2
+    return int(beat.in_collective)
 
 
 def format_beat(beat: Beat, key: bytes) -> bytes:
     """The signed datagram for `beat` (`key`: `keys.beat_key(secret)`)."""
     return sign_datagram(BEAT, (beat.rank, safe_name(beat.node, NODE_WORD, replace=""),
                                 beat.step, beat.pid, beat.seq, max(0, int(beat.age_s * 1000)),
-                                2 if beat.finished else int(beat.in_collective),
+                                beat_state(beat),
                                 safe_name(beat.where, WHERE_WORD, replace="",
                                           extra=WHERE_PUNCT)), key)
 
@@ -146,7 +157,7 @@ def parse_beat(data: bytes, key: bytes) -> Beat | None:
         return None
     return Beat(rank=int(v[0]), node=str(v[1]), step=int(v[2]), pid=int(v[3]), seq=int(v[4]),
                 age_s=int(v[5]) / 1000.0, in_collective=v[6] == "1", where=str(v[7]),
-                finished=v[6] == "2")
+                finished=v[6] in ("2", "3"), at_request=v[6] == "3")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from bluevela.runtime.checkpoint import (
     install_signal_handler,
     request_checkpoint,
     requested_by,
+    stopping_for_checkpoint,
 )
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "progress",
     "request_checkpoint",
     "requested_by",
+    "stopping_for_checkpoint",
 ]
 
 

@@ -35,6 +35,11 @@ _last_signal: int | None = None
 
 
 _grace_over = threading.Event()
+# This rank acted on the request (its loop saw checkpoint_requested() True, or an integration's
+# ranks agreed to stop for it): how its training ended, told to bv in the last heartbeat. A
+# request that came after the last step was taken is not acted on: the training simply ended,
+# and bv must not requeue a finished job for it.
+_acted = threading.Event()
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
@@ -107,12 +112,36 @@ def checkpoint_requested() -> bool:
     """
     if CHECKPOINT_SIGNAL not in _installed:
         install_signal_handler()
-    return _requested.is_set()
+    if _requested.is_set():
+        _acted.set()
+        return True
+    return False
 
 
 def clear_checkpoint_request() -> None:
     """Forget a request (for a loop that checkpoints and keeps training)."""
     _requested.clear()
+    _acted.clear()
+
+
+def stopping_for_checkpoint() -> None:
+    """This rank stops because of the checkpoint request (an integration's agreed stop: a rank
+    whose own flag was not set stops too). bv then requeues the job; without it (and without a
+    True `checkpoint_requested()`), a rank whose training ended after a late signal tells bv
+    it finished, and a step whose ranks all did so ends the job instead of requeueing it."""
+    _acted.set()
+
+
+def acted_on_request() -> bool:
+    """True once this rank acted on the checkpoint request (see `stopping_for_checkpoint`)."""
+    return _acted.is_set()
+
+
+def ended_unasked() -> bool:
+    """This rank's training, now over, was not ended by bv's request: it never acted on one,
+    and bv's own handler is the one a request would have reached (a script with a SIGUSR1
+    handler of its own may have stopped for it: that is not known here)."""
+    return not _acted.is_set() and signal.getsignal(CHECKPOINT_SIGNAL) is _handler
 
 
 def request_checkpoint() -> None:

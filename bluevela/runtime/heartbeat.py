@@ -33,6 +33,7 @@ from collections.abc import Iterator, Mapping
 
 from bluevela.protocol.keys import beat_key, secret_from_env
 from bluevela.protocol.messages import Beat, CkptMsg, format_beat, format_ckpt
+from bluevela.runtime.checkpoint import ended_unasked
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,11 @@ class _Sender:
 
     def finish(self) -> None:
         """Training is over: every later beat says so (the watchdog stops watching this
-        rank), and one goes out now."""
+        rank; the supervisor learns whether it ended at the checkpoint request or simply
+        ended), and one goes out now. A rank that never beat starts now (an integration)."""
+        if self.thread_pid != os.getpid():
+            self.finished = False  # a forked child's own training
+            self._start()
         if self.finished or self.thread_pid != os.getpid():
             return
         self.finished = True
@@ -175,7 +180,8 @@ class _Sender:
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         beat = Beat(rank=_int_env("RANK", 0), node=node, step=self.step,
                     pid=os.getpid(), age_s=time.monotonic() - self.last_progress,
-                    in_collective=in_coll, where=where, seq=self.seq, finished=self.finished)
+                    in_collective=in_coll, where=where, seq=self.seq, finished=self.finished,
+                    at_request=self.finished and not ended_unasked())
         try:
             self.sock.sendto(format_beat(beat, self.key), self.target)
         except OSError:  # a full buffer or an unreachable supervisor: skip this beat
