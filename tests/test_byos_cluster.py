@@ -133,16 +133,23 @@ def test_framework_job_checkpoints_at_the_signal_and_resumes_on_the_spare(
     parts = [p.text for p in split_attempts(text)]
     banners = BANNER.findall(text)
     assert len(parts) == len(banners) >= 3, text
-    # Every attempt but the crashed one and the last ended at bv's signal (Lightning: Slurm's
-    # own, at the time limit) with exit 0 on every rank, and the next one started where it
-    # stopped: 0 steps lost.
-    signalled = [n for n in range(len(parts) - 1) if n != crash.attempt - 1]
-    assert info["state"] == "COMPLETED" and info["restarts"] == len(signalled) >= 1, (
-        info, crash, [(n + 1, _ends(p)) for n, p in enumerate(parts)], text[-20000:])
+    # Every attempt but the last ended at bv's signal (Lightning: Slurm's own, at the time
+    # limit) with exit 0 on every rank, and the next one started where it stopped: 0 steps
+    # lost; or it lost the crashed node and the next one ran on the spare. That is the crashed
+    # attempt, and at most one more: when Slurm's signal requeues the job within seconds of
+    # the crash, slurmctld may not yet know the node is dead and gives it to the job again,
+    # and bv finds it lost at once.
+    ends = [(_ends(p) or [""])[0] for p in parts]
+    signalled = [n for n in range(len(parts) - 1) if ends[n] == SIGNAL_END]
+    relaunched = [n for n in range(len(parts) - 1) if n not in signalled]
+    detail = (info, crash, list(enumerate(ends, start=1)), text[-20000:])
+    assert crash.attempt - 1 in relaunched and len(relaunched) <= 2, detail
+    for n in relaunched:
+        assert f"{crash.node} lost" in ends[n] and "(spare " in ends[n], detail
+    assert info["state"] == "COMPLETED" and info["restarts"] == len(signalled) >= 1, detail
     if not time_limit:
         assert len(parts) == 3 and crash.attempt == 2, _ends(text)
     for n in signalled:
-        assert _ends(parts[n]) == [SIGNAL_END], (n + 1, _ends(parts[n]), parts[n][-3000:])
         stopped = _steps(parts[n])[-1] if _steps(parts[n]) else int(
             next(iter(_starts(parts[n]).values()))["start_step"])
         assert {s["start_step"] for s in _starts(parts[n + 1]).values()} == {str(stopped)}, (
@@ -156,9 +163,10 @@ def test_framework_job_checkpoints_at_the_signal_and_resumes_on_the_spare(
     assert len(resumed) == 1
     assert int(resumed.pop()) <= _steps(parts[crash.attempt - 1])[-1]
     assert _steps(parts[-1])[-1] == steps and f"done step={steps}" in parts[-1]
-    # No traceback in any attempt but the crashed one, torchrun's end-of-step race included.
+    # No traceback in any attempt but one that lost the node, torchrun's end-of-step race
+    # included.
     for n, part in enumerate(parts):
-        assert n == crash.attempt - 1 or not tracebacks(part), (n + 1, tracebacks(part))
+        assert n in relaunched or not tracebacks(part), (n + 1, tracebacks(part))
     _check_world(framework, procs, parts, banners)
 
 
