@@ -5,6 +5,8 @@ phases, never folded into productive. Every number is worked out by hand in the 
 from __future__ import annotations
 
 import math
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -112,6 +114,50 @@ def test_the_fleet_ledger_shows_the_spares_hours() -> None:
     assert led["ettr_pct"] == pytest.approx(100 * 580 * 32 / (32 * 1000 + 8 * 1205), abs=0.01)
     (row,) = led["per_job"]
     assert row["spares"] == 2 and row["idle_spare_h"] == pytest.approx(1205 * 8 / 3600, abs=1e-4)
+
+
+def test_the_real_supervisors_spare_reaches_the_ledger(tmp_path: Path) -> None:
+    """End to end on the REAL supervisor (tests/supervisor_standins.py: stand-in srun and
+    torchrun, real sockets): 3 nodes, 2 training and 1 hot spare. Its own events file, read by
+    the epilog's reader, gives a ledger whose idle-spare line is that one node over the whole
+    launch, and whose productive hours are the 2 training nodes' alone."""
+    import os
+    import socket
+
+    from bluevela.launch import events_epilog
+    from tests.supervisor_standins import Job
+
+    ev = tmp_path / "events"
+    ev.mkdir()
+    ev.chmod(0o1777)  # a shared layout, like /tmp (events_dir.dir_layout)
+    job = Job(tmp_path, ("n1", "n2", "n3"), options=["--nodes=2", "--spare-nodes=1"],
+              extra_env={"BV_EVENTS_DIR": str(ev)})
+    try:
+        job.start()
+        for node in ("n1", "n2"):
+            job.wait_for(f"ready.{node}", 60)
+        time.sleep(1.5)  # some progress beats, then the ranks end by themselves
+        job.finish()
+        assert job.wait(60) == 0, job.stdout() + job.stderr()
+    finally:
+        job.kill()
+    assert not (tmp_path / "ready.n3").exists()  # the spare ran nothing
+    got = events_epilog.collect_files(77, 0, socket.gethostname(), os.getuid(),
+                                      {"BV_EVENTS_DIR": str(ev)})
+    assert got is not None
+    (la,) = got.record["launches"]
+    assert la["nodes"] == ["n1", "n2"] and la["spares"] == 1 and la["end"]["kind"] == "ok", la
+    led = G.build_ledger(77, [got.record], gpus_per_node=8)
+    assert led.nodes == 2 and led.spares == 1
+    # one spare over all the time the launch owns (no queue: the stand-ins give no Slurm times)
+    owned = led.wall_s - led.phases["queue_hold"]
+    assert led.spare_node_s == pytest.approx(owned, abs=1e-6) and led.spare_node_s > 1.0
+    nh, gh = led.node_hours(), led.gpu_hours()
+    assert nh[G.IDLE_SPARE] == pytest.approx(owned / 3600)
+    assert gh[G.IDLE_SPARE] == pytest.approx(8 * owned / 3600)
+    assert led.phases["productive"] > 0
+    assert nh["productive"] == pytest.approx(2 * led.phases["productive"] / 3600)
+    assert any(x.strip().startswith("idle spare") for x in G.summary_lines(led))
 
 
 def test_the_pages_show_the_idle_spare_line() -> None:
