@@ -6,8 +6,8 @@ distributions on axes from 40.98 % to 41.01 %, 34 % to 36 % and -1 % to 1 %, and
 0.2-point noise of its utilisation from purple to yellow: here each axis and colour range is at
 least 10 points wide around the values, the throttled share starts at 0, and equal values say
 so. The goodput time line named the wait before the first start "attempt 0"; it is "queued".
-The page is opened in headless Chromium and its histograms' axis labels read from the DOM it
-rendered.
+The page is opened in headless Chromium and its histograms' axis labels and its time line's
+row labels read from the DOM it rendered.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,13 +31,29 @@ from tests.test_goodput_ledger import T, _launch, _rec
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
-def _flat_job() -> str:
+def _flat_job(ledger: dict[str, Any] | None = None) -> str:
     s = make_series(nodes=4, gpus=2, samples=60)
     noise = np.sign(np.random.default_rng(2).normal(size=s.gpu["util_pct"].shape))
     s.gpu["util_pct"][:] = 41.0 + 0.1 * noise
     s.node["cpu_busy_pct"][:] = 35.0
     s.node["cpu_throttled_pct"][:] = 0.0
-    return render_html(analyze(s))
+    return render_html(analyze(s), ledger)
+
+
+def _requeued_ledger() -> dict[str, Any]:
+    """A job queued 5 s, lost node2 in attempt 1, requeued, waited again, ended in attempt 2."""
+    first = _rec(0, submit=0, start=5, requeue=32, launches=[
+        _launch(1, 1, 6, 10, [(4, 20, 22)], "lost", gone=31, failed=30, detected=30.5,
+                nodes=["node2"])])
+    second = _rec(1, submit=31, start=55, launches=[
+        _launch(1, 2, 57, 65, [(8, 75, 76)], "ok", gone=90)])
+    return G.build_ledger(9, [second, first]).to_dict()
+
+
+def _timeline_labels(page: str) -> list[str]:
+    line = re.search(r'<svg [^>]*class="timeline".*?</svg>', page, re.S)
+    assert line is not None
+    return re.findall(r">(queued|attempt \d+)</text>", line.group(0))
 
 
 def _hist(page: str, title: str) -> tuple[list[float], str]:
@@ -82,26 +99,18 @@ def test_a_real_spread_keeps_its_shape() -> None:
 
 
 def test_the_goodput_time_line_names_the_queue_wait() -> None:
-    first = _rec(0, submit=0, start=5, requeue=32, launches=[
-        _launch(1, 1, 6, 10, [(4, 20, 22)], "lost", gone=31, failed=30, detected=30.5,
-                nodes=["node2"])])
-    second = _rec(1, submit=31, start=55, launches=[
-        _launch(1, 2, 57, 65, [(8, 75, 76)], "ok", gone=90)])
-    led = G.build_ledger(9, [second, first]).to_dict()
+    led = _requeued_ledger()
     assert led["pieces"][0]["attempt"] == 0 and led["pieces"][0]["phase"] == "queue_hold"
     assert led["start_unix_s"] == T
     s = make_series(nodes=2, gpus=2, samples=10)
-    page = render_html(analyze(s), led)
-    line = re.search(r'<svg [^>]*class="timeline".*?</svg>', page, re.S)
-    assert line is not None
-    labels = re.findall(r">(queued|attempt \d+)</text>", line.group(0))
+    labels = _timeline_labels(render_html(analyze(s), led))
     assert labels == ["queued", "attempt 1", "attempt 2"], labels  # 9058adc: "attempt 0"
 
 
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")
 def test_chromium_renders_the_flat_jobs_axes(tmp_path: Path) -> None:
     page = tmp_path / "flat.html"
-    page.write_text(_flat_job())
+    page.write_text(_flat_job(_requeued_ledger()))
     argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
             "--disable-background-networking", "--disable-component-update", "--disable-sync",
             "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}"]
@@ -110,6 +119,9 @@ def test_chromium_renders_the_flat_jobs_axes(tmp_path: Path) -> None:
     assert dom.returncode == 0, dom.stderr[-2000:]
     ticks, right = _hist(dom.stdout, "CPU throttled per node (share of time)")
     assert min(ticks) == 0 and max(ticks) >= 10 and "all equal" in right
+    # the goodput time line as rendered: the wait before the first start is "queued"
+    labels = _timeline_labels(dom.stdout)
+    assert labels == ["queued", "attempt 1", "attempt 2"], labels
     shot = tmp_path / "flat.png"
     res = subprocess.run([*argv, f"--screenshot={shot}", "--window-size=1200,1800",
                           page.as_uri()], capture_output=True, text=True, timeout=120,
