@@ -41,7 +41,7 @@ from bluevela.launch.events_log import EventLog
 from bluevela.launch.outcome import Loss, StepEnd, StepResult, lost_text
 from bluevela.launch.proctree import reap
 from bluevela.protocol.channel import Channel, ChannelError, challenge_line
-from bluevela.protocol.messages import fresh_seq, parse_beat
+from bluevela.protocol.messages import AGG_MAGIC, Agg, fresh_seq, parse_agg, parse_beat
 from bluevela.protocol.names import printable, safe_name
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ MAX_ACCEPT_PER_TICK = 16
 MAX_BEATS_PER_TICK = 512  # then signals and agents get their turn (a flood cannot starve them)
 # (or a quarter of the step's ranks: a turn takes 1/4 s of beats at most, with TURN_S in between)
 UDP_RCVBUF = 16 << 20  # bytes asked for the beat socket's receive buffer (rmem_max caps it)
+UDP_RECV = 16384  # bytes read of one datagram (an aggregate is messages.AGG_MAX_BYTES at most)
 TURN_S = 0.01  # a turn woken by datagrams or agents' lines alone waits for this since the last
 # ... or 50 us per node of the step, up to 0.1 s: a turn's passes over every connection cost
 # O(nodes), so turns a second fall as nodes grow and their sum stays flat (docs/scale.md).
@@ -63,6 +64,9 @@ TURN_MAX_S = 0.1
 HANG_CHECK_S = 0.2  # the hang watchdog's look over every rank's last progress, this often
 MAX_DROP_LOGS = 3  # per step; the rest are counted
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+_AGG_HEAD = AGG_MAGIC.encode() + b" "
 
 
 def log(line: str) -> None:
@@ -279,11 +283,14 @@ class StepState:
     started: float
     line_key: bytes = b""
     beat_key: bytes = b""
+    agg_key: bytes = b""  # the agents' aggregates of their ranks' beats
     max_ranks: int = 1
     rdzv_port: int | None = None  # reported by the rendezvous node's agent
     conns: list[Conn] = field(default_factory=list)
     beats: dict[int, RankBeat] = field(default_factory=dict)
     seqs: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, pid) -> last seq
+    agg_seqs: dict[tuple[int, int], int] = field(default_factory=dict)  # (node #, pid) -> seq
+    refused_aggs: int = 0  # aggregates refused (unsigned, stale, replayed, wrong node or rank)
     lost: dict[str, Loss] = field(default_factory=dict)
     first_failure: tuple[str, int] | None = None  # (node, rc) of the first non-zero exit
     failure_why: str = ""  # what the first failed node's agent said about it, if anything
@@ -292,9 +299,15 @@ class StepState:
     dropped: int = 0  # connections dropped for a protocol error
     agents: dict[str, Conn] = field(default_factory=dict)  # node -> its agent, from its hello
     members: frozenset[str] = field(init=False, default=frozenset())  # `nodes`, for lookups
+    node_index: dict[str, int] = field(init=False, default_factory=dict)  # node -> its place
 
     def __post_init__(self) -> None:
         self.members = frozenset(self.nodes)
+        self.node_index = {n: i for i, n in enumerate(self.nodes)}
+
+    def per_node(self) -> int:
+        """Ranks one node of the step can have (the step's bound over its nodes)."""
+        return max(1, -(-self.max_ranks // max(1, len(self.nodes))))
 
     def by_node(self) -> dict[str, Conn]:
         """Each node's agent (set at its hello, kept once closed): not to be modified."""
@@ -513,12 +526,16 @@ class Step:
         self.backlog = True  # until a read finds nothing more (a save's burst of 8 N datagrams)
         for _ in range(max(MAX_BEATS_PER_TICK, st.max_ranks // 4)):
             try:
-                data = self.ends.udp.recv(2048)
+                data = self.ends.udp.recv(UDP_RECV)
             except OSError:  # nothing more now (BlockingIOError), or the socket failed
                 self.backlog = False
                 return
+            if data.startswith(_AGG_HEAD):
+                self._take_agg(parse_agg(data, st.agg_key, st.max_ranks), now)
+                continue
             if self.events.datagram(data, st.beat_key, st.max_ranks, now):
                 continue  # a checkpoint record (goodput events), not a beat
+            # A rank's own beat: ranks whose agent could not aggregate beat here directly.
             beat = parse_beat(data, st.beat_key)
             # A signed beat from this step's own ranks always passes these: a rank the step
             # cannot have, or progress older than the step, is not one of ours.
@@ -530,6 +547,27 @@ class Step:
             st.beats[beat.rank] = RankBeat(safe_name(beat.node), beat.step, now - beat.age_s,
                                            beat.in_collective, safe_name(beat.where, 200),
                                            beat.finished)
+
+    def _take_agg(self, agg: Agg | None, now: float) -> bool:
+        """A node agent's aggregate: each of its ranks' last beats into the hang watchdog's
+        records, as a rank's own beat would be. Refused whole (False) when it did not parse
+        (unsigned, oversized, malformed, a rank outside the step), names a node not of this
+        step, holds more ranks than a node has or progress older than the step, or is not
+        newer than the last from that node's agent (a replay)."""
+        st = self.st
+        life = now - st.started + 5
+        node_no = st.node_index.get(agg.node) if agg is not None else None
+        if (agg is None or node_no is None or len(agg.ranks) > st.per_node()
+                or any(r.age_s > life for r in agg.ranks)
+                or not fresh_seq(st.agg_seqs, (node_no, agg.pid), agg.seq, 4 * len(st.nodes))):
+            st.refused_aggs += 1
+            return False
+        self.events.progress(now - min(r.age_s for r in agg.ranks))
+        beats = st.beats
+        for r in agg.ranks:
+            beats[r.rank] = RankBeat(agg.node, r.step, now - r.age_s, r.in_collective, r.where,
+                                     r.finished)
+        return True
 
     def _on_msg(self, conn: Conn, msg: dict[str, object]) -> str | None:
         """Act on one signed message; a reason to drop the connection, or None."""

@@ -98,7 +98,7 @@ from bluevela.launch.policy import (
     next_action,
 )
 from bluevela.launch.step import Endpoints, Signals, Step, StepConfig, StepState, log
-from bluevela.protocol.keys import SECRET_ENV, beat_key, derive, new_secret
+from bluevela.protocol.keys import SECRET_ENV, agg_key, beat_key, derive, new_secret
 from bluevela.runtime.heartbeat import ENV_ADDR as HEARTBEAT_ENV
 from bluevela.runtime.heartbeat import INTERVAL_ENV as BEAT_INTERVAL_ENV
 from bluevela.runtime.world import STEP_NODELIST_ENV, STEP_NUM_NODES_ENV
@@ -429,6 +429,7 @@ class Supervisor:
         key = bytes.fromhex(secret)
         st = StepState(nodes=list(nodes), started=time.monotonic(),
                        line_key=derive(key, b"line"), beat_key=beat_key(key),
+                       agg_key=agg_key(key),
                        max_ranks=ranks_bound(self.opts.torchrun, len(nodes)))
         spares = len([n for n in self.alloc if n not in self.excluded]) - len(nodes)
         self.events.launch(attempt, launch, nodes, spares, st.started)

@@ -37,6 +37,9 @@ from bluevela.protocol.messages import Beat, CkptMsg, format_beat, format_ckpt
 logger = logging.getLogger(__name__)
 
 ENV_ADDR = "BV_HEARTBEAT"
+# Where checkpoint datagrams go when not to BV_HEARTBEAT: the node's agent takes the beats
+# (bluevela/launch/agent.py, `Aggregator`), the supervisor the checkpoint records.
+CKPT_ENV = "BV_CHECKPOINT_ADDR"
 INTERVAL_S = 1.0
 INTERVAL_ENV = "BV_HEARTBEAT_INTERVAL_S"  # seconds between beats, 0.2-60 (the supervisor's)
 
@@ -79,6 +82,7 @@ class _Sender:
     def __init__(self) -> None:
         self.sock: socket.socket | None = None
         self.target: tuple[str, int] | None = None
+        self.ck_target: tuple[str, int] | None = None  # checkpoint datagrams' (else target)
         self.key = b""
         self.seq = 0
         self.ck_seq = 0
@@ -121,10 +125,13 @@ class _Sender:
         gets its own). False outside a bv job."""
         if self.sock_pid != os.getpid():
             self.sock_pid = os.getpid()
-            self.target = None
+            self.target = self.ck_target = None
             value = os.environ.get(ENV_ADDR)
-            if value:
-                self._connect(value)
+            if value and self._connect(value):
+                self.ck_target = self.target
+                ck = os.environ.get(CKPT_ENV)
+                if ck:
+                    self.ck_target = _resolve(ck) or self.target
         return self.target is not None
 
     def checkpoint(self, step: int | None, started: float, ended: float) -> None:
@@ -134,7 +141,7 @@ class _Sender:
         if self.sock_pid != os.getpid():
             with self.lock:
                 self._socket()
-        if self.target is None or self.sock is None:
+        if self.ck_target is None or self.sock is None:
             return
         self.ck_seq += 1
         now = time.monotonic()
@@ -142,7 +149,7 @@ class _Sender:
                       pid=os.getpid(), seq=self.ck_seq, start_age_s=max(0.0, now - started),
                       end_age_s=max(0.0, now - ended))
         try:
-            self.sock.sendto(format_ckpt(msg, self.key), self.target)
+            self.sock.sendto(format_ckpt(msg, self.key), self.ck_target)
         except OSError:  # a full buffer or an unreachable supervisor: skip this record
             pass
 
@@ -152,14 +159,11 @@ class _Sender:
             logger.warning("%s is set but the job secret is not: no heartbeat", ENV_ADDR)
             return False
         self.key = beat_key(secret)
-        addr = parse_addr(value)
-        if addr is None:
-            logger.warning("ignoring %s=%r: not HOST:PORT", ENV_ADDR, value)
+        target = _resolve(value)
+        if target is None:
             return False
         try:
-            info = socket.getaddrinfo(addr[0], addr[1], socket.AF_INET, socket.SOCK_DGRAM)
-            host, port = info[0][4][:2]
-            self.target = (str(host), int(port))
+            self.target = target
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self.sock.setblocking(False)
         except OSError as exc:
@@ -189,6 +193,21 @@ class _Sender:
                 self.send()
             except Exception:  # noqa: BLE001 - a heartbeat must never break training
                 logger.debug("heartbeat failed", exc_info=True)
+
+
+def _resolve(value: str) -> tuple[str, int] | None:
+    """HOST:PORT as an IPv4 address; None (said once in the log) when it is not one."""
+    addr = parse_addr(value)
+    if addr is None:
+        logger.warning("ignoring heartbeat address %r: not HOST:PORT", value)
+        return None
+    try:
+        info = socket.getaddrinfo(addr[0], addr[1], socket.AF_INET, socket.SOCK_DGRAM)
+    except OSError as exc:
+        logger.warning("heartbeat address %s unusable: %s", value, exc)
+        return None
+    host, port = info[0][4][:2]
+    return str(host), int(port)
 
 
 def _int_env(name: str, default: int) -> int:
