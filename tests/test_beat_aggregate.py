@@ -272,6 +272,39 @@ def test_the_agent_aggregates_its_ranks_beats(tmp_path: Path) -> None:
             agg.close()
 
 
+def _outward_address() -> str | None:
+    """This machine's address toward other hosts (a UDP connect sends nothing), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("198.51.100.1", 9))
+        except OSError:
+            return None
+        addr = str(probe.getsockname()[0])
+    return None if addr.startswith("127.") else addr
+
+
+def test_the_aggregates_reach_a_supervisor_on_another_host_address() -> None:
+    """The ranks' port is on loopback, the supervisor on another node: a socket bound to
+    127.0.0.1 cannot send there (EINVAL; the first cluster run lost every other node's
+    beats so), so the aggregates leave by a socket of their own."""
+    addr = _outward_address()
+    if addr is None:
+        pytest.skip("no address but loopback")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sup:
+        sup.bind((addr, 0))
+        sup.settimeout(5)
+        agg = Aggregator("n1", SECRET, sup.getsockname())
+        try:
+            beat = format_beat(Beat(0, "n1", 5, os.getpid(), 0.1, seq=1), beat_key(SECRET))
+            assert agg.take(beat, time.monotonic())
+            assert agg.send(time.monotonic()) == 1
+            assert agg.send_error == ""
+            got = parse_agg(sup.recv(65536), KEY)
+            assert got is not None and [r.rank for r in got.ranks] == [0]
+        finally:
+            agg.close()
+
+
 # Another user of the node (setuid in the child once its modules are loaded: the test's
 # interpreter is not readable by nobody), without the step's secret.
 FORGER = """

@@ -185,12 +185,16 @@ class Aggregator:
         self.agg_key = agg_key(secret)
         self.upstream = upstream
         self.max_rank = max_rank
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the ranks' beats
+        # The aggregates leave by a socket of their own: one bound to loopback cannot send
+        # to another host (EINVAL).
+        self.out = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
             self.sock.bind(("127.0.0.1", 0))
             self.sock.setblocking(False)
+            self.out.setblocking(False)
         except OSError:
-            self.sock.close()
+            self.close()
             raise
         self.pid = os.getpid()
         self.seq = 0
@@ -198,12 +202,14 @@ class Aggregator:
         self.seqs: dict[tuple[int, int], int] = {}  # (rank, pid) -> last seq
         self.refused = 0  # datagrams that did not verify or were stale
         self.last_sent = 0.0
+        self.send_error = ""  # the first failed send's reason (said once on stderr)
 
     def addr(self) -> str:
         return f"127.0.0.1:{self.sock.getsockname()[1]}"
 
     def close(self) -> None:
         self.sock.close()
+        self.out.close()
 
     def read(self, now: float) -> int:
         """Take the beats waiting now (BEATS_PER_READ at most); how many counted."""
@@ -250,10 +256,15 @@ class Aggregator:
         sent = 0
         for data in self.datagrams(now):
             try:
-                self.sock.sendto(data, self.upstream)
+                self.out.sendto(data, self.upstream)
                 sent += 1
-            except OSError:
+            except (BlockingIOError, InterruptedError):
                 pass
+            except OSError as exc:  # unreachable, a refusal: said once, tried next interval
+                if not self.send_error:
+                    self.send_error = exc.strerror or str(exc)
+                    _log(f"agent on {safe_name(self.node)}: cannot send the ranks' beats to "
+                         f"the supervisor: {self.send_error}")
         return sent
 
 
