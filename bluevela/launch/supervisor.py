@@ -137,12 +137,13 @@ def rdzv_env(rdzv_id: str, rdzv_node: str) -> dict[str, str]:
 
 
 def beat_interval(hang_timeout: float) -> float:
-    """Seconds between a rank's beats: an eighth of the hang timeout, 1 to 10 s. A healthy
-    rank's record is then never more than timeout/8 old (no false hang), a stuck rank's last
-    progress is exact whatever the interval (its beats carry their age), and a big job with
-    a long timeout sends a fraction of the datagrams: 8,192 ranks beating every second are
-    most of the supervisor's CPU (docs/scale.md)."""
-    return 1.0 if hang_timeout <= 0 else min(10.0, max(1.0, hang_timeout / 8))
+    """Seconds between a rank's beats to its agent and between the agent's aggregates to the
+    supervisor: an eighth of the hang timeout, 0.25 to 10 s (1 s without a watchdog). A
+    healthy rank's record at the supervisor is then never more than about timeout/4 old (a
+    beat interval at the rank, one at the agent: no false hang, a short timeout included), a
+    stuck rank's last progress is exact whatever the interval (the ages travel with it), and
+    a big job with a long timeout sends a fraction of the datagrams (docs/scale.md)."""
+    return 1.0 if hang_timeout <= 0 else min(10.0, max(0.25, hang_timeout / 8))
 
 
 def ping_interval(node_timeout: float) -> float:

@@ -2,8 +2,9 @@
 
 A rank calls `progress(step)` once per training step. That call only records the step and the
 time (no syscall); the first call also starts a daemon thread that sends ONE small UDP
-datagram per second to the job's supervisor (address in ``BV_HEARTBEAT``, set by bv inside
-the job; every ``BV_HEARTBEAT_INTERVAL_S`` seconds when the supervisor sets it, for a long
+datagram per second to its node's agent, which sends the supervisor one aggregate of its
+ranks' beats (address in ``BV_HEARTBEAT``, set by bv inside the job: the agent's loopback
+port; checkpoint records go to ``BV_CHECKPOINT_ADDR``, the supervisor's, when it is set; every ``BV_HEARTBEAT_INTERVAL_S`` seconds when the supervisor sets it, for a long
 hang timeout on a big job). Each datagram says: this rank, its node, its last step, how long ago that was, and
 where its main thread is right now (innermost frame, and whether it waits inside
 ``torch.distributed``). When a rank hangs, its peers soon wait in the next collective; the one
