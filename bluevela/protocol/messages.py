@@ -31,6 +31,7 @@ import hmac
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from bluevela.protocol.keys import mac
 from bluevela.protocol.names import safe_name
@@ -201,13 +202,19 @@ AGG_RANK_WORDS = 6  # rank, pid, step, age_ms, state, where
 AGG_MAX_BYTES = (len(AGG_MAGIC) + NODE_WORD + 3 + 2 * NUM_MAX_LEN + 3 + 5
                  + AGG_MAX_RANKS * (4 * NUM_MAX_LEN + 1 + WHERE_WORD + 3 + AGG_RANK_WORDS)
                  + 1 + 32)
-_NODE_WORD_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,%d}" % (NODE_WORD + 3))  # noqa: UP031
-_WHERE_WORD_RE = re.compile(r"[A-Za-z0-9_.:\-/<>?]{1,%d}" % (WHERE_WORD + 3))  # noqa: UP031
+# The whole body's shape in one pass (a word's characters and digits, a number's length
+# before int() reads it), then each rank's words; the numbers' ranges are checked after.
+_NUM = r"(-?[0-9]{1,%d})" % (NUM_MAX_LEN - 1)  # noqa: UP031
+_AGG_RANK = r" %s %s %s %s ([012]) ([A-Za-z0-9_.:\-/<>?]{1,%d})" % (  # noqa: UP031
+    _NUM, _NUM, _NUM, _NUM, WHERE_WORD + 3)
+_AGG_BODY_RE = re.compile(r"bvag1 ([A-Za-z0-9_.:\-]{1,%d}) %s %s %s((?:%s)+)" % (  # noqa: UP031
+    NODE_WORD + 3, _NUM, _NUM, _NUM, _AGG_RANK.replace("(", "(?:").replace("(?:?:", "(?:")))
+_AGG_RANK_RE = re.compile(_AGG_RANK)
 
 
-@dataclass(frozen=True)
-class AggRank:
-    """One rank's last beat as its node's agent forwards it."""
+class AggRank(NamedTuple):
+    """One rank's last beat as its node's agent forwards it (a tuple: the supervisor makes
+    8 N of them per beat interval)."""
 
     rank: int
     pid: int
@@ -257,27 +264,25 @@ def parse_agg(data: bytes, key: bytes, max_rank: int = MAX_RANK) -> Agg | None:
     if not hmac.compare_digest(tag, mac(key, body)):
         return None
     try:
-        words = body.decode("ascii").split(" ")
-        if len(words) < AGG_HEAD + AGG_RANK_WORDS or words[0] != AGG_MAGIC:
+        m = _AGG_BODY_RE.fullmatch(body.decode("ascii"))
+        if m is None:
             return None
-        count = bounded_int(words[4], 1, AGG_MAX_RANKS)
-        if len(words) != AGG_HEAD + count * AGG_RANK_WORDS or not _NODE_WORD_RE.fullmatch(
-                words[1]):
+        node, pid, seq, count, tail = m.groups()
+        n = bounded_int(count, 1, AGG_MAX_RANKS)
+        found = _AGG_RANK_RE.findall(tail)
+        if len(found) != n:
             return None
         ranks: list[AggRank] = []
         seen: set[int] = set()
         high = min(MAX_RANK, max_rank - 1)
-        for i in range(AGG_HEAD, len(words), AGG_RANK_WORDS):
-            rank, pid, step, age, state, where = words[i:i + AGG_RANK_WORDS]
-            r = bounded_int(rank, 0, high)
-            if r in seen or state not in ("0", "1", "2") or not _WHERE_WORD_RE.fullmatch(where):
+        for rank_w, pid_w, step_w, age_w, state, where in found:
+            r, rpid, step, age = int(rank_w), int(pid_w), int(step_w), int(age_w)
+            if (not 0 <= r <= high or r in seen or not 1 <= rpid <= MAX_PID
+                    or not -1 <= step <= MAX_STEP or not 0 <= age <= BEAT_MAX_AGE_MS):
                 return None
             seen.add(r)
-            ranks.append(AggRank(r, bounded_int(pid, *PID), bounded_int(step, *STEP),
-                                 bounded_int(age, 0, BEAT_MAX_AGE_MS) / 1000.0,
-                                 state == "1", where, state == "2"))
-        return Agg(words[1], bounded_int(words[2], *PID), bounded_int(words[3], *SEQ),
-                   tuple(ranks))
+            ranks.append(AggRank(r, rpid, step, age / 1000.0, state == "1", where, state == "2"))
+        return Agg(node, bounded_int(pid, *PID), bounded_int(seq, *SEQ), tuple(ranks))
     except (UnicodeDecodeError, ValueError):
         return None
 
