@@ -65,6 +65,7 @@ HANG_CHECK_S = 0.2  # the hang watchdog's look over every rank's last progress, 
 DEADLINE_CHECK_S = 0.1  # the look over every node's last ping and pending hello, this often
 MAX_DROP_LOGS = 3  # per step; the rest are counted
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+INF = float("inf")
 
 
 _AGG_HEAD = AGG_MAGIC.encode() + b" "
@@ -290,6 +291,8 @@ class StepState:
     rdzv_port: int | None = None  # reported by the rendezvous node's agent
     conns: list[Conn] = field(default_factory=list)
     beats: dict[int, RankBeat] = field(default_factory=dict)
+    # rank -> its last progress (inf once finished): what the watchdog looks at first
+    progress: dict[int, float] = field(default_factory=dict)
     seqs: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, pid) -> last seq
     agg_seqs: dict[tuple[int, int], int] = field(default_factory=dict)  # (node #, pid) -> seq
     refused_aggs: int = 0  # aggregates refused (unsigned, stale, replayed, wrong node or rank)
@@ -380,6 +383,9 @@ class Step:
         if now - self.hang_checked < HANG_CHECK_S:
             return None
         self.hang_checked = now
+        # Most looks end here: the oldest progress of a watched rank, over plain floats in C.
+        if now - min(st.progress.values(), default=now) < self.cfg.hang_timeout:
+            return None
         hang = find_hang(st.beats, now, self.cfg.hang_timeout)
         return self.end(hang) if hang is not None else None
 
@@ -560,6 +566,7 @@ class Step:
             if not fresh_seq(st.seqs, (beat.rank, beat.pid), beat.seq, 4 * st.max_ranks):
                 continue  # a replayed or reordered beat
             self.events.progress(now - beat.age_s)
+            st.progress[beat.rank] = INF if beat.finished else now - beat.age_s
             st.beats[beat.rank] = RankBeat(safe_name(beat.node), beat.step, now - beat.age_s,
                                            beat.in_collective, safe_name(beat.where, 200),
                                            beat.finished)
@@ -579,10 +586,11 @@ class Step:
             st.refused_aggs += 1
             return False
         self.events.progress(now - min(r.age_s for r in agg.ranks))
-        beats = st.beats
+        beats, progress = st.beats, st.progress
         for r in agg.ranks:
-            beats[r.rank] = RankBeat(agg.node, r.step, now - r.age_s, r.in_collective, r.where,
-                                     r.finished)
+            at = now - r.age_s
+            beats[r.rank] = RankBeat(agg.node, r.step, at, r.in_collective, r.where, r.finished)
+            progress[r.rank] = INF if r.finished else at
         return True
 
     def _on_msg(self, conn: Conn, msg: dict[str, object]) -> str | None:
