@@ -3,7 +3,9 @@
 For each N the REAL supervisor runs against N simulated agents and N x 8 simulated ranks
 (benchmarks/scale_harness.py) and the figures are taken: step start, steady state (CPU of a
 core, RSS, beats received vs sent), a closed and a silent node, a hang, a save of all ranks
-and the epilog's read. Then `bv status --json` and `bv logs` run on a job whose attempts ran
+and the epilog's read. The ranks' beats reach the supervisor as each node agent's one
+aggregate per beat interval (`launch/agent.py` `Aggregator`): `datagrams/s` counts those,
+`rank beats/s` the ranks' records they carry. Then `bv status --json` and `bv logs` run on a job whose attempts ran
 on 1,024 nodes: stand-in `squeue`/`sacct` print the recorded formats of tests/data/slurm/
 with the job's 1,024-node lists, and its output file holds bv's banners and the ranks' lines.
 
@@ -40,7 +42,8 @@ COLUMNS = [
     ("step1.start_cpu_s", "start cpu s", ""),
     ("steady.cpu_pct", "cpu %", "<= 5"),
     ("steady.rss_mb", "rss MB", "<= 200"),
-    ("steady.beats_sent_per_s", "beats/s", ""),
+    ("steady.beats_sent_per_s", "datagrams/s", ""),
+    ("steady.rank_beats_per_s", "rank beats/s", ""),
     ("steady.beats_received_pct", "recv %", "100"),
     ("save.ranks_recorded", "save ranks", "8 N"),
     ("save.dropped", "save lost", "0"),
@@ -174,7 +177,8 @@ def main() -> int:
         row = {"n": n, "load_max": max(res.load), **res.figures}
         long_runs.append(row)
         print(f"N={n}, hang timeout 60 s: cpu {row['steady.cpu_pct']:.1f} % rss "
-              f"{row['steady.rss_mb']:.1f} MB beats/s {row['steady.beats_sent_per_s']:.0f} "
+              f"{row['steady.rss_mb']:.1f} MB datagrams/s "
+              f"{row['steady.beats_sent_per_s']:.0f} "
               f"received {row['steady.beats_received_pct']:.2f} % release "
               f"{row['step1.release_after_last_connect_s']:.2f} s (load {row['load_max']:.1f})",
               flush=True)

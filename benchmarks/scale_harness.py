@@ -6,9 +6,13 @@ The supervisor runs as the batch script runs it (`python3 -P -m bluevela.launch.
 starts no agent; it records the step it was given (the supervisor's addresses, the step's
 secret, the nodes) and waits. This process then plays every node agent of the step (one
 selectors loop, one non-blocking TCP connection per agent: challenge, signed hello, go,
-a ping a second, exit; the messages of the real agent) and a child process plays every rank
-(signed `bvhb2` beats, one a second per rank, spread over the second, and `bvck1`
-checkpoint datagrams), with the protocol's own helpers and the step's own keys.
+a ping every `BV_PING_S`, exit; the messages of the real agent) and a child process plays
+what every node's agent sends for its ranks (one signed `bvag1` aggregate per node per
+`BV_HEARTBEAT_INTERVAL_S`, spread over the interval, carrying its 8 ranks' last beats, as
+`launch/agent.py` `Aggregator` sends them) and every rank's `bvck1` checkpoint datagram
+(straight to the supervisor, as the ranks send them), with the protocol's own formatters and
+the step's own keys. The ranks' beats to their agent stay on the (simulated) node: the
+supervisor never sees them.
 
 One run of `run_scale()` is four launches of one supervisor (N nodes + 3 spares):
 1. start storm, steady state, a save of all ranks, then one agent's connection closed;
@@ -41,12 +45,13 @@ from _common import loadavg
 
 from bluevela.launch.events_epilog import collect_files
 from bluevela.protocol.channel import Channel, ChannelError, parse_challenge
-from bluevela.protocol.keys import beat_key, derive, mac
-from bluevela.protocol.messages import BEAT_MAGIC, CkptMsg, format_ckpt
+from bluevela.protocol.keys import agg_key, beat_key, derive
+from bluevela.protocol.messages import Agg, AggRank, CkptMsg, format_agg, format_ckpt
 
 RANKS_PER_NODE = 8
 SPARES = 3
 PING_S = 1.0  # the real agent's (launch/agent.py PING_S)
+AGENT_PID0 = 3_000_000  # the simulated agents' pids (their aggregates' sender)
 
 SRUN = """
 import json, os, signal, sys, time
@@ -100,14 +105,17 @@ def udp_drops(port: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# The ranks (a child process): beats and checkpoint datagrams
+# The ranks and their agents' aggregates (a child process): the datagrams the supervisor gets
 
 
 class _RankSim:
-    """Every rank of the step, in the child process. Commands: ("step", host, port,
-    secret_hex, nodes, interval_s), ("mute", node_index), ("stall", rank) -> its last
-    progress, ("save", step) -> (datagrams sent, seconds), ("stop",), ("stats",) ->
-    (beats sent, send errors, checkpoint datagrams sent), ("quit",)."""
+    """Every rank of the step and what its node's agent sends for it, in the child process:
+    per node one signed aggregate (`bvag1`, `messages.format_agg`: the real agent's bytes)
+    per beat interval, and the ranks' checkpoint datagrams (`bvck1`, straight from the ranks
+    as before). Commands: ("step", host, port, secret_hex, nodes, interval_s), ("mute",
+    node_index), ("stall", rank) -> its last progress, ("save", step) -> (datagrams sent,
+    seconds), ("stop",), ("stats",) -> (aggregates sent, send errors, checkpoint datagrams
+    sent, ranks' records in the aggregates sent), ("quit",)."""
 
     def __init__(self) -> None:
         self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -116,6 +124,9 @@ class _RankSim:
         self.slot = 0
         self.addr: tuple[str, int] | None = None
         self.key = b""
+        self.agg_key = b""
+        self.agg_seq: list[int] = []  # each node agent's aggregates sent
+        self.rank_beats = 0  # ranks' records carried by the aggregates sent
         self.nodes: list[str] = []
         self.seq: list[int] = []
         self.stalled: dict[int, tuple[int, float]] = {}  # rank -> (its step, last progress)
@@ -128,8 +139,10 @@ class _RankSim:
         """Act on one command; its answer, or None when it has none."""
         if cmd[0] == "step":
             self.addr, self.key = (cmd[1], cmd[2]), beat_key(bytes.fromhex(cmd[3]))
+            self.agg_key = agg_key(bytes.fromhex(cmd[3]))
             self.nodes, self.slots, self.slot = cmd[4], max(1, round(cmd[5] * 100)), 0
             self.seq = [0] * (len(self.nodes) * RANKS_PER_NODE)
+            self.agg_seq = [0] * len(self.nodes)
             self.stalled, self.muted = {}, set()
             self.pid0 += len(self.seq)
             self.next_t = time.monotonic()
@@ -143,7 +156,7 @@ class _RankSim:
         elif cmd[0] == "stop":
             self.addr = None
         elif cmd[0] == "stats":
-            return (self.sent, self.errors, self.ckpts)
+            return (self.sent, self.errors, self.ckpts, self.rank_beats)
         return None
 
     def _send(self, data: bytes) -> bool:
@@ -167,17 +180,26 @@ class _RankSim:
         return self.ckpts, time.monotonic() - t0
 
     def tick(self) -> None:
-        """The beats of this 10 ms slot: each rank once per interval."""
-        now = time.monotonic()
-        step_now = int(now * 5)  # 5 training steps a second
-        for rank in range(self.slot, len(self.seq), self.slots):
-            node = rank // RANKS_PER_NODE
+        """The aggregates of this 10 ms slot: each node's agent once per interval, with its
+        ranks' last beats (each rank beats once per interval in its own slot; the agent
+        forwards the last one with its age brought up to the send, as `launch/agent.py`
+        `Aggregator` does)."""
+        now = time.monotonic()  # 5 training steps a second: a healthy rank's age is < 0.2 s
+        for node in range(self.slot, len(self.nodes), self.slots):
             if node in self.muted:
                 continue
-            step, last = self.stalled.get(rank, (step_now, step_now / 5))
-            self.seq[rank] += 1
-            self.sent += self._send(_beat(self.key, rank, self.nodes[node], step,
-                                          self.pid0 + rank, self.seq[rank], now - last))
+            ranks = []
+            for rank in range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE):
+                # the rank's last beat: in its slot, at most one interval ago
+                beat_t = now - ((self.slot - rank) % self.slots) * 0.01
+                step, last = self.stalled.get(rank, (int(beat_t * 5), int(beat_t * 5) / 5))
+                ranks.append(AggRank(rank, self.pid0 + rank, step, max(0.0, now - last),
+                                     False, "train.py:120:train_step"))
+            self.agg_seq[node] += 1
+            data = format_agg(Agg(self.nodes[node], AGENT_PID0 + node, self.agg_seq[node],
+                                  tuple(ranks)), self.agg_key)
+            self.sent += self._send(data)
+            self.rank_beats += len(ranks)
         self.slot = (self.slot + 1) % self.slots
         self.next_t += 0.01
         if self.next_t < now - 0.5:  # far behind (an overloaded machine): no burst to catch up
@@ -197,14 +219,6 @@ def _ranks_main(ctl: Connection) -> None:
                 ctl.send(answer)
         elif sim.addr is not None:
             sim.tick()
-
-
-def _beat(key: bytes, rank: int, node: str, step: int, pid: int, seq: int, age: float) -> bytes:
-    """`format_beat(Beat(...), key)`, the same bytes (tests/test_scale.py checks it) in half
-    its time: one sender process must keep up with 32,768 ranks."""
-    body = (f"{BEAT_MAGIC} {rank} {node} {step} {pid} {seq} {max(0, int(age * 1000))} 0 "
-            "train.py:120:train_step").encode()
-    return body + b" " + mac(key, body)
 
 
 class Ranks:
@@ -620,10 +634,12 @@ class Harness:
         f, port, pid = self.result.figures, agents.beat_addr[1], self.proc.pid
         agents.run_for(min(3.0, self.steady_s))  # the beats reach their rate
         c0, t0, d0 = proc_cpu_s(pid), time.monotonic(), udp_drops(port)
-        s0 = ranks.ask("stats")[0]
+        st0 = ranks.ask("stats")
         agents.run_for(self.steady_s)
         c1, t1, d1 = proc_cpu_s(pid), time.monotonic(), udp_drops(port)
-        s1 = ranks.ask("stats")[0]
+        st1 = ranks.ask("stats")
+        s0, s1 = st0[0], st1[0]
+        f["steady.rank_beats_per_s"] = (st1[3] - st0[3]) / (t1 - t0)
         rss, hwm = proc_mem_kb(pid)
         f["steady.cpu_pct"] = 100 * (c1 - c0) / (t1 - t0)
         f["steady.rss_mb"] = rss / 1024

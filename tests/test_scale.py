@@ -1,6 +1,7 @@
 """The REAL supervisor at 256 nodes x 8 ranks (issue 27): the scale harness
-(benchmarks/scale_harness.py) plays 256 node agents on the signed channel and 2,048 ranks
-beating once a second, with the step's own keys. Four launches of one supervisor: a start
+(benchmarks/scale_harness.py) plays 256 node agents on the signed channel, each sending one
+signed aggregate of its 8 ranks' beats per beat interval (as `launch/agent.py` does), with
+the step's own keys. Four launches of one supervisor: a start
 storm and steady state, a save of all ranks, one agent's connection closed; a start storm,
 one agent silent; a rank whose progress stops; every agent done.
 
@@ -23,11 +24,20 @@ from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from scale_harness import RANKS_PER_NODE, _beat, run_scale  # noqa: E402
+from scale_harness import RANKS_PER_NODE, run_scale  # noqa: E402
 
+from bluevela.launch.agent import Aggregator  # noqa: E402
 from bluevela.launch.supervisor import beat_interval, ping_interval  # noqa: E402
-from bluevela.protocol.keys import beat_key  # noqa: E402
-from bluevela.protocol.messages import Beat, format_beat, parse_beat  # noqa: E402
+from bluevela.protocol.keys import agg_key, beat_key  # noqa: E402
+from bluevela.protocol.messages import (  # noqa: E402
+    Agg,
+    AggRank,
+    Beat,
+    format_agg,
+    format_beat,
+    parse_agg,
+    parse_beat,
+)
 from bluevela.runtime.heartbeat import interval  # noqa: E402
 
 N = 256
@@ -70,22 +80,36 @@ def test_256_nodes_x_8_ranks(tmp_path: Path) -> None:
     assert f["epilog.launches"] == 4, why
 
 
-def test_the_harness_beats_are_the_ranks_own_bytes() -> None:
-    """The harness formats beats itself (4x faster, for 32,768 ranks from one process): the
-    bytes are exactly what `bluevela.runtime.progress()`'s sender would send."""
-    key = beat_key(bytes(range(32)))
-    for age in (0.0, 0.1234, 7.5):
-        mine = _beat(key, 77, "sn00010", 1234, 4242, 9, age)
-        theirs = format_beat(Beat(77, "sn00010", 1234, 4242, age, False,
-                                  "train.py:120:train_step", seq=9), key)
-        assert mine == theirs
-        assert parse_beat(mine, key) is not None
+def test_the_harness_aggregates_are_the_agents_own_bytes() -> None:
+    """The harness sends what each node's agent sends (`messages.format_agg`, one per node
+    per interval): the bytes are exactly what `launch/agent.py`'s Aggregator sends for its
+    ranks' beats."""
+    secret = bytes(range(32))
+    agg = Aggregator("sn00010", secret, ("127.0.0.1", 9))
+    try:
+        now = 1000.0
+        pid = os.getpid()  # a live process: the agent forgets ranks whose process is gone
+        for rank in range(8):
+            beat = Beat(72 + rank, "sn00010", 1234, pid, 0.1234, False,
+                        "train.py:120:train_step", seq=9)
+            assert agg.take(format_beat(beat, beat_key(secret)), now - 0.5)
+        mine = agg.datagrams(now)
+        theirs = format_agg(Agg("sn00010", pid, 1, tuple(
+            AggRank(72 + r, pid, 1234, 0.1234 + 0.5, False, "train.py:120:train_step")
+            for r in range(8))), agg_key(secret))
+        assert mine == [theirs]
+        assert parse_agg(theirs, agg_key(secret)) is not None
+    finally:
+        agg.close()
 
 
 def test_the_beat_and_ping_intervals_follow_the_timeouts() -> None:
     """A big job with a long hang timeout needs a fraction of the datagrams: an eighth of the
-    timeout between beats, 1 to 10 s (no watchdog: every second, as before)."""
-    assert [beat_interval(t) for t in (0, 4, 8, 15, 60, 600)] == [1, 1, 1, 1.875, 7.5, 10]
+    timeout between beats, 0.25 to 10 s (no watchdog: every second, as before). Below 8 s
+    the beats come faster than once a second since the agents aggregate them (a rank's
+    record is a beat interval at the rank plus one at the agent old at most)."""
+    assert [beat_interval(t) for t in (0, 1, 4, 8, 15, 60, 600)] == [1, 0.25, 0.5, 1, 1.875,
+                                                                      7.5, 10]
     assert interval({"BV_HEARTBEAT_INTERVAL_S": "7.5"}) == 7.5
     # Pings: a fifth of the node timeout, 1 to 5 s (the default 10 s: every 2 s).
     assert [ping_interval(t) for t in (1, 3, 10, 25, 100)] == [1, 1, 2, 5, 5]

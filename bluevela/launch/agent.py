@@ -20,7 +20,18 @@ four phases:
   agent exits with it. When the supervisor is gone the agent kills torchrun's tree and ends.
 
 The goodput events the supervisor streams (``ev``) are appended to this node's copy
-(`events_copy.CopyWriter`) in any phase. Standard library only: it runs on every node of a job.
+(`events_copy.CopyWriter`) in any phase.
+
+The ranks' heartbeats come to the agent, not to the supervisor (`Aggregator`): torchrun's
+``BV_HEARTBEAT`` names a loopback UDP port of the agent's; each beat is verified there as the
+supervisor verified it (signed with the step's beat key: a beat from another user of the node
+does not pass; its seq must rise per rank and process), and every beat interval the agent
+sends the supervisor ONE signed datagram with each local rank's last beat (`messages.Agg`),
+its age brought up to the send. The supervisor's hang watchdog then sees every rank as before
+(the first stuck rank is named with its node) from one datagram a node instead of one a rank.
+Checkpoint datagrams still go straight to the supervisor (``BV_CHECKPOINT_ADDR``). Node
+liveness stays on the line channel (the pings). Standard library only: it runs on every node
+of a job.
 """
 
 from __future__ import annotations
@@ -41,8 +52,18 @@ from bluevela.launch.proctree import catches, kill_group, kill_tree, signal_pid,
 from bluevela.launch.rdzv_guard import guarded_argv
 from bluevela.launch.usr1_wait import USR1_WAIT_ENV, explicit_wait, handler_wait, request_left
 from bluevela.protocol.channel import Channel, ChannelError, read_challenge
-from bluevela.protocol.keys import SECRET_ENV, line_key, secret_from_env
+from bluevela.protocol.keys import SECRET_ENV, agg_key, beat_key, line_key, secret_from_env
+from bluevela.protocol.messages import (
+    AGG_MAX_RANKS,
+    Agg,
+    AggRank,
+    Beat,
+    format_agg,
+    fresh_seq,
+    parse_beat,
+)
 from bluevela.protocol.names import printable, safe_name
+from bluevela.runtime.heartbeat import CKPT_ENV, ENV_ADDR, interval, parse_addr
 from bluevela.runtime.world import training_env
 
 SUPERVISOR_ENV = "BV_SUPERVISOR"  # HOST:PORT of the supervisor's line channel
@@ -59,6 +80,8 @@ ABORT_KILL_S = 0.5
 # A node with a worker that never installed a SIGUSR1 handler gets torchrun's own stop
 # (SIGTERM to torchrun: forwarded to the workers, SIGKILL 30 s later), never SIGUSR1's kill:
 # after 30 s, the job's BV_USR1_WAIT_S, or what its time left allows (usr1_wait.py).
+LOCAL_MAX_RANKS = 1024  # ranks one node can have (the supervisor's bound per node)
+BEATS_PER_READ = 4096  # beats read per turn at most (then the channel gets its turn)
 
 
 def agent_argv() -> list[str]:
@@ -133,6 +156,148 @@ def _receive(chan: Channel) -> list[dict[str, object]] | None:
 
 
 # --------------------------------------------------------------------------------------------
+# The ranks' beats, aggregated
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists
+        return True
+    return True
+
+
+class Aggregator:
+    """This node's ranks' beats, received on a loopback UDP port, sent on to the supervisor
+    as one signed aggregate per beat interval (`messages.Agg`).
+
+    A beat counts only when it verifies with the step's beat key, names a rank below
+    `max_rank` (LOCAL_MAX_RANKS ranks kept at most), and its seq rises for its (rank, pid)
+    (a replayed or reordered beat changes nothing). The newest beat of each rank is kept with
+    the time it came; a rank whose process is gone is forgotten (torchrun restarted it, maybe
+    on another node: an old beat of it must not keep coming back with a growing age)."""
+
+    def __init__(self, node: str, secret: bytes, upstream: tuple[str, int],
+                 max_rank: int = 1 << 20) -> None:
+        self.node = node
+        self.beat_key = beat_key(secret)
+        self.agg_key = agg_key(secret)
+        self.upstream = upstream
+        self.max_rank = max_rank
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the ranks' beats
+        # The aggregates leave by a socket of their own: one bound to loopback cannot send
+        # to another host (EINVAL).
+        self.out = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            self.sock.bind(("127.0.0.1", 0))
+            self.sock.setblocking(False)
+            self.out.setblocking(False)
+        except OSError:
+            self.close()
+            raise
+        self.pid = os.getpid()
+        self.seq = 0
+        self.ranks: dict[int, tuple[Beat, float]] = {}  # rank -> (its newest beat, received)
+        self.seqs: dict[tuple[int, int], int] = {}  # (rank, pid) -> last seq
+        self.refused = 0  # datagrams that did not verify or were stale
+        self.last_sent = 0.0
+        # Ranks whose end (finished, and how) the supervisor has not been sent yet: sent at
+        # once, and kept for that send even when the rank's process is already gone (it
+        # tells the supervisor whether a late checkpoint signal is a reason to requeue).
+        self.news: set[int] = set()
+        self.send_error = ""  # the first failed send's reason (said once on stderr)
+
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def close(self) -> None:
+        self.sock.close()
+        self.out.close()
+
+    def read(self, now: float) -> int:
+        """Take the beats waiting now (BEATS_PER_READ at most); how many counted."""
+        took = 0
+        for _ in range(BEATS_PER_READ):
+            try:
+                data = self.sock.recv(2048)
+            except OSError:  # nothing more now (BlockingIOError), or the socket failed
+                break
+            if self.take(data, now):
+                took += 1
+        return took
+
+    def take(self, data: bytes, now: float) -> bool:
+        """One datagram: True when it is a fresh beat of this step's ranks."""
+        beat = parse_beat(data, self.beat_key)
+        if (beat is None or beat.rank >= self.max_rank
+                or (beat.rank not in self.ranks and len(self.ranks) >= LOCAL_MAX_RANKS)
+                or not fresh_seq(self.seqs, (beat.rank, beat.pid), beat.seq,
+                                 4 * LOCAL_MAX_RANKS)):
+            self.refused += 1
+            return False
+        prev = self.ranks.get(beat.rank)
+        if beat.finished and (prev is None or (prev[0].finished, prev[0].at_request)
+                              != (beat.finished, beat.at_request)):
+            self.news.add(beat.rank)
+        self.ranks[beat.rank] = (beat, now)
+        return True
+
+    def datagrams(self, now: float) -> list[bytes]:
+        """The signed aggregates of every rank heard from whose process is alive, each rank's
+        age brought up to `now` (AGG_MAX_RANKS a datagram)."""
+        gone = [r for r, (b, _) in self.ranks.items() if not _alive(b.pid)]
+        entries = [AggRank(b.rank, b.pid, b.step, b.age_s + max(0.0, now - at),
+                           b.in_collective, b.where, b.finished, b.at_request)
+                   for b, at in (self.ranks[r] for r in sorted(self.ranks))
+                   if b.rank not in gone or b.rank in self.news]
+        for rank in gone:
+            del self.ranks[rank]
+        self.news.clear()
+        out = []
+        for i in range(0, len(entries), AGG_MAX_RANKS):
+            self.seq += 1
+            out.append(format_agg(Agg(self.node, self.pid, self.seq,
+                                      tuple(entries[i:i + AGG_MAX_RANKS])), self.agg_key))
+        return out
+
+    def send(self, now: float) -> int:
+        """Send the aggregates now (non-blocking: a full buffer skips this interval's)."""
+        self.last_sent = now
+        sent = 0
+        for data in self.datagrams(now):
+            try:
+                self.out.sendto(data, self.upstream)
+                sent += 1
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as exc:  # unreachable, a refusal: said once, tried next interval
+                if not self.send_error:
+                    self.send_error = exc.strerror or str(exc)
+                    _log(f"agent on {safe_name(self.node)}: cannot send the ranks' beats to "
+                         f"the supervisor: {self.send_error}")
+        return sent
+
+
+def make_aggregator(node: str, secret: bytes, env: Mapping[str, str]) -> Aggregator | None:
+    """The aggregator toward the supervisor's beat port (``BV_HEARTBEAT`` of the step); None
+    when it has none or no loopback port can be had (the ranks then beat to the supervisor
+    directly, as before)."""
+    addr = parse_addr(env.get(ENV_ADDR, ""))
+    if addr is None:
+        return None
+    try:
+        info = socket.getaddrinfo(addr[0], addr[1], socket.AF_INET, socket.SOCK_DGRAM)
+        host, port = info[0][4][:2]
+        return Aggregator(node, secret, (str(host), int(port)))
+    except OSError as exc:
+        _log(f"agent on {safe_name(node)}: no beat aggregation ({exc}): ranks beat to the "
+             "supervisor directly")
+        return None
+
+
+# --------------------------------------------------------------------------------------------
 # The state machine
 
 
@@ -147,8 +312,10 @@ class Agent:
     """One node's agent on a connected channel; `run()` returns its exit status."""
 
     def __init__(self, chan: Channel, node: str, torchrun: Sequence[str],
-                 env: Mapping[str, str]) -> None:
+                 env: Mapping[str, str], beats: Aggregator | None = None) -> None:
         self.chan = chan
+        self.beats = beats
+        self.beat_every = interval(env)
         self.node = node
         self.torchrun = list(torchrun)
         self.env = env
@@ -195,11 +362,20 @@ class Agent:
         sel = selectors.DefaultSelector()
         sel.register(self.chan.sock, selectors.EVENT_READ)
         sel.register(wake_r, selectors.EVENT_READ)
+        if self.beats is not None:
+            sel.register(self.beats.sock, selectors.EVENT_READ)
         return sel
 
     def _tick(self, ready: set[object]) -> None:
         if self.wake_r in ready:
             self._read_signals()
+        if self.beats is not None:
+            now = time.monotonic()
+            if self.beats.sock in ready:
+                self.beats.read(now)
+            if self.beats.ranks and (self.beats.news
+                                     or now - self.beats.last_sent >= self.beat_every):
+                self.beats.send(now)
         self.chan.flush()  # lines a slow reader left pending: whole lines only (Channel.send)
         if self.chan.broken is not None:
             _log(f"agent on {safe_name(self.node)}: the channel to the supervisor broke "
@@ -260,7 +436,7 @@ class Agent:
             self.proc = subprocess.Popen(
                 guarded_argv(self.torchrun) or self.torchrun, start_new_session=True,
                 env={**training_env(self.env, self.torchrun),
-                     **endpoint_env(self.rdzv_node, port)})
+                     **endpoint_env(self.rdzv_node, port), **self._beat_env()})
         except OSError as exc:
             # A missing or unrunnable torchrun is the step's failure (the shell's 127/126),
             # not a lost node: no relaunch or requeue would mend it.
@@ -270,6 +446,12 @@ class Agent:
             self._finish(127 if exc.errno == errno.ENOENT else 126, why)
             return
         self.phase = Phase.RUNNING
+
+    def _beat_env(self) -> dict[str, str]:
+        """The ranks beat to this agent; their checkpoint datagrams go to the supervisor."""
+        if self.beats is None:
+            return {}
+        return {ENV_ADDR: self.beats.addr(), CKPT_ENV: self.env.get(ENV_ADDR, "")}
 
     def _watch(self, proc: subprocess.Popen[bytes]) -> None:
         """RUNNING or ABORTING: forward SIGUSR1, kill an aborted tree, report torchrun's end."""
@@ -321,7 +503,13 @@ class Agent:
             self.last_ping = time.monotonic()
 
     def _finish(self, code: int, why: str = "") -> None:
-        """DONE: the one exit message (torchrun's status, or why it could not start)."""
+        """DONE: the one exit message (torchrun's status, or why it could not start), after
+        the ranks' last beats (how each one's training ended) have gone out."""
+        if self.beats is not None:
+            now = time.monotonic()
+            self.beats.read(now)
+            if self.beats.news:
+                self.beats.send(now)
         msg: dict[str, object] = {"t": "exit", "rc": code, "node": self.node,
                                   "signalled": len(self.signalled), "termed": self.termed}
         if self.termed:
@@ -362,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chan = connect(os.environ.get(SUPERVISOR_ENV, ""), node, line_key(secret))
     if chan is None:
         return 1
-    agent = Agent(chan, node, args, os.environ)
+    agent = Agent(chan, node, args, os.environ, make_aggregator(node, secret, os.environ))
     agent.hello()
     return agent.run()
 

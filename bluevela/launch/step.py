@@ -42,7 +42,7 @@ from bluevela.launch.outcome import Loss, StepEnd, StepResult, lost_text
 from bluevela.launch.proctree import reap
 from bluevela.launch.usr1_wait import USR1_UNCAUGHT_S, USR1_WAIT_MAX_S, LimitClock, usr1_request
 from bluevela.protocol.channel import Channel, ChannelError, challenge_line
-from bluevela.protocol.messages import fresh_seq, parse_beat
+from bluevela.protocol.messages import AGG_MAGIC, Agg, fresh_seq, parse_agg, parse_beat
 from bluevela.protocol.names import printable, safe_name
 
 logger = logging.getLogger(__name__)
@@ -56,14 +56,20 @@ MAX_ACCEPT_PER_TICK = 16
 MAX_BEATS_PER_TICK = 512  # then signals and agents get their turn (a flood cannot starve them)
 # (or a quarter of the step's ranks: a turn takes 1/4 s of beats at most, with TURN_S in between)
 UDP_RCVBUF = 16 << 20  # bytes asked for the beat socket's receive buffer (rmem_max caps it)
+UDP_RECV = 16384  # bytes read of one datagram (an aggregate is messages.AGG_MAX_BYTES at most)
 TURN_S = 0.01  # a turn woken by datagrams or agents' lines alone waits for this since the last
 # ... or 50 us per node of the step, up to 0.1 s: a turn's passes over every connection cost
 # O(nodes), so turns a second fall as nodes grow and their sum stays flat (docs/scale.md).
 TURN_PER_NODE_S = 50e-6
 TURN_MAX_S = 0.1
 HANG_CHECK_S = 0.2  # the hang watchdog's look over every rank's last progress, this often
+DEADLINE_CHECK_S = 0.1  # the look over every node's last ping and pending hello, this often
 MAX_DROP_LOGS = 3  # per step; the rest are counted
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+INF = float("inf")
+
+
+_AGG_HEAD = AGG_MAGIC.encode() + b" "
 
 
 def log(line: str) -> None:
@@ -109,12 +115,13 @@ def find_hang(beats: dict[int, RankBeat], now: float, timeout: float) -> Hang | 
     there), then the oldest progress, lowest step, rank."""
     # A rank whose training is over may take its time to tear down (the process group, the
     # interpreter, on a loaded node): it is not watched, and not named.
+    if timeout <= 0:
+        return None
+    # One pass without a copy first: 5 times a second over every rank of the step.
+    oldest = min((b.last_progress for b in beats.values() if not b.finished), default=None)
+    if oldest is None or now - oldest < timeout:
+        return None
     beats = {r: b for r, b in beats.items() if not b.finished}
-    if timeout <= 0 or not beats:
-        return None
-    oldest = min(b.last_progress for b in beats.values())
-    if now - oldest < timeout:
-        return None
     rank, beat = min(beats.items(), key=lambda kv: (kv[1].in_collective, kv[1].last_progress,
                                                      kv[1].step, kv[0]))
     waiting = sum(1 for r, b in beats.items() if r != rank and b.in_collective)
@@ -285,12 +292,17 @@ class StepState:
     started: float
     line_key: bytes = b""
     beat_key: bytes = b""
+    agg_key: bytes = b""  # the agents' aggregates of their ranks' beats
     max_ranks: int = 1
     world: int | None = None  # the step's exact world size, when torchrun's command says it
     rdzv_port: int | None = None  # reported by the rendezvous node's agent
     conns: list[Conn] = field(default_factory=list)
     beats: dict[int, RankBeat] = field(default_factory=dict)
+    # rank -> its last progress (inf once finished): what the watchdog looks at first
+    progress: dict[int, float] = field(default_factory=dict)
     seqs: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, pid) -> last seq
+    agg_seqs: dict[tuple[int, int], int] = field(default_factory=dict)  # (node #, pid) -> seq
+    refused_aggs: int = 0  # aggregates refused (unsigned, stale, replayed, wrong node or rank)
     lost: dict[str, Loss] = field(default_factory=dict)
     first_failure: tuple[str, int] | None = None  # (node, rc) of the first non-zero exit
     failure_why: str = ""  # what the first failed node's agent said about it, if anything
@@ -299,9 +311,15 @@ class StepState:
     dropped: int = 0  # connections dropped for a protocol error
     agents: dict[str, Conn] = field(default_factory=dict)  # node -> its agent, from its hello
     members: frozenset[str] = field(init=False, default=frozenset())  # `nodes`, for lookups
+    node_index: dict[str, int] = field(init=False, default_factory=dict)  # node -> its place
 
     def __post_init__(self) -> None:
         self.members = frozenset(self.nodes)
+        self.node_index = {n: i for i, n in enumerate(self.nodes)}
+
+    def per_node(self) -> int:
+        """Ranks one node of the step can have (the step's bound over its nodes)."""
+        return max(1, -(-self.max_ranks // max(1, len(self.nodes))))
 
     def by_node(self) -> dict[str, Conn]:
         """Each node's agent (set at its hello, kept once closed): not to be modified."""
@@ -318,8 +336,16 @@ class StepState:
 
     def unaccounted(self) -> list[str]:
         """Step nodes that neither reported an exit nor are lost."""
-        exits = self.exits()
-        return [n for n in self.nodes if n not in exits and n not in self.lost]
+        lost, agents = self.lost, self.agents
+        return [n for n in self.nodes
+                if n not in lost and ((c := agents.get(n)) is None or c.exit_rc is None)]
+
+    def all_accounted(self) -> bool:
+        """`not unaccounted()`, ending at the first node still to hear from (O(1) while the
+        step runs: the loop asks every turn)."""
+        lost, agents = self.lost, self.agents
+        return not any(n not in lost and ((c := agents.get(n)) is None or c.exit_rc is None)
+                       for n in self.nodes)
 
 
 class Step:
@@ -339,6 +365,7 @@ class Step:
         self.last_turn = 0.0  # when the loop's last turn began (`pump`)
         self.backlog = False  # the last turn left datagrams unread (its cap): no wait
         self.hang_checked = 0.0
+        self.deadlines_checked = 0.0
 
     def run(self) -> StepResult:
         try:
@@ -357,10 +384,10 @@ class Step:
         if self.signals.seen is not None:
             # Checkpoint requested: wait for the step to end (Slurm's time limit and KillWait
             # bound this).
-            return self._after_signal() if settled or not st.unaccounted() else None
+            return self._after_signal() if settled or st.all_accounted() else None
         if st.lost or st.first_failure is not None:
             return self.end(None)
-        if not st.unaccounted():
+        if st.all_accounted():
             reap(self.srun, 10.0)
             return StepResult(StepEnd.OK, 0, "exit 0")
         if settled:
@@ -371,6 +398,9 @@ class Step:
         if now - self.hang_checked < HANG_CHECK_S:
             return None
         self.hang_checked = now
+        # Most looks end here: the oldest progress of a watched rank, over plain floats in C.
+        if now - min(st.progress.values(), default=now) < self.cfg.hang_timeout:
+            return None
         hang = find_hang(st.beats, now, self.cfg.hang_timeout)
         return self.end(hang) if hang is not None else None
 
@@ -412,11 +442,16 @@ class Step:
 
     def _deadlines(self, now: float) -> None:
         st = self.st
+        if st.srun_rc is None and (rc := self.srun.poll()) is not None:
+            st.srun_rc, st.srun_exit_at = rc, now
+        # The passes over every connection and node, DEADLINE_CHECK_S apart (not every turn:
+        # 1,024 nodes' passes 20 times a second were a fifth of the steady CPU).
+        if now - self.deadlines_checked < DEADLINE_CHECK_S:
+            return
+        self.deadlines_checked = now
         for conn in [c for c in st.conns if c.node is None]:
             if now - conn.opened > HELLO_DEADLINE_S:
                 self._drop(conn, f"no signed hello in {HELLO_DEADLINE_S:.0f} s")
-        if st.srun_rc is None and (rc := self.srun.poll()) is not None:
-            st.srun_rc, st.srun_exit_at = rc, now
         by_node = st.by_node()
         for node in st.unaccounted():
             agent = by_node.get(node)
@@ -537,12 +572,16 @@ class Step:
         self.backlog = True  # until a read finds nothing more (a save's burst of 8 N datagrams)
         for _ in range(max(MAX_BEATS_PER_TICK, st.max_ranks // 4)):
             try:
-                data = self.ends.udp.recv(2048)
+                data = self.ends.udp.recv(UDP_RECV)
             except OSError:  # nothing more now (BlockingIOError), or the socket failed
                 self.backlog = False
                 return
+            if data.startswith(_AGG_HEAD):
+                self._take_agg(parse_agg(data, st.agg_key, st.max_ranks), now)
+                continue
             if self.events.datagram(data, st.beat_key, st.max_ranks, now):
                 continue  # a checkpoint record (goodput events), not a beat
+            # A rank's own beat: ranks whose agent could not aggregate beat here directly.
             beat = parse_beat(data, st.beat_key)
             # A signed beat from this step's own ranks always passes these: a rank the step
             # cannot have, or progress older than the step, is not one of ours.
@@ -551,9 +590,33 @@ class Step:
             if not fresh_seq(st.seqs, (beat.rank, beat.pid), beat.seq, 4 * st.max_ranks):
                 continue  # a replayed or reordered beat
             self.events.progress(now - beat.age_s)
+            st.progress[beat.rank] = INF if beat.finished else now - beat.age_s
             st.beats[beat.rank] = RankBeat(safe_name(beat.node), beat.step, now - beat.age_s,
                                            beat.in_collective, safe_name(beat.where, 200),
                                            beat.finished, beat.at_request)
+
+    def _take_agg(self, agg: Agg | None, now: float) -> bool:
+        """A node agent's aggregate: each of its ranks' last beats into the hang watchdog's
+        records, as a rank's own beat would be. Refused whole (False) when it did not parse
+        (unsigned, oversized, malformed, a rank outside the step), names a node not of this
+        step, holds more ranks than a node has or progress older than the step, or is not
+        newer than the last from that node's agent (a replay)."""
+        st = self.st
+        life = now - st.started + 5
+        node_no = st.node_index.get(agg.node) if agg is not None else None
+        if (agg is None or node_no is None or len(agg.ranks) > st.per_node()
+                or any(r.age_s > life for r in agg.ranks)
+                or not fresh_seq(st.agg_seqs, (node_no, agg.pid), agg.seq, 4 * len(st.nodes))):
+            st.refused_aggs += 1
+            return False
+        self.events.progress(now - min(r.age_s for r in agg.ranks))
+        beats, progress = st.beats, st.progress
+        for r in agg.ranks:
+            at = now - r.age_s
+            beats[r.rank] = RankBeat(agg.node, r.step, at, r.in_collective, r.where, r.finished,
+                                     r.at_request)
+            progress[r.rank] = INF if r.finished else at
+        return True
 
     def _on_msg(self, conn: Conn, msg: dict[str, object]) -> str | None:
         """Act on one signed message; a reason to drop the connection, or None."""
@@ -635,6 +698,7 @@ class Step:
     def _after_signal(self) -> StepResult:
         st = self.st
         reap(self.srun, 2.0)
+        self._read_beats(time.monotonic())  # the ranks' last word on how their training ended
         exits = st.exits()
         if (exits and not st.lost and set(exits.values()) == {0}
                 and not any(c.signalled for c in st.conns)):

@@ -99,7 +99,7 @@ from bluevela.launch.policy import (
 )
 from bluevela.launch.step import Endpoints, Signals, Step, StepConfig, StepState, log
 from bluevela.launch.usr1_wait import LimitClock
-from bluevela.protocol.keys import SECRET_ENV, beat_key, derive, new_secret
+from bluevela.protocol.keys import SECRET_ENV, agg_key, beat_key, derive, new_secret
 from bluevela.runtime.heartbeat import ENV_ADDR as HEARTBEAT_ENV
 from bluevela.runtime.heartbeat import INTERVAL_ENV as BEAT_INTERVAL_ENV
 from bluevela.runtime.world import STEP_NODELIST_ENV, STEP_NUM_NODES_ENV
@@ -138,12 +138,13 @@ def rdzv_env(rdzv_id: str, rdzv_node: str) -> dict[str, str]:
 
 
 def beat_interval(hang_timeout: float) -> float:
-    """Seconds between a rank's beats: an eighth of the hang timeout, 1 to 10 s. A healthy
-    rank's record is then never more than timeout/8 old (no false hang), a stuck rank's last
-    progress is exact whatever the interval (its beats carry their age), and a big job with
-    a long timeout sends a fraction of the datagrams: 8,192 ranks beating every second are
-    most of the supervisor's CPU (docs/scale.md)."""
-    return 1.0 if hang_timeout <= 0 else min(10.0, max(1.0, hang_timeout / 8))
+    """Seconds between a rank's beats to its agent and between the agent's aggregates to the
+    supervisor: an eighth of the hang timeout, 0.25 to 10 s (1 s without a watchdog). A
+    healthy rank's record at the supervisor is then never more than about timeout/4 old (a
+    beat interval at the rank, one at the agent: no false hang, a short timeout included), a
+    stuck rank's last progress is exact whatever the interval (the ages travel with it), and
+    a big job with a long timeout sends a fraction of the datagrams (docs/scale.md)."""
+    return 1.0 if hang_timeout <= 0 else min(10.0, max(0.25, hang_timeout / 8))
 
 
 def ping_interval(node_timeout: float) -> float:
@@ -440,6 +441,7 @@ class Supervisor:
         key = bytes.fromhex(secret)
         st = StepState(nodes=list(nodes), started=time.monotonic(),
                        line_key=derive(key, b"line"), beat_key=beat_key(key),
+                       agg_key=agg_key(key),
                        max_ranks=ranks_bound(self.opts.torchrun, len(nodes)),
                        world=world_size(self.opts.torchrun, len(nodes)))
         spares = len([n for n in self.alloc if n not in self.excluded]) - len(nodes)

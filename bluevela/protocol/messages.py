@@ -2,6 +2,7 @@
 
     bvhb2 <rank> <node> <step> <pid> <seq> <age_ms> <state 0|1|2|3> <where> <mac>
     bvck1 <rank> <step> <pid> <seq> <start_age_ms> <end_age_ms> <mac>
+    bvag1 <node> <pid> <seq> <count> [<rank> <pid> <step> <age_ms> <state> <where>]*count <mac>
 
 A heartbeat (`Beat`, bluevela/runtime/heartbeat.py: `step` -1 when the caller gave none,
 `age_ms` since its last progress() call, `state` 1 while its main thread waits inside
@@ -16,13 +17,24 @@ datagrams of that kind. Each kind is one `Form`: its magic word, its size cap an
 fields' bounds; `sign_datagram` and `read_datagram` are the one writer and the one reader,
 which verifies the MAC before it reads a word and range-checks every number (a word's
 length before int() parses it). A sender's seq must rise (`fresh_seq`).
+
+The third kind is a node agent's aggregate (`Agg`, bluevela/launch/agent.py): the agent
+receives its own ranks' beats on the node (signed as above: a beat from another user of the
+node does not verify) and sends the supervisor one datagram per beat interval with each
+local rank's last beat (its age taken at the send: the rank's age plus the time since the
+agent received it), at most AGG_MAX_RANKS ranks a datagram. It is signed with its own key
+(`keys.agg_key`), bounded (AGG_MAX_BYTES), parsed word by word with every number
+range-checked and every word's characters checked (`parse_agg`), and its seq rises per
+(node, agent pid) as a beat's does.
 """
 
 from __future__ import annotations
 
 import hmac
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from bluevela.protocol.keys import mac
 from bluevela.protocol.names import safe_name
@@ -186,3 +198,105 @@ def parse_ckpt(data: bytes, key: bytes) -> CkptMsg | None:
         return None
     return CkptMsg(int(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4]) / 1000.0,
                    int(v[5]) / 1000.0)
+
+
+# --------------------------------------------------------------------------------------------
+# A node agent's aggregate of its ranks' beats
+
+AGG_MAGIC = "bvag1"
+AGG_MAX_RANKS = 32  # ranks of one datagram (a node with more sends several)
+AGG_HEAD = 5  # words before the ranks: magic, node, pid, seq, count
+AGG_RANK_WORDS = 6  # rank, pid, step, age_ms, state, where
+# The biggest aggregate a real agent sends: the head, AGG_MAX_RANKS ranks with a `where` of
+# WHERE_WORD characters and every number at its widest, the MAC.
+# (`safe_name` may add "..." to a word cut at its limit.)
+AGG_MAX_BYTES = (len(AGG_MAGIC) + NODE_WORD + 3 + 2 * NUM_MAX_LEN + 3 + 5
+                 + AGG_MAX_RANKS * (4 * NUM_MAX_LEN + 1 + WHERE_WORD + 3 + AGG_RANK_WORDS)
+                 + 1 + 32)
+# The whole body's shape in one pass (a word's characters and digits, a number's length
+# before int() reads it), then each rank's words; the numbers' ranges are checked after.
+_NUM = r"(-?[0-9]{1,%d})" % (NUM_MAX_LEN - 1)  # noqa: UP031
+_AGG_RANK = r" %s %s %s %s ([0123]) ([A-Za-z0-9_.:\-/<>?]{1,%d})" % (  # noqa: UP031
+    _NUM, _NUM, _NUM, _NUM, WHERE_WORD + 3)
+_AGG_BODY_RE = re.compile(r"bvag1 ([A-Za-z0-9_.:\-]{1,%d}) %s %s %s((?:%s)+)" % (  # noqa: UP031
+    NODE_WORD + 3, _NUM, _NUM, _NUM, _AGG_RANK.replace("(", "(?:").replace("(?:?:", "(?:")))
+_AGG_RANK_RE = re.compile(_AGG_RANK)
+
+
+class AggRank(NamedTuple):
+    """One rank's last beat as its node's agent forwards it (a tuple: the supervisor makes
+    8 N of them per beat interval)."""
+
+    rank: int
+    pid: int
+    step: int
+    age_s: float  # since its last progress() call, at the agent's send
+    in_collective: bool = False
+    where: str = "?"
+    finished: bool = False
+    at_request: bool = False  # finished, maybe at the checkpoint request (the beat's state 3)
+
+
+@dataclass(frozen=True)
+class Agg:
+    """One aggregate: node `node`'s agent (process `pid`), its `seq`-th datagram."""
+
+    node: str
+    pid: int
+    seq: int
+    ranks: tuple[AggRank, ...]
+
+
+def format_agg(agg: Agg, key: bytes) -> bytes:
+    """The signed datagram for `agg` (`key`: `keys.agg_key(secret)`; at most AGG_MAX_RANKS
+    ranks, raises ValueError past that)."""
+    if not 0 < len(agg.ranks) <= AGG_MAX_RANKS:
+        raise ValueError(f"an aggregate holds 1 to {AGG_MAX_RANKS} ranks")
+    words = [AGG_MAGIC, safe_name(agg.node, NODE_WORD, replace=""), str(agg.pid),
+             str(agg.seq), str(len(agg.ranks))]
+    for r in agg.ranks:
+        words += [str(r.rank), str(r.pid), str(r.step), str(max(0, int(r.age_s * 1000))),
+                  ("3" if r.at_request else "2") if r.finished
+                  else ("1" if r.in_collective else "0"),
+                  safe_name(r.where, WHERE_WORD, replace="", extra=WHERE_PUNCT)]
+    body = " ".join(words).encode("ascii", "replace")
+    return body + b" " + mac(key, body)
+
+
+_AGG_HEAD_B = AGG_MAGIC.encode() + b" "
+
+
+def parse_agg(data: bytes, key: bytes, max_rank: int = MAX_RANK) -> Agg | None:
+    """The aggregate in a datagram signed with `key`, or None for anything else: unsigned or
+    badly signed, over AGG_MAX_BYTES, a count outside 1..AGG_MAX_RANKS or not the words that
+    follow, a number out of range, a rank >= `max_rank` or twice in one datagram, a node or
+    `where` word with other characters. Never raises."""
+    if len(data) > AGG_MAX_BYTES or not data.startswith(_AGG_HEAD_B):
+        return None
+    body, _, tag = data.rpartition(b" ")
+    if not hmac.compare_digest(tag, mac(key, body)):
+        return None
+    try:
+        m = _AGG_BODY_RE.fullmatch(body.decode("ascii"))
+        if m is None:
+            return None
+        node, pid, seq, count, tail = m.groups()
+        n = bounded_int(count, 1, AGG_MAX_RANKS)
+        found = _AGG_RANK_RE.findall(tail)
+        if len(found) != n:
+            return None
+        ranks: list[AggRank] = []
+        seen: set[int] = set()
+        high = min(MAX_RANK, max_rank - 1)
+        for rank_w, pid_w, step_w, age_w, state, where in found:
+            r, rpid, step, age = int(rank_w), int(pid_w), int(step_w), int(age_w)
+            if (not 0 <= r <= high or r in seen or not 1 <= rpid <= MAX_PID
+                    or not -1 <= step <= MAX_STEP or not 0 <= age <= BEAT_MAX_AGE_MS):
+                return None
+            seen.add(r)
+            ranks.append(AggRank(r, rpid, step, age / 1000.0, state == "1", where,
+                                 state in ("2", "3"), state == "3"))
+        return Agg(node, bounded_int(pid, *PID), bounded_int(seq, *SEQ), tuple(ranks))
+    except (UnicodeDecodeError, ValueError):
+        return None
+

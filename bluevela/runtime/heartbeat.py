@@ -2,8 +2,9 @@
 
 A rank calls `progress(step)` once per training step. That call only records the step and the
 time (no syscall); the first call also starts a daemon thread that sends ONE small UDP
-datagram per second to the job's supervisor (address in ``BV_HEARTBEAT``, set by bv inside
-the job; every ``BV_HEARTBEAT_INTERVAL_S`` seconds when the supervisor sets it, for a long
+datagram per second to its node's agent, which sends the supervisor one aggregate of its
+ranks' beats (address in ``BV_HEARTBEAT``, set by bv inside the job: the agent's loopback
+port; checkpoint records go to ``BV_CHECKPOINT_ADDR``, the supervisor's, when it is set; every ``BV_HEARTBEAT_INTERVAL_S`` seconds when the supervisor sets it, for a long
 hang timeout on a big job). Each datagram says: this rank, its node, its last step, how long ago that was, and
 where its main thread is right now (innermost frame, and whether it waits inside
 ``torch.distributed``). When a rank hangs, its peers soon wait in the next collective; the one
@@ -38,6 +39,9 @@ from bluevela.runtime.checkpoint import ended_unasked
 logger = logging.getLogger(__name__)
 
 ENV_ADDR = "BV_HEARTBEAT"
+# Where checkpoint datagrams go when not to BV_HEARTBEAT: the node's agent takes the beats
+# (bluevela/launch/agent.py, `Aggregator`), the supervisor the checkpoint records.
+CKPT_ENV = "BV_CHECKPOINT_ADDR"
 INTERVAL_S = 1.0
 INTERVAL_ENV = "BV_HEARTBEAT_INTERVAL_S"  # seconds between beats, 0.2-60 (the supervisor's)
 
@@ -80,6 +84,7 @@ class _Sender:
     def __init__(self) -> None:
         self.sock: socket.socket | None = None
         self.target: tuple[str, int] | None = None
+        self.ck_target: tuple[str, int] | None = None  # checkpoint datagrams' (else target)
         self.key = b""
         self.seq = 0
         self.ck_seq = 0
@@ -126,10 +131,13 @@ class _Sender:
         gets its own). False outside a bv job."""
         if self.sock_pid != os.getpid():
             self.sock_pid = os.getpid()
-            self.target = None
+            self.target = self.ck_target = None
             value = os.environ.get(ENV_ADDR)
-            if value:
-                self._connect(value)
+            if value and self._connect(value):
+                self.ck_target = self.target
+                ck = os.environ.get(CKPT_ENV)
+                if ck:
+                    self.ck_target = _resolve(ck) or self.target
         return self.target is not None
 
     def checkpoint(self, step: int | None, started: float, ended: float) -> None:
@@ -139,7 +147,7 @@ class _Sender:
         if self.sock_pid != os.getpid():
             with self.lock:
                 self._socket()
-        if self.target is None or self.sock is None:
+        if self.ck_target is None or self.sock is None:
             return
         self.ck_seq += 1
         now = time.monotonic()
@@ -147,7 +155,7 @@ class _Sender:
                       pid=os.getpid(), seq=self.ck_seq, start_age_s=max(0.0, now - started),
                       end_age_s=max(0.0, now - ended))
         try:
-            self.sock.sendto(format_ckpt(msg, self.key), self.target)
+            self.sock.sendto(format_ckpt(msg, self.key), self.ck_target)
         except OSError:  # a full buffer or an unreachable supervisor: skip this record
             pass
 
@@ -157,14 +165,11 @@ class _Sender:
             logger.warning("%s is set but the job secret is not: no heartbeat", ENV_ADDR)
             return False
         self.key = beat_key(secret)
-        addr = parse_addr(value)
-        if addr is None:
-            logger.warning("ignoring %s=%r: not HOST:PORT", ENV_ADDR, value)
+        target = _resolve(value)
+        if target is None:
             return False
         try:
-            info = socket.getaddrinfo(addr[0], addr[1], socket.AF_INET, socket.SOCK_DGRAM)
-            host, port = info[0][4][:2]
-            self.target = (str(host), int(port))
+            self.target = target
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self.sock.setblocking(False)
         except OSError as exc:
@@ -195,6 +200,21 @@ class _Sender:
                 self.send()
             except Exception:  # noqa: BLE001 - a heartbeat must never break training
                 logger.debug("heartbeat failed", exc_info=True)
+
+
+def _resolve(value: str) -> tuple[str, int] | None:
+    """HOST:PORT as an IPv4 address; None (said once in the log) when it is not one."""
+    addr = parse_addr(value)
+    if addr is None:
+        logger.warning("ignoring heartbeat address %r: not HOST:PORT", value)
+        return None
+    try:
+        info = socket.getaddrinfo(addr[0], addr[1], socket.AF_INET, socket.SOCK_DGRAM)
+    except OSError as exc:
+        logger.warning("heartbeat address %s unusable: %s", value, exc)
+        return None
+    host, port = info[0][4][:2]
+    return str(host), int(port)
 
 
 def _int_env(name: str, default: int) -> int:
