@@ -172,3 +172,23 @@ def test_the_pages_show_the_idle_spare_line() -> None:
     page = "".join(_ledger_section(led))
     assert "<tr><td>idle spare</td><td>2 spare(s)</td><td></td><td>0.335</td><td>2.68</td>" \
         in page
+
+
+def test_the_fleet_pages_job_table_says_when_it_is_cut() -> None:
+    """The per-job ledger table shows the jobs with the lowest ETTR; past MAX_LEDGER_JOBS the
+    page says how many there are and where every one is (a fleet has thousands)."""
+    import copy
+
+    from bluevela.report.fleet_html import MAX_LEDGER_JOBS, render_html
+
+    rep = _fleet_report()
+    (row,) = rep["ledger"]["per_job"]
+    for n in (MAX_LEDGER_JOBS, MAX_LEDGER_JOBS + 5):
+        many = copy.deepcopy(rep)
+        many["ledger"]["per_job"] = [{**row, "job_id": 1000 + i, "ettr_pct": 50.0 + i}
+                                     for i in range(n)]
+        html = render_html(many)
+        listed = {i for i in range(n) if f"<td>{1000 + i}</td>" in html}
+        assert listed == set(range(min(n, MAX_LEDGER_JOBS)))  # the lowest ETTR first
+        cut = f"The {MAX_LEDGER_JOBS} jobs with the lowest ETTR of {n}"
+        assert (cut in html) == (n > MAX_LEDGER_JOBS)

@@ -252,6 +252,9 @@ def _ledger_section(rep: dict[str, Any]) -> list[str]:
                  f"{r['advice'].get('verdict', '')} [{inputs_text(r['advice'])}]",
                  "" if r["spares_advice"] is None else r["spares_advice"]["best_spares"]]
                 for r in worst[:MAX_LEDGER_JOBS]], "ledger"),
+        *([f"<p>The {MAX_LEDGER_JOBS} jobs with the lowest ETTR of {len(worst)}; every job: "
+           "<code>bv report fleet --json</code> (<code>ledger.per_job</code>).</p>"]
+          if len(worst) > MAX_LEDGER_JOBS else []),
     ]
 
 
