@@ -33,7 +33,8 @@ import pytest
 
 from bluevela.launch.agent import Aggregator
 from bluevela.launch.events_log import EventLog
-from bluevela.launch.step import Endpoints, Signals, Step, StepConfig, StepState, find_hang
+from bluevela.launch.step import Endpoints, Signals, Step, StepConfig, StepState
+from bluevela.launch.watchdog import find_hang
 from bluevela.protocol.keys import agg_key, beat_key, mac
 from bluevela.protocol.messages import (
     AGG_MAX_BYTES,

@@ -23,8 +23,8 @@ from bluevela.launch.attempts import END as END_RE
 from bluevela.launch.attempts import History, banner, end_line, previous_cause, read_history
 from bluevela.launch.policy import choose_nodes
 from bluevela.launch.proctree import catches
-from bluevela.launch.step import RankBeat, find_hang
 from bluevela.launch.supervisor import new_rdzv_id, ranks_bound, rdzv_env, torchrun_step_argv
+from bluevela.launch.watchdog import RankBeat, find_hang
 from bluevela.protocol.channel import Channel, challenge_line
 from bluevela.protocol.keys import SECRET_ENV, beat_key, derive, mac, new_secret
 from bluevela.protocol.messages import Beat, format_beat, parse_beat
