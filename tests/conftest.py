@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -211,3 +212,13 @@ def devcluster() -> Iterator[DevCluster]:
     if not was_up:
         subprocess.run([sys.executable, str(DEVCLUSTER), "down"], capture_output=True,
                        text=True, timeout=120, check=False)
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[Any]]:
+    """Real supervisors a test starts on stand-ins (tests/supervisor_standins.py `Job`s):
+    append each one; every one still running is killed at the end."""
+    started: list[Any] = []
+    yield started
+    for job in started:
+        job.kill()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,12 +51,6 @@ time.sleep(0.5)
 """
 
 
-@pytest.fixture
-def jobs() -> Iterator[list[Job]]:
-    started: list[Job] = []
-    yield started
-    for job in started:
-        job.kill()
 
 
 def _ended(job: Job, timeout: float = 45) -> str:

@@ -15,7 +15,6 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +26,6 @@ from bluevela.protocol.channel import MAX_LINE, Channel
 from bluevela.protocol.keys import beat_key, derive
 from bluevela.protocol.messages import CkptMsg, format_ckpt
 from tests.supervisor_standins import Job
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[Job]]:
-    started: list[Job] = []
-    yield started
-    for job in started:
-        job.kill()
 
 
 def _events_dir(tmp: Path) -> Path:

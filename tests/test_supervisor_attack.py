@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,12 +28,6 @@ from tests.supervisor_standins import Job
 MAC0 = b"0" * 32  # a well-formed MAC that is not the job's
 
 
-@pytest.fixture
-def jobs() -> Iterator[list[Job]]:
-    started: list[Job] = []
-    yield started
-    for job in started:
-        job.kill()
 
 
 def run(jobs: list[Job], tmp: Path, *args: object, **kw: object) -> Job:

@@ -20,7 +20,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,14 +30,6 @@ from bluevela.protocol import channel
 from bluevela.protocol.channel import Channel, ChannelError
 from bluevela.protocol.keys import derive, new_secret
 from tests.supervisor_standins import Job
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[Job]]:
-    started: list[Job] = []
-    yield started
-    for job in started:
-        job.kill()
 
 
 def end_lines(job: Job) -> list[str]:

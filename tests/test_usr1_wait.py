@@ -14,7 +14,6 @@ import signal
 import socket
 import stat
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -222,12 +221,6 @@ while not os.path.exists(os.path.join(out, "done")):
 """
 
 
-@pytest.fixture
-def jobs() -> Iterator[list[Job]]:
-    started: list[Job] = []
-    yield started
-    for job in started:
-        job.kill()
 
 
 def test_the_supervisor_passes_the_time_left_and_the_wait_follows(
