@@ -222,3 +222,19 @@ def jobs() -> Iterator[list[Any]]:
     yield started
     for job in started:
         job.kill()
+
+
+def standin_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str,
+                    script: str) -> Path:
+    """Put a stand-in `name` (a shell `script`) first on PATH; return the log it appends its
+    calls to (`$BV_TEST_LOG`)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    exe = bin_dir / name
+    exe.write_text(script)
+    exe.chmod(0o755)
+    log = tmp_path / "calls.log"
+    log.touch()
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("BV_TEST_LOG", str(log))
+    return log

@@ -5,14 +5,13 @@ when the job is ending, and never an exception."""
 
 from __future__ import annotations
 
-import os
-import stat
 import time
 from pathlib import Path
 
 import pytest
 
 from bluevela.slurm.jobctl import JobControl, retry_budget
+from tests.conftest import standin_command
 
 SCONTROL = """#!/bin/sh
 echo "$@" >> "$BV_TEST_LOG"
@@ -30,16 +29,7 @@ esac
 
 @pytest.fixture
 def scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    exe = bin_dir / "scontrol"
-    exe.write_text(SCONTROL)
-    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
-    log = tmp_path / "calls.log"
-    log.touch()
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setenv("BV_TEST_LOG", str(log))
-    return log
+    return standin_command(tmp_path, monkeypatch, "scontrol", SCONTROL)
 
 
 def calls(log: Path) -> list[str]:

@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import socket
-import stat
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from bluevela.launch.usr1_wait import (
 )
 from bluevela.protocol.channel import Channel
 from bluevela.slurm.jobctl import JobControl, parse_time_left, slurm_duration
+from tests.conftest import standin_command
 from tests.supervisor_standins import Job
 
 
@@ -158,16 +158,7 @@ esac
 
 @pytest.fixture
 def squeue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    exe = bin_dir / "squeue"
-    exe.write_text(SQUEUE)
-    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
-    log = tmp_path / "calls.log"
-    log.touch()
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setenv("BV_TEST_LOG", str(log))
-    return log
+    return standin_command(tmp_path, monkeypatch, "squeue", SQUEUE)
 
 
 def test_time_left_is_one_squeue(squeue: Path, monkeypatch: pytest.MonkeyPatch) -> None:
