@@ -146,11 +146,17 @@ class Beat:
     at_request: bool = False  # ... maybe at the checkpoint request (state 3)
 
 
-def beat_state(beat: Beat) -> int:
-    """The `state` word: 3 finished at the checkpoint request, 2 finished, 1 in a collective."""
+def beat_state(beat: Beat | AggRank) -> int:
+    """The `state` word of a beat or an aggregate's rank: 3 finished at the checkpoint request,
+    2 finished, 1 in a collective, else 0."""
     if beat.finished:
         return 3 if beat.at_request else 2
     return int(beat.in_collective)
+
+
+def state_flags(word: str) -> tuple[bool, bool, bool]:
+    """A `state` word read back: (in a collective, finished, finished at the request)."""
+    return word == "1", word in ("2", "3"), word == "3"
 
 
 def format_beat(beat: Beat, key: bytes) -> bytes:
@@ -167,9 +173,10 @@ def parse_beat(data: bytes, key: bytes) -> Beat | None:
     v = read_datagram(BEAT, data, key)
     if v is None:
         return None
+    in_coll, finished, at_request = state_flags(str(v[6]))
     return Beat(rank=int(v[0]), node=str(v[1]), step=int(v[2]), pid=int(v[3]), seq=int(v[4]),
-                age_s=int(v[5]) / 1000.0, in_collective=v[6] == "1", where=str(v[7]),
-                finished=v[6] in ("2", "3"), at_request=v[6] == "3")
+                age_s=int(v[5]) / 1000.0, in_collective=in_coll, where=str(v[7]),
+                finished=finished, at_request=at_request)
 
 
 @dataclass(frozen=True)
@@ -256,8 +263,7 @@ def format_agg(agg: Agg, key: bytes) -> bytes:
              str(agg.seq), str(len(agg.ranks))]
     for r in agg.ranks:
         words += [str(r.rank), str(r.pid), str(r.step), str(max(0, int(r.age_s * 1000))),
-                  ("3" if r.at_request else "2") if r.finished
-                  else ("1" if r.in_collective else "0"),
+                  str(beat_state(r)),
                   safe_name(r.where, WHERE_WORD, replace="", extra=WHERE_PUNCT)]
     body = " ".join(words).encode("ascii", "replace")
     return body + b" " + mac(key, body)
@@ -294,8 +300,9 @@ def parse_agg(data: bytes, key: bytes, max_rank: int = MAX_RANK) -> Agg | None:
                     or not -1 <= step <= MAX_STEP or not 0 <= age <= BEAT_MAX_AGE_MS):
                 return None
             seen.add(r)
-            ranks.append(AggRank(r, rpid, step, age / 1000.0, state == "1", where,
-                                 state in ("2", "3"), state == "3"))
+            in_coll, finished, at_request = state_flags(state)
+            ranks.append(AggRank(r, rpid, step, age / 1000.0, in_coll, where, finished,
+                                 at_request))
         return Agg(node, bounded_int(pid, *PID), bounded_int(seq, *SEQ), tuple(ranks))
     except (UnicodeDecodeError, ValueError):
         return None
