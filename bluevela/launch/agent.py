@@ -247,7 +247,7 @@ class Aggregator:
     def datagrams(self, now: float) -> list[bytes]:
         """The signed aggregates of every rank heard from whose process is alive, each rank's
         age brought up to `now` (AGG_MAX_RANKS a datagram)."""
-        gone = [r for r, (b, _) in self.ranks.items() if not _alive(b.pid)]
+        gone = {r for r, (b, _) in self.ranks.items() if not _alive(b.pid)}
         entries = [AggRank(b.rank, b.pid, b.step, b.age_s + max(0.0, now - at),
                            b.in_collective, b.where, b.finished, b.at_request)
                    for b, at in (self.ranks[r] for r in sorted(self.ranks))

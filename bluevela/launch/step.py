@@ -32,7 +32,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from bluevela.launch.events import failure_time
@@ -284,18 +284,24 @@ class StepState:
     def exits(self) -> dict[str, int]:
         return {n: c.exit_rc for n, c in self.by_node().items() if c.exit_rc is not None}
 
+    def _unaccounted(self) -> Iterator[str]:
+        lost, agents = self.lost, self.agents
+        return (n for n in self.nodes
+                if n not in lost and ((c := agents.get(n)) is None or c.exit_rc is None))
+
     def unaccounted(self) -> list[str]:
         """Step nodes that neither reported an exit nor are lost."""
-        lost, agents = self.lost, self.agents
-        return [n for n in self.nodes
-                if n not in lost and ((c := agents.get(n)) is None or c.exit_rc is None)]
+        return list(self._unaccounted())
 
     def all_accounted(self) -> bool:
         """`not unaccounted()`, ending at the first node still to hear from (O(1) while the
         step runs: the loop asks every turn)."""
-        lost, agents = self.lost, self.agents
-        return not any(n not in lost and ((c := agents.get(n)) is None or c.exit_rc is None)
-                       for n in self.nodes)
+        return next(self._unaccounted(), None) is None
+
+    def record(self, rank: int, beat: RankBeat) -> None:
+        """A rank's last beat, and its progress as the watchdog's first look reads it."""
+        self.beats[rank] = beat
+        self.progress[rank] = INF if beat.finished else beat.last_progress
 
 
 class Step:
@@ -540,10 +546,9 @@ class Step:
             if not fresh_seq(st.seqs, (beat.rank, beat.pid), beat.seq, 4 * st.max_ranks):
                 continue  # a replayed or reordered beat
             self.events.progress(now - beat.age_s)
-            st.progress[beat.rank] = INF if beat.finished else now - beat.age_s
-            st.beats[beat.rank] = RankBeat(safe_name(beat.node), beat.step, now - beat.age_s,
-                                           beat.in_collective, safe_name(beat.where, 200),
-                                           beat.finished, beat.at_request)
+            st.record(beat.rank, RankBeat(safe_name(beat.node), beat.step, now - beat.age_s,
+                                          beat.in_collective, safe_name(beat.where, 200),
+                                          beat.finished, beat.at_request))
 
     def _take_agg(self, agg: Agg | None, now: float) -> bool:
         """A node agent's aggregate: each of its ranks' last beats into the hang watchdog's
@@ -560,12 +565,9 @@ class Step:
             st.refused_aggs += 1
             return False
         self.events.progress(now - min(r.age_s for r in agg.ranks))
-        beats, progress = st.beats, st.progress
         for r in agg.ranks:
-            at = now - r.age_s
-            beats[r.rank] = RankBeat(agg.node, r.step, at, r.in_collective, r.where, r.finished,
-                                     r.at_request)
-            progress[r.rank] = INF if r.finished else at
+            st.record(r.rank, RankBeat(agg.node, r.step, now - r.age_s, r.in_collective,
+                                       r.where, r.finished, r.at_request))
         return True
 
     def _on_msg(self, conn: Conn, msg: dict[str, object]) -> str | None:
