@@ -50,6 +50,7 @@ from pathlib import Path
 from types import FrameType
 
 from bluevela.slurm.cli_client import job_fields_argv, parse_config, parse_job_fields, unreachable
+from bluevela.slurm.jobctl import slurm_duration
 
 logger = logging.getLogger(__name__)
 
@@ -117,13 +118,8 @@ def support_problem(config: dict[str, str]) -> str | None:
 
 def _minutes(value: str) -> int | None:
     """Slurm's [days-]hh:mm:ss as whole minutes (rounded down); None for UNLIMITED or junk."""
-    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", value.strip())
-    if m is None:
-        return None
-    days, hours, mins, secs = (int(g) if g else 0 for g in m.groups())
-    if m.group(2) is None:  # mm:ss
-        hours, mins, secs = 0, int(m.group(3)), int(m.group(4))
-    return ((days * 24 + hours) * 60 + mins) + secs // 60
+    seconds = slurm_duration(value.strip())
+    return None if seconds is None else seconds // 60
 
 
 @dataclass(frozen=True)
