@@ -203,7 +203,7 @@ def test_unknown_torchtitan_is_one_warning_and_no_integration(
     module = ModuleType("torchtitan.trainer")
     module.Trainer = Trainer  # type: ignore[attr-defined]
     integrations._warned.discard("torchtitan")
-    bv_torchtitan._warned.discard("trainer")
+    integrations._warned.discard("torchtitan.trainer")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         monkeypatch.setattr(torchtitan, "__version__", "0.4.0")

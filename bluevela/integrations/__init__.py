@@ -59,10 +59,16 @@ def supported(framework: str, version: str) -> bool:
     got = _major_minor(version)
     if got is not None and low <= got < high:
         return True
-    if framework not in _warned:
-        _warned.add(framework)
-        warnings.warn(f"bv: {framework} {version} is not a version bv's integration knows "
-                      f"(tested {TESTED[framework]}, range {low[0]}.{low[1]} to before "
-                      f"{high[0]}.{high[1]}): no checkpoint at bv's signal from it; the job "
-                      "gets torchrun's SIGTERM stop instead", stacklevel=2)
+    warn_once(framework, f"bv: {framework} {version} is not a version bv's integration knows "
+              f"(tested {TESTED[framework]}, range {low[0]}.{low[1]} to before "
+              f"{high[0]}.{high[1]}): no checkpoint at bv's signal from it; the job gets "
+              "torchrun's SIGTERM stop instead")
     return False
+
+
+def warn_once(key: str, message: str) -> None:
+    """One warning per `key` per process (a framework, or an integration's own part), shown
+    at the caller of the function that asks."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)

@@ -41,7 +41,6 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-import warnings
 from types import ModuleType
 from typing import Any
 
@@ -52,14 +51,6 @@ _PATCHED = "_bv_patched"
 # What the integration uses of torchtitan's trainer and checkpoint manager (0.3.x).
 TRAINER_API = ("__init__", "train", "should_continue_training")
 CHECKPOINTER_API = ("enable", "interval", "folder", "save", "maybe_wait_for_saving")
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, stacklevel=3)
-
 
 def checkpointing(config: Any) -> bool:
     """Whether a torchtitan ``Trainer.Config`` saves checkpoints (``enable`` and not
@@ -75,8 +66,10 @@ def _usable(checkpointer: Any) -> bool:
         return False
     missing = [name for name in CHECKPOINTER_API if not hasattr(checkpointer, name)]
     if missing:
-        _warn_once("checkpointer", f"bv: torchtitan checkpointer {type(checkpointer).__name__} "
-                   f"has no {', '.join(missing)}: no checkpoint at bv's signal from it")
+        integrations.warn_once("torchtitan.checkpointer",
+                               f"bv: torchtitan checkpointer {type(checkpointer).__name__} "
+                               f"has no {', '.join(missing)}: no checkpoint at bv's signal "
+                               "from it")
         return False
     return True
 
@@ -147,8 +140,9 @@ def patch(module: ModuleType) -> bool:
     trainer_cls = getattr(module, "Trainer", None)
     missing = [name for name in TRAINER_API if not hasattr(trainer_cls, name)]
     if trainer_cls is None or missing:
-        _warn_once("trainer", f"bv: torchtitan {version} Trainer has no {', '.join(missing)}: "
-                   "no checkpoint at bv's signal from it")
+        integrations.warn_once("torchtitan.trainer",
+                               f"bv: torchtitan {version} Trainer has no "
+                               f"{', '.join(missing)}: no checkpoint at bv's signal from it")
         return False
     if getattr(trainer_cls, _PATCHED, False):
         return True
