@@ -210,6 +210,19 @@ class Job:
     def stderr(self) -> str:
         return (self.dir / "err.txt").read_bytes().decode("utf-8", "replace")
 
+    def end_lines(self) -> list[str]:
+        """The supervisor's `==== bv attempt N ended: ... ====` lines so far."""
+        return [line for line in self.stdout().splitlines() if " ended: " in line]
+
+    def wait_end(self, timeout: float) -> list[str]:
+        """The end lines once there is one (the supervisor still running until then)."""
+        deadline = time.monotonic() + timeout
+        while not (ended := self.end_lines()):
+            assert self.running(), self.stdout() + self.stderr()
+            assert time.monotonic() < deadline, self.stdout() + self.stderr()
+            time.sleep(0.1)
+        return ended
+
     def scontrol(self) -> list[str]:
         path = self.dir / "scontrol.log"
         return path.read_text().splitlines() if path.exists() else []

@@ -53,15 +53,6 @@ time.sleep(0.5)
 
 
 
-def _ended(job: Job, timeout: float = 45) -> str:
-    deadline = time.monotonic() + timeout
-    while not (ended := [ln for ln in job.stdout().splitlines() if " ended: " in ln]):
-        assert job.running(), job.stdout() + job.stderr()
-        assert time.monotonic() < deadline, job.stdout() + job.stderr()
-        time.sleep(0.1)
-    return ended[0]
-
-
 def test_a_signal_after_the_training_ended_ends_the_job(tmp_path: Path,
                                                         jobs: list[Job]) -> None:
     nodes = ("n1", "n2")
@@ -73,7 +64,7 @@ def test_a_signal_after_the_training_ended_ends_the_job(tmp_path: Path,
         job.wait_for(f"finished.{n}")
     time.sleep(1.5)  # a beat of each rank's end has gone out
     os.kill(job.pid, signal.SIGUSR1)  # Slurm's time-limit signal, too late to act on
-    line = _ended(job)
+    line = job.wait_end(45)[0]
     assert "exit 0 (the training ended before the checkpoint signal" in line, line
     assert job.wait(30) == 0, job.stdout() + job.stderr()
     for n in nodes:
@@ -90,7 +81,7 @@ def test_a_rank_that_acted_on_the_signal_is_requeued(tmp_path: Path,
     jobs.append(job)
     job.start().wait_ready()
     os.kill(job.pid, signal.SIGUSR1)
-    line = _ended(job)
+    line = job.wait_end(45)[0]
     assert "checkpoint signal SIGUSR1 from Slurm, workers exited 0, requeued by bv" in line, line
     deadline = time.monotonic() + 20
     while job.scontrol() != ["requeue 77"]:

@@ -32,10 +32,6 @@ from bluevela.protocol.keys import derive, new_secret
 from tests.supervisor_standins import Job
 
 
-def end_lines(job: Job) -> list[str]:
-    return [line for line in job.stdout().splitlines() if " ended: " in line]
-
-
 def checkpoint_then_requeue(jobs: list[Job], tmp: Path, scontrol: str) -> Job:
     """A 1-node job told to checkpoint (Slurm's SIGUSR1): its step ends and the supervisor
     requeues it, with `scontrol` behaving as `scontrol` says."""
@@ -61,7 +57,7 @@ def test_a_hung_scontrol_ends_the_job_with_one_line(tmp_path: Path, jobs: list[J
     tries = job.scontrol()
     assert len(tries) >= 2 and set(tries) == {"requeue 77"}, tries  # retried, nothing else
     assert took < 15, f"{took:.1f} s"
-    last = end_lines(job)[-1]
+    last = job.end_lines()[-1]
     assert "scontrol requeue 77 failed" in last and "timed out after 1 s" in last, last
     assert "not requeued" in last, last
     failed = [line for line in err.splitlines() if "failed" in line]
@@ -82,7 +78,7 @@ def test_a_refusing_slurmctld_is_retried_until_it_answers(tmp_path: Path,
     assert job.wait(30) == 0
     assert "Unable to contact slurm controller" in job.stderr()
     assert "Traceback" not in job.stderr()
-    assert "failed" not in end_lines(job)[-1], end_lines(job)
+    assert "failed" not in job.end_lines()[-1], job.end_lines()
 
 
 def test_a_refusing_slurmctld_ends_the_job_with_one_line(tmp_path: Path,
@@ -90,7 +86,7 @@ def test_a_refusing_slurmctld_ends_the_job_with_one_line(tmp_path: Path,
     job = checkpoint_then_requeue(jobs, tmp_path, "refuse")
     assert job.wait(40) == 1, job.stdout() + job.stderr()
     assert len(job.scontrol()) >= 3, job.scontrol()
-    last = end_lines(job)[-1]
+    last = job.end_lines()[-1]
     assert "scontrol requeue 77 failed" in last and "Unable to contact slurm controller" in last
     assert "Traceback" not in job.stderr()
 
@@ -108,7 +104,7 @@ def test_a_missing_torchrun_is_the_steps_failure(tmp_path: Path, jobs: list[Job]
     out, err = job.stdout(), job.stderr()
     assert rc == 127, f"rc {rc}: {out}{err}"
     assert out.count("==== bv attempt") == 2, out  # one banner, one end line
-    (last,) = end_lines(job)
+    (last,) = job.end_lines()
     assert "exit 127" in last and "no-such-torchrun" in last, last
     assert "No such file or directory" in last and "no relaunch" in last, last
     assert job.scontrol() == [], job.scontrol()

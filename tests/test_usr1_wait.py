@@ -225,11 +225,7 @@ def test_the_supervisor_passes_the_time_left_and_the_wait_follows(
     job.start().wait_ready()
     asked = time.monotonic()
     os.kill(job.pid, signal.SIGUSR1)
-    deadline = time.monotonic() + 25  # the old 30 s wait cannot make it
-    while not (ended := [ln for ln in job.stdout().splitlines() if " ended: " in ln]):
-        assert job.running(), job.stdout() + job.stderr()
-        assert time.monotonic() < deadline, job.stdout() + job.stderr()
-        time.sleep(0.1)
+    ended = job.wait_end(25)  # the old 30 s wait cannot make it
     took = time.monotonic() - asked
     waited = re.search(r"1 worker\(s\) had no handler for it after (\d+) s", ended[0])
     assert waited is not None, ended[0]
