@@ -211,6 +211,42 @@ def test_recordings_without_the_new_fields_still_evaluate(h100: NodeClass, tmp_p
     assert snap.gpus[0].vbios_version is None and snap.gpus[0].nvlink_state is None
 
 
+def test_recording_with_every_field_evaluates(h100: NodeClass, tmp_path: Path) -> None:
+    """`bv health snapshot` on a real H200 VM on 2026-11-27 (benchmarks/device/run.sh), after
+    issue 11's fields landed: every field the synthetic healthy snapshot has, with real values.
+    That VM's GPU has no NVLink and no NVSwitch fabric: NVML answers an empty NVLink list (its
+    NVLink calls "Not Supported") and fabric state 0 (NOT_SUPPORTED)."""
+    rec = FIXTURES / "nvml-real-h200-1gpu-all-fields.json"
+    real = json.loads(rec.read_text())
+    synthetic = json.loads((FIXTURES / "h100-healthy" / "nvml.json").read_text())
+    assert set(synthetic) <= set(real) and set(real["gpus"][0]) == set(synthetic["gpus"][0])
+    g = real["gpus"][0]
+    assert g["vbios_version"] and g["nvlink_state"] == [] and g["fabric_state"] == 0
+    assert g["errors"]["nvlink_state"] == "Not Supported"
+    assert g["row_remap_histogram"]["max"] > 0 and g["app_clock_sm_mhz"] == 1980
+    one = dataclasses.replace(h100, gpus=1, gpu_model="NVIDIA H200")
+    # In an HGX class (18 NVLinks, NVSwitch) such a GPU is drained: a PCIe card or a VM's
+    # passthrough GPU where NVLinks and a registered fabric are expected.
+    r = run_gpu(one, "h100-healthy", tmp_path, snapshot=rec)
+    assert r.status is Status.CRITICAL, r
+    assert r.summary.startswith("GPU 0 (0000:00:06.0) 0 of 18 NVLinks; GPU 0 (0000:00:06.0) "
+                                "NVLink fabric NOT_SUPPORTED"), r.summary
+    # Without NVLinks but with the H100 SXM's application clocks (site.yaml's h100 class): the
+    # H200's default memory clock (HBM3e) is 3201 MHz, not the H100's 2619.
+    pcie = dataclasses.replace(one, gpu=dataclasses.replace(one.gpu, nvlinks=0, nvswitch=False))
+    r = run_gpu(pcie, "h100-healthy", tmp_path, snapshot=rec)
+    assert r.status is Status.WARNING, r
+    assert r.summary.startswith("GPU 0 (0000:00:06.0) application memory clock 3201 MHz"), r
+    # In a class of such machines, with the H200's clocks: OK, nothing "not reported": every
+    # field was read.
+    pcie = dataclasses.replace(pcie, gpu=dataclasses.replace(pcie.gpu, app_clock_mem_mhz=3201))
+    r = run_gpu(pcie, "h100-healthy", tmp_path, snapshot=rec)
+    assert r.status is Status.OK, r
+    assert r.summary.startswith("1 x NVIDIA H200 OK") and "not reported" not in r.summary, r
+    snap = load_snapshot(rec)
+    assert snap.cuda_driver_version == "13.0" and snap.gpus[0].nvlink_state == ()
+
+
 # -- a live reading without NVLink state (issue 16 §5) ------------------------------------------
 
 
