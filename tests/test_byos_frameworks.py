@@ -40,9 +40,10 @@ class M(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 data = DataLoader(TensorDataset(torch.randn(256, 4), torch.randn(256, 1)), batch_size=4)
-t = L.Trainer(accelerator="cpu", max_steps=6, default_root_dir=sys.argv[1], logger=False,
+t = L.Trainer(accelerator=sys.argv[3], max_steps=6, default_root_dir=sys.argv[1], logger=False,
               enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
 t.fit(M(), data)
+print(f"device={t.strategy.root_device}", flush=True)
 print(f"end_step={t.global_step} callbacks={[type(c).__name__ for c in t.callbacks]}", flush=True)
 """
 
@@ -66,17 +67,18 @@ class Ask(TrainerCallback):
         if state.global_step == 2 and sys.argv[2] == "signal":
             os.kill(os.getpid(), signal.SIGUSR1)  # what bv's node agent sends
 args = TrainingArguments(output_dir=sys.argv[1], max_steps=6, save_steps=1000, report_to=[],
-                         use_cpu=True, disable_tqdm=True, per_device_train_batch_size=4)
+                         use_cpu=sys.argv[3] == "cpu", disable_tqdm=True, per_device_train_batch_size=4)
 t = Trainer(model=M(), args=args, train_dataset=D(), callbacks=[Ask()])
 last = get_last_checkpoint(sys.argv[1]) if os.path.isdir(sys.argv[1]) else None
 t.train(resume_from_checkpoint=last)
+print(f"device={t.args.device}", flush=True)
 print(f"end_step={t.state.global_step} callbacks="
       f"{[type(c).__name__ for c in t.callback_handler.callbacks]}", flush=True)
 """
 
 
-def _run(code: str, out: Path, mode: str, env: dict[str, str]) -> str:
-    proc = subprocess.run([sys.executable, "-c", code, str(out), mode], env=env, cwd=out.parent,
+def _run(code: str, out: Path, mode: str, env: dict[str, str], accel: str = "cpu") -> str:
+    proc = subprocess.run([sys.executable, "-c", code, str(out), mode, accel], env=env, cwd=out.parent,
                           capture_output=True, text=True, timeout=240, check=False)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
@@ -96,36 +98,55 @@ def _need(module: str) -> None:
         pytest.skip(f"{module} is not installed (pip install -e '.[frameworks]')")
 
 
+# On a GPU (`pytest -m gpu` on a lent H100/H200): the same script on CUDA, the framework's
+# checkpoint of CUDA tensors and its resume onto the GPU.
+ACCELERATORS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+def _on(text: str, accel: str) -> None:
+    """The script ran where it was asked to: on CUDA for "gpu"."""
+    device = re.findall(r"^device=(\S+)$", text, re.M)
+    assert device and all(d.startswith("cuda" if accel == "gpu" else "cpu") for d in device), (
+        device, text)
+
+
 @pytest.mark.timeout(600)
-def test_lightning_saves_at_the_signal_and_resumes_there(tmp_path: Path) -> None:
+@pytest.mark.parametrize("accel", ACCELERATORS)
+def test_lightning_saves_at_the_signal_and_resumes_there(tmp_path: Path, accel: str) -> None:
     _need("lightning")
     root = tmp_path / "root"
     env = _env(tmp_path)
-    first = _run(LIGHTNING, root, "signal", env)
+    first = _run(LIGHTNING, root, "signal", env, accel)
+    _on(first, accel)
     assert re.search(r"^start_step=0$", first, re.M)
     stopped = re.search(r"^end_step=(\d+) callbacks=.*'BvCheckpoint'", first, re.M)
     assert stopped and stopped.group(1) == "3", first  # the step the signal came in
     assert sorted(p.name for p in root.iterdir()) == ["hpc_ckpt_1.ckpt"]
-    second = _run(LIGHTNING, root, "run", env)
+    second = _run(LIGHTNING, root, "run", env, accel)
+    _on(second, accel)
     assert re.search(r"^start_step=3$", second, re.M), second  # Lightning's own HPC resume
     assert re.search(r"^end_step=6 ", second, re.M)
     # Off (BV_INTEGRATIONS=0): no callback, and the signal would be SIGUSR1's default.
-    off = _run(LIGHTNING, tmp_path / "off", "run", _env(tmp_path, BV_INTEGRATIONS="0"))
+    off = _run(LIGHTNING, tmp_path / "off", "run", _env(tmp_path, BV_INTEGRATIONS="0"), accel)
     assert "BvCheckpoint" not in off
 
 
 @pytest.mark.timeout(600)
-def test_hf_trainer_saves_at_the_signal_and_resumes_there(tmp_path: Path) -> None:
+@pytest.mark.parametrize("accel", ACCELERATORS)
+def test_hf_trainer_saves_at_the_signal_and_resumes_there(tmp_path: Path, accel: str) -> None:
     _need("transformers")
     out = tmp_path / "out"
-    # As torchrun gives them: Accelerate (under the Trainer) joins a 1-rank gloo group.
+    # As torchrun gives them: Accelerate (under the Trainer) joins a 1-rank group (gloo on a
+    # CPU, NCCL on a GPU).
     env = _env(tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    first = _run(HF, out, "signal", env)
+    first = _run(HF, out, "signal", env, accel)
+    _on(first, accel)
     assert re.search(r"^start_step=0$", first, re.M)
     stopped = re.search(r"^end_step=(\d+) callbacks=.*'BvCheckpointCallback'", first, re.M)
     assert stopped and stopped.group(1) == "3", first
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [
         "checkpoint-3"]
-    second = _run(HF, out, "run", env)
+    second = _run(HF, out, "run", env, accel)
+    _on(second, accel)
     assert re.search(r"^start_step=3$", second, re.M), second  # get_last_checkpoint
     assert re.search(r"^end_step=6 ", second, re.M)
