@@ -5,7 +5,7 @@
     echo /tmp/old-wt > "$(/tmp/oldenv/bin/python -c 'import site; print(site.getsitepackages()[0])')/old.pth"
     python benchmarks/ab_health.py --old-repo /tmp/old-wt --old-python /tmp/oldenv/bin/python
 
-Each side runs `python -m bluevela.hooks prolog` exactly as bench_health does (bare
+Each side runs `python -I -m bluevela.hooks prolog` as the shims do and bench_health does (bare
 environment, its own hook.env pointing at its own site.yaml and healthy H100 fixture, a fresh
 nccl mark so only the quick tier runs), alternating old/new run by run, so both see the same
 machine load. Prints p50/p95 per side and the new/old ratio of the p50s with the spread of the
@@ -44,7 +44,9 @@ def _run(py: str, hook_env: Path, spool: Path, job: int) -> tuple[float, float]:
     env = {"BV_HOOK_ENV": str(hook_env), "SLURMD_NODENAME": "gpu001",
            "SLURM_JOB_ID": str(job), "SLURM_JOB_USER": "bench"}
     t0 = time.perf_counter()
-    subprocess.run([py, "-m", "bluevela.hooks", "prolog"], env=env, check=True,
+    # As the prolog_epilog/ shims exec it: `python -I -m` from `/` (started without -I, the
+    # hook re-executes itself isolated: a second interpreter start no node pays).
+    subprocess.run([py, "-I", "-m", "bluevela.hooks", "prolog"], env=env, check=True,
                    capture_output=True, cwd="/")
     wall = time.perf_counter() - t0
     report = json.loads((spool / f"{job}.gpu001.prolog.json").read_text())

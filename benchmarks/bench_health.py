@@ -52,7 +52,9 @@ def figures(args: argparse.Namespace) -> Iterator[Figure]:
     with tempfile.TemporaryDirectory(prefix="bv-bench-health-") as d:
         tmp = Path(d)
         hook_env = _node(tmp)
-        prolog = [PY, "-m", "bluevela.hooks", "prolog"]
+        # As the prolog_epilog/ shims exec it (without -I the hook re-executes itself
+        # isolated: a second interpreter start that no node pays).
+        prolog = [PY, "-I", "-m", "bluevela.hooks", "prolog"]
         times, checks = [], []
         for i in range(1, n + 1):
             env = {"BV_HOOK_ENV": str(hook_env), "SLURMD_NODENAME": "gpu001",
