@@ -14,21 +14,26 @@ replaces the loop's two accelerator-bound pieces: ``train_step`` (a real AdamW s
 device after the first step). It still calls the wrapped ``__init__`` once, to see bv's
 handler installed before torchtitan's own build runs.
 
-torchtitan is not a test extra (installing it moves datasets, huggingface_hub and fsspec
-versions the rest of the suite uses: docs/byos.md), so these tests skip unless it is
-installed; run them in a virtualenv that has it (docs/byos.md, "torchtitan").
+Which Python runs torchtitan: torchtitan 0.3.0 is not a test extra (its requirements would move
+huggingface_hub, fsspec and datasets under the rest of the suite: docs/byos.md, "torchtitan"),
+so slurm/install-deps builds a virtualenv apart, over the system's site-packages
+(/opt/bluevela-ci/torchtitan-venv, the set in slurm/torchtitan-venv.txt), and the torchrun
+ranks and the version-gate script run in its Python. In order: this Python when it has
+torchtitan and triton; else ``$BV_TORCHTITAN_PYTHON`` (tests/run sets it to the virtualenv's:
+set, it must have them, or the tests fail); else that virtualenv when it exists; else the
+tests that need torchtitan skip, saying so. The version range needs none.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
 import warnings
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -36,8 +41,14 @@ from bluevela import integrations
 from bluevela.runtime.world import training_env
 from tests.conftest import REPO
 
-NEED = ("torchtitan is not installed here (it is not a test extra: see docs/byos.md, "
-        "'torchtitan'; run this file in a virtualenv with `pip install torchtitan triton`)")
+# slurm/install-deps builds it (BV_TORCHTITAN_VENV elsewhere; tests/run passes its Python on).
+VENV_PYTHON = Path("/opt/bluevela-ci/torchtitan-venv/bin/python")
+NEED = ("torchtitan is not installed here (not a test extra) and there is no torchtitan "
+        f"virtualenv ({VENV_PYTHON}: `slurm/install-deps` builds it as root, or point "
+        "BV_TORCHTITAN_PYTHON at a Python with torchtitan 0.3 and triton; docs/byos.md, "
+        "'torchtitan')")
+HAS = ("import importlib.util as u, sys; "
+       "sys.exit(not all(u.find_spec(m) for m in ('torchtitan', 'triton')))")
 
 LOOP = """
 import os, signal, sys, torch
@@ -103,15 +114,65 @@ trainer.close()
 dist.destroy_process_group()
 """
 
+# The version gate on a Trainer without the loop condition, in torchtitan's Python (a fresh
+# interpreter: no warning given before, no start-up hook).
+UNKNOWN = """
+import json, warnings, torchtitan
+from types import ModuleType
+from bluevela import integrations
+from bluevela.integrations import torchtitan as bv_torchtitan
 
-def _need_trainer() -> None:
-    pytest.importorskip("torchtitan", reason=NEED)
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("torchtitan.trainer imports triton (its models' kernels): not installed")
+class Trainer:  # stands for a reshaped torchtitan Trainer: no loop condition
+    def __init__(self, config): ...
+    def train(self): ...
+
+module = ModuleType("torchtitan.trainer")
+module.Trainer = Trainer
+installed = torchtitan.__version__
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    torchtitan.__version__ = "0.4.0"
+    results = [bv_torchtitan.patch(module)]
+    torchtitan.__version__ = integrations.TESTED["torchtitan"]
+    results += [bv_torchtitan.patch(module), bv_torchtitan.patch(module)]
+print(json.dumps({"installed": installed, "patched": results,
+                  "messages": [str(w.message) for w in caught],
+                  "marked": hasattr(Trainer, "_bv_patched")}))
+"""
 
 
-def _torchrun(tmp_path: Path, nproc: int, *args: str) -> str:
-    """`torchrun --nproc-per-node=nproc LOOP args` with bv's training environment; its output."""
+def _has_torchtitan(python: str) -> bool:
+    return subprocess.run([python, "-c", HAS], capture_output=True, timeout=60,
+                          check=False).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def titan_python() -> str:
+    """The Python that has torchtitan and triton (the module docstring's order), or a skip."""
+    if all(importlib.util.find_spec(m) for m in ("torchtitan", "triton")):
+        return sys.executable
+    named = os.environ.get("BV_TORCHTITAN_PYTHON")
+    if named:
+        assert Path(named).is_file() and _has_torchtitan(named), (
+            f"BV_TORCHTITAN_PYTHON={named}: no torchtitan and triton there (slurm/install-deps)")
+        return named
+    if VENV_PYTHON.is_file() and _has_torchtitan(str(VENV_PYTHON)):
+        return str(VENV_PYTHON)
+    pytest.skip(NEED)
+
+
+def _run(python: str, argv: list[str], env: dict[str, str], cwd: Path) -> str:
+    proc = subprocess.run([python, *argv], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=400, check=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert "Traceback" not in text, text
+    return text
+
+
+def _torchrun(python: str, tmp_path: Path, nproc: int, *args: str) -> str:
+    """`torchrun --nproc-per-node=nproc LOOP args` in `python`, with bv's training
+    environment; its output."""
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "BV_", "PL_"))}
@@ -121,13 +182,8 @@ def _torchrun(tmp_path: Path, nproc: int, *args: str) -> str:
                  "SLURM_JOB_NODELIST": "node[1-2]", "OMP_NUM_THREADS": "1"})
     argv = ["torchrun", f"--nproc-per-node={nproc}", "--standalone", str(script), *args]
     env = training_env(base, argv)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv[1:]], env=env,
-                          cwd=tmp_path, capture_output=True, text=True, timeout=400,
-                          check=False)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text
-    assert "Traceback" not in text, text
-    return text
+    # torchrun starts its ranks with its own interpreter: `python`'s.
+    return _run(python, ["-m", "torch.distributed.run", *argv[1:]], env, tmp_path)
 
 
 def _seen(text: str, rank: int, name: str) -> str | None:
@@ -140,16 +196,19 @@ def _steps(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if (p / ".metadata").is_file())
 
 
-@pytest.mark.timeout(900)
-def test_ranks_agree_save_at_the_signal_and_torchtitan_resumes_there(tmp_path: Path) -> None:
-    """Two ranks; SIGUSR1 to rank 1 only during step 3: both stop after step 3, torchtitan's
-    ``step-3`` holds both ranks' shards, exit 0. The next run resumes at 3 by torchtitan's own
-    load; SIGUSR1 to rank 0 during step 4, a step its interval (2) saves: it stops there without
-    a second save. A third run finishes at 6, and its weights are those of a run that was never
-    stopped."""
-    _need_trainer()
+@pytest.mark.timeout(1500)
+def test_ranks_agree_save_at_the_signal_and_torchtitan_resumes_there(
+        titan_python: str, tmp_path: Path) -> None:
+    """Four torchruns (each costs its ranks' torchtitan import, so the cases share them).
+    1: SIGUSR1 to rank 1 only during step 3: both stop after step 3, torchtitan's ``step-3``
+    holds both ranks' shards, exit 0. 2: resumes at 3 by torchtitan's own load; SIGUSR1 to
+    rank 0 during step 4, a step its interval (2) saves: it stops there without a second save.
+    3: resumes at 4, armed and never signalled: runs to 6 and bv never stops it. 4: one rank,
+    ``checkpoint.enable`` off: armed (the Trainer is wrapped) but no handler installed (so bv's
+    node agent gives the job torchrun's SIGTERM stop instead), no checkpoint written, the loop
+    runs to its end; its weights, never stopped, are those of 1-3, stopped twice."""
     out = tmp_path / "out"
-    first = _torchrun(tmp_path, 2, str(out), "100", "1", "1", "3")
+    first = _torchrun(titan_python, tmp_path, 2, str(out), "100", "1", "1", "3")
     for rank in (0, 1):
         assert _seen(first, rank, "patched") == "True", first
         assert _seen(first, rank, "handler") == "True", first  # before torchtitan's __init__
@@ -163,59 +222,48 @@ def test_ranks_agree_save_at_the_signal_and_torchtitan_resumes_there(tmp_path: P
     assert sorted(p.name for p in (ckpt / "step-3").glob("*.distcp")) == [
         "__0_0.distcp", "__1_0.distcp"]
 
-    second = _torchrun(tmp_path, 2, str(out), "2", "1", "0", "4")
+    second = _torchrun(titan_python, tmp_path, 2, str(out), "2", "1", "0", "4")
     for rank in (0, 1):
         assert _seen(second, rank, "start_step") == "3", second  # torchtitan's own resume
         assert _seen(second, rank, "end_step") == "4", second
     assert "bv: checkpoint requested (SIGUSR1): step 4 saved by its interval" in second, second
     assert _steps(ckpt) == ["step-3", "step-4"]
 
-    third = _torchrun(tmp_path, 2, str(out), "100", "1", "0", "99")
-    assert _seen(third, 0, "start_step") == "4" and _seen(third, 0, "end_step") == "6", third
-    assert _seen(third, 0, "stopped_at") == "None"
+    third = _torchrun(titan_python, tmp_path, 2, str(out), "100", "1", "0", "99")
+    for rank in (0, 1):
+        assert _seen(third, rank, "handler") == "True", third
+        assert _seen(third, rank, "start_step") == "4", third
+        assert _seen(third, rank, "end_step") == "6", third
+        assert _seen(third, rank, "stopped_at") == "None", third
     assert "bv: checkpoint requested" not in third
 
-    straight = _torchrun(tmp_path, 2, str(tmp_path / "straight"), "100", "1", "0", "99")
-    assert _seen(straight, 0, "weight") == _seen(third, 0, "weight"), (straight, third)
-
-
-@pytest.mark.timeout(600)
-def test_checkpointing_off_installs_nothing_and_never_stops(tmp_path: Path) -> None:
-    """``checkpoint.enable`` off: armed (the Trainer is wrapped) but no handler is installed, so
-    bv's node agent gives the job torchrun's SIGTERM stop instead; the loop runs to its end."""
-    _need_trainer()
-    text = _torchrun(tmp_path, 1, str(tmp_path / "out"), "100", "0", "0", "99")
-    assert _seen(text, 0, "patched") == "True", text
-    assert _seen(text, 0, "handler") == "False", text
-    assert _seen(text, 0, "end_step") == "6", text
-    assert not (tmp_path / "out" / "checkpoint").exists()
+    straight = tmp_path / "straight"
+    # One rank: no collective in this loop, so one rank's weights are each rank's.
+    off = _torchrun(titan_python, tmp_path, 1, str(straight), "100", "0", "0", "99")
+    assert _seen(off, 0, "patched") == "True", off
+    assert _seen(off, 0, "handler") == "False", off
+    assert _seen(off, 0, "start_step") == "0", off
+    assert _seen(off, 0, "end_step") == "6", off
+    assert _seen(off, 0, "stopped_at") == "None", off
+    assert "bv: checkpoint requested" not in off
+    assert not (straight / "checkpoint").exists()
+    weight = _seen(third, 0, "weight")
+    assert weight is not None and _seen(off, 0, "weight") == weight, (off, third)
 
 
 def test_unknown_torchtitan_is_one_warning_and_no_integration(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    torchtitan = pytest.importorskip("torchtitan", reason=NEED)
-    from bluevela.integrations import torchtitan as bv_torchtitan
-
-    class Trainer:  # stands for a reshaped torchtitan Trainer: no loop condition
-        def __init__(self, config: object) -> None: ...
-        def train(self) -> None: ...
-
-    module = ModuleType("torchtitan.trainer")
-    module.Trainer = Trainer  # type: ignore[attr-defined]
-    integrations._warned.discard("torchtitan")
-    integrations._warned.discard("torchtitan.trainer")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        monkeypatch.setattr(torchtitan, "__version__", "0.4.0")
-        assert not bv_torchtitan.patch(module)
-        monkeypatch.setattr(torchtitan, "__version__", integrations.TESTED["torchtitan"])
-        assert not bv_torchtitan.patch(module)
-        assert not bv_torchtitan.patch(module)
-    messages = [str(w.message) for w in caught]
+        titan_python: str, tmp_path: Path) -> None:
+    """torchtitan 0.4.0: one warning, no integration; the tested version with a Trainer that
+    has no ``should_continue_training``: one warning (not one per call), no integration."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    got = json.loads(_run(titan_python, ["-c", UNKNOWN], env, tmp_path).splitlines()[-1])
+    assert got["installed"] == integrations.TESTED["torchtitan"], got  # the tested version ran
+    assert got["patched"] == [False, False, False], got
+    messages = got["messages"]
     assert len(messages) == 2, messages
     assert "torchtitan 0.4.0 is not a version" in messages[0]
     assert "has no should_continue_training" in messages[1]
-    assert not hasattr(Trainer, "_bv_patched")
+    assert not got["marked"]
 
 
 def test_torchtitan_version_range() -> None:
