@@ -65,7 +65,7 @@ def test_a_pickle_that_runs_code_is_refused(tmp_path: Path, protocol: int) -> No
 
 def test_install_puts_the_guard_where_torch_unpickles(tmp_path: Path) -> None:
     dr = pytest.importorskip("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
-    saved = dr.pickle
+    saved = dr.pickle, dr.get_method_name
     try:
         install()
         assert dr.pickle is not pickle and dr.pickle.loads is loads
@@ -74,7 +74,37 @@ def test_install_puts_the_guard_where_torch_unpickles(tmp_path: Path) -> None:
             dr.pickle.loads(pickle.dumps(Payload(tmp_path / "x")))
         assert guarded_pickle().UnpicklingError is pickle.UnpicklingError
     finally:
-        dr.pickle = saved
+        dr.pickle, dr.get_method_name = saved
+
+
+def test_install_names_rendezvous_events_without_inspect_stack(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's get_method_name (the name of every rendezvous event) calls inspect.stack(),
+    which reads a source line for every frame; under the guard's `python -m` each of runpy's
+    frozen frames costs a scan of every loaded module (~3 ms a call, two per event, a dozen
+    events on each node's way to its ranks: issue 23's slower relaunch). The guard's gives torch's names from the
+    frames themselves."""
+    dr = pytest.importorskip("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+    import inspect
+
+    saved = dr.pickle, dr.get_method_name
+    torchs = dr.get_method_name
+
+    def record(name_of: object) -> str:  # as torch's _record(): get_method_name()
+        return name_of()  # type: ignore[operator,no-any-return]
+
+    def join_op(name_of: object) -> str:  # the function whose name the event carries
+        return record(name_of)
+
+    try:
+        install()
+        assert dr.get_method_name is not torchs
+        assert join_op(dr.get_method_name) == join_op(torchs) == "join_op"
+        assert dr.get_method_name(10_000) == torchs(10_000) == "no_method_name"
+        monkeypatch.setattr(inspect, "stack", lambda *a, **k: pytest.fail("inspect.stack"))
+        assert join_op(dr.get_method_name) == "join_op"
+    finally:
+        dr.pickle, dr.get_method_name = saved
 
 
 def _script(path: Path, body: str) -> Path:

@@ -96,6 +96,21 @@ def install() -> None:
         raise ImportError(f"{RENDEZVOUS_MODULE} no longer unpickles through `pickle`: "
                           "bv's guard does not know this torch")
     module.pickle = guarded_pickle()  # type: ignore[attr-defined]
+    if callable(getattr(module, "get_method_name", None)):
+        module.get_method_name = method_name  # type: ignore[attr-defined]
+
+
+def method_name(depth: int = 2) -> str:
+    """torch's ``dynamic_rendezvous.get_method_name`` (the name of the function `depth` frames
+    up, for its rendezvous events) without ``inspect.stack()``, which reads a source line for
+    every frame. Under ``python -m`` the stack holds runpy's frozen frames, and inspect looks
+    each up by a scan of every loaded module (over 1,000 with torch): ~3 ms a call, two calls
+    per event, a dozen events on each node's way through the rendezvous, before any rank
+    starts (the plain ``torchrun`` script has no such frame)."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:  # fewer frames than that: what torch's own returns then
+        return "no_method_name"
 
 
 @dataclasses.dataclass(frozen=True)
