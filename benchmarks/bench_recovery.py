@@ -230,9 +230,23 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
             if name == "resumed":
                 m = RESUMED.match(hit[1])
                 run.resumed_step = int(m.group(1)) if m else None
+        tail.poll()
+        _trace(run, tail, checkout)
         return run
     finally:
         _settle(env, job.group(1), crashed)
+
+
+def _trace(run: Run, tail: Tail, checkout: Path | None) -> None:
+    """With BV_BENCH_TRACE=DIR: the job's output lines up to the resumed one, each with its
+    time after the crash (LOGLEVEL=INFO in the environment adds torchrun's phases)."""
+    where = os.environ.get("BV_BENCH_TRACE")
+    if not where:
+        return
+    side = checkout.name if checkout is not None else "this"
+    with open(Path(where) / f"{run.job}-{side}.txt", "w") as fh:
+        for t, line in tail.lines:
+            fh.write(f"{t - run.crash_at:8.3f} {line}\n")
 
 
 BARE = """#!/bin/bash
