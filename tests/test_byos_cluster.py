@@ -14,11 +14,12 @@ The first two attempts end at Slurm's time limit: the job trains more steps (STE
 timer and the ranks' start-up (10-40 s on this machine), 1 to 6 more allocations of ~50 s; so
 once two attempts ended at the limit the test lengthens the job's limit to LAST_LIMIT_MIN
 (`scontrol update TimeLimit`, an operator's move) and the next allocation trains to the end.
-In it, once the ranks train, a training node crashes (`devcluster crash`): the step is
-relaunched on the spare in the same allocation within 10 s and resumes from the framework's
-checkpoint of the last signal. The Accelerate job then also takes one operator `bv requeue`
-(`scancel --batch --signal=USR1`: the same SIGUSR1 path, at a moment the test picks, far from
-the limit) once the relaunched ranks train; that attempt is not counted among Slurm's.
+The Accelerate job then takes one operator `bv requeue` (`scancel --batch --signal=USR1`: the
+same SIGUSR1 path, at a moment the test picks, far from the limit) once its ranks train; that
+attempt is not counted among Slurm's, and it too must lose 0 steps. Then, in the next attempt
+that trains (the last allocation: none comes after it on the revived node), a training node
+crashes (`devcluster crash`): the step is relaunched on the spare in the same allocation within
+10 s and resumes from the framework's checkpoint of the last signal.
 
 Every rank of every attempt prints the Slurm names it sees: they describe the training step
 (2 nodes, its node list, its task count, its own rank), not the 3-node allocation. No attempt
@@ -265,20 +266,20 @@ def _training_before_signal(watch: Watch, first: int) -> int:
 
 
 def _drive(devcluster: DevCluster, watch: Watch, fw: Framework) -> tuple[Crash, list[int]]:
-    """Two of Slurm's time limits, the longer limit, the crash, the operator's requeue if the
-    framework takes one, and the job to its end: the crash and the attempts the test requeued
-    (0-based)."""
+    """Two of Slurm's time limits, the longer limit, the operator's requeue if the framework
+    takes one, the crash, and the job to its end: the crash and the attempts the test
+    requeued (0-based)."""
     crash, operator = Crash(), list[int]()
     try:
         watch.until("two attempts ended at Slurm's time limit",
                     lambda t: len(_at_limit(t, operator)) >= 2, 900)
-        banners = BANNER.findall(watch.text())
-        job = banners[0][1]
+        text = watch.text()
+        job = BANNER.findall(text)[0][1]
         devcluster.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={LAST_LIMIT_MIN}"])
         # The operator's requeue, then the crash, each in the first attempt of a longer
         # allocation that trains: Slurm's next signal is minutes away. No allocation comes
         # after the crash (its node revived: slurmd restarted).
-        first = len(banners) + 1
+        first = _at_limit(text, operator)[1] + 2  # the attempt after the second limit's
         if fw.operator_requeue:
             n = _training_before_signal(watch, first)
             assert f"job {job}: checkpoint requested" in devcluster.bv("requeue", job).stdout
