@@ -22,7 +22,9 @@ the Popen of the first torchrun:
 
   rank exec (torchrun started, rendezvous done, the worker spawned) -> script start (the
   interpreter and site, the start-up hook on the new side) -> torch imported -> process group
-  -> DDP + first all_reduce -> resume line.
+  -> DDP + first all_reduce -> resume line; and CPU seconds: torchrun's own at its rank's exec
+  (its start and the rendezvous), the rank's at each mark (steadier than wall time on a shared
+  machine).
 
 Pairs alternate the order (old first in even pairs). A measurement that prints, not a test.
 """
@@ -191,8 +193,6 @@ def run_once(side: str, checkout: Path, script: Path, n: int) -> dict[str, float
             t = time.time()
             line = raw.decode("utf-8", "replace")
             lines.append(f"[{node}] {line.rstrip()}")
-            if os.environ.get("BV_AB_ECHO") and "EXP" in line:
-                print(f"[{node}] {line.rstrip()}", flush=True)
             m = re.search(r"bvphase (\w+) ([\d.]+) ([\d.]+)", line)
             if m:
                 note(f"{m.group(1)}.{node}", float(m.group(2)))
@@ -238,17 +238,21 @@ def run_once(side: str, checkout: Path, script: Path, n: int) -> dict[str, float
     return {**{k: v - t0 for k, v in marks.items()}, **cpu}
 
 
-PHASES = ["torchrun", "rdzv_start", "rdzv_done", "exec", "script", "torch", "group", "ddp", "resumed"]
+PHASES = ["torchrun", "rdzv_start", "rdzv_done", "exec", "script", "torch", "group", "ddp",
+          "resumed"]
+CPU = ["cpu_exec", "cpu_script", "cpu_torch", "cpu_group", "cpu_resumed"]
 
 
 def summary(runs: list[dict[str, float]]) -> dict[str, float]:
-    """Per run: each phase's time as the later of the two nodes (the step waits for both)."""
+    """Per run: each phase's time as the later of the two nodes (the step waits for both),
+    each CPU figure as the mean of the two."""
     out: dict[str, list[float]] = {}
     for r in runs:
-        for ph in PHASES:
+        for ph in PHASES + CPU:
             vals = [r[f"{ph}.{i}"] for i in (0, 1) if f"{ph}.{i}" in r]
             if vals:
-                out.setdefault(ph, []).append(max(vals))
+                out.setdefault(ph, []).append(max(vals) if ph in PHASES
+                                              else statistics.mean(vals))
     return {ph: statistics.median(v) for ph, v in out.items()}
 
 
@@ -257,8 +261,6 @@ def main() -> int:
     ap.add_argument("--old", type=Path, required=True)
     ap.add_argument("--new", type=Path, default=REPO)
     ap.add_argument("--pairs", type=int, default=6)
-    ap.add_argument("--new-as", choices=["new", "old"], default="new",
-                    help="start the new checkout's ranks the old way (isolates the launch)")
     args = ap.parse_args()
     if shutil.which("torchrun") is None:
         print("no torchrun on PATH", file=sys.stderr)
@@ -273,8 +275,7 @@ def main() -> int:
             got = {}
             for side in order:
                 checkout = args.old if side == "old" else args.new
-                how = side if side == "old" else args.new_as
-                got[side] = run_once(how, checkout, script, pair * 2 + (side == "new"))
+                got[side] = run_once(side, checkout, script, pair * 2 + (side == "new"))
                 runs[side].append(got[side])
             r_old = max(got["old"][f"resumed.{i}"] for i in (0, 1))
             r_new = max(got["new"][f"resumed.{i}"] for i in (0, 1))
@@ -289,6 +290,9 @@ def main() -> int:
             print(f"{ph:<32} {so[ph]:>7.3f} {sn[ph]:>7.3f} {sn[ph] - so[ph]:>+7.3f}   "
                   f"step {so[ph] - prev_o:>6.3f} {sn[ph] - prev_n:>6.3f}")
             prev_o, prev_n = so[ph], sn[ph]
+    for ph in CPU:
+        if ph in so and ph in sn:
+            print(f"{ph:<32} {so[ph]:>7.3f} {sn[ph]:>7.3f} {sn[ph] - so[ph]:>+7.3f}   (CPU s)")
     print(f"\nresume line new/old: median {statistics.median(ratios):.2f} "
           f"range {min(ratios):.2f}-{max(ratios):.2f} ({len(ratios)} pairs)")
     return 0
