@@ -48,10 +48,10 @@ pytestmark = [pytest.mark.cluster]
 EXAMPLES = REPO / "examples" / "byos"
 DEVCLUSTER = REPO / "slurm" / "devcluster"
 BANNER = re.compile(r"^==== bv attempt (\d+) job (\S+) nodes (\S+) previous: (.*) ====$", re.M)
-# Steps of 0.3 s: more than two 2-minute allocations can train (each at most ~52 s: Slurm's
-# signal at most 60 s after the start, the ranks' start-up at least ~8 s), so the job cannot
-# end before its second time limit.
-STEPS = 380
+# Steps of 0.3 s: more than two 2-minute allocations can train (each at most ~53 s, ~165
+# steps: Slurm's signal at most 60 s after the start, the ranks' start-up at least 7 s), so
+# the job cannot end before its second time limit (the most seen in two: 247).
+STEPS = 400
 STEP_S = 0.3
 
 
