@@ -169,10 +169,6 @@ def tracebacks(text: str) -> list[str]:
             in line or "Error waiting on exit barrier" in line]
 
 
-def _ends(text: str) -> list[str]:
-    return re.findall(r"^==== bv attempt \d+ ended: (.*) ====$", text, re.M)
-
-
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("framework", list(FRAMEWORKS))
 def test_framework_job_checkpoints_at_the_time_limit_and_resumes_on_the_spare(
@@ -199,13 +195,14 @@ def test_framework_job_checkpoints_at_the_time_limit_and_resumes_on_the_spare(
                      + "".join(f"  {row}\n" for row in timeline))
     assert proc.returncode == 0, (err.read_text(), text)
     info = json.loads(out.read_text())
-    parts = [p.text for p in split_attempts(text)]
+    attempts = split_attempts(text)
+    parts = [p.text for p in attempts]
     banners = BANNER.findall(text)
     # Every attempt but the last ended at bv's signal (Slurm's own at the time limit, or the
     # test's `bv requeue`) with exit 0 on every rank, and the next one started where it
     # stopped: 0 steps lost; but the crashed one, which lost its node, and the next one ran
     # on the spare.
-    ends = [(_ends(p) or [""])[0] for p in parts]
+    ends = [p.ended for p in attempts]
     signalled = [n for n in range(len(parts) - 1) if ends[n] == SIGNAL_END]
     at_limit = _at_limit(text, operator)
     detail = (info, crash, operator, list(enumerate(ends, start=1)), timeline, text[-20000:])
