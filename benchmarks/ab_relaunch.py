@@ -37,7 +37,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from bluevela.bench.dist import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -145,12 +146,6 @@ def _worker(pid: int, script: Path) -> int | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _clean_env(checkout: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("BV_", "PET_", "SLURM_"))}
@@ -177,7 +172,7 @@ def commands(side: str, checkout: Path, script: Path, port: int, node: int,
 
 
 def run_once(side: str, checkout: Path, script: Path, n: int) -> dict[str, float]:
-    port = _free_port()
+    port = free_port()
     cmds = [commands(side, checkout, script, port, node, f"bench{n}") for node in (0, 1)]
     marks: dict[str, float] = {}
     cpu: dict[str, float] = {}  # CPU seconds: torchrun's own at its rank's exec, the rank's

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,18 +55,14 @@ def _samples(text: str) -> list[tuple[str, dict[str, str]]]:
             for s in fam.samples]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _node_exporter_samples(textfile_dir: Path) -> tuple[int, float] | None:
     """(bluevela samples, node_textfile_scrape_error) as the real node_exporter serves them."""
     exe = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
     if exe is None:
         return None
-    port = _free_port()
+    from bluevela.bench.dist import free_port
+
+    port = free_port()
     proc = subprocess.Popen([exe, f"--web.listen-address=127.0.0.1:{port}",
                              "--collector.disable-defaults", "--collector.textfile",
                              f"--collector.textfile.directory={textfile_dir}"],
