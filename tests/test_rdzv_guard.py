@@ -82,8 +82,8 @@ def test_install_names_rendezvous_events_without_inspect_stack(
     """torch's get_method_name (the name of every rendezvous event) calls inspect.stack(),
     which reads a source line for every frame; under the guard's `python -m` each of runpy's
     frozen frames costs a scan of every loaded module (~3 ms a call, two per event, a dozen
-    events on each node's way to its ranks: issue 23's slower relaunch). The guard's gives torch's names from the
-    frames themselves."""
+    events on each node's way to its ranks: issue 23's slower relaunch). The guard's version gives
+    torch the same names from the frames themselves."""
     dr = pytest.importorskip("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
     import inspect
 
