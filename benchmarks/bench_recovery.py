@@ -42,6 +42,13 @@ pairs and new first in odd ones. Two figures come from each run:
 
 Each ratio is the median of the per-pair new/old ratios, with their range.
 
+``BV_BENCH_CPU=1``: every process's CPU time is sampled during each run (`_procsample`), and
+the CPU seconds each kind of process (supervisor, agent, torchrun, rank, srun, slurmstepd, ...)
+used in the launch (job started -> first rank line) and the relaunch (crash -> resumed) are
+printed per run and as medians per side. The dev cluster's three nodes share this machine's
+cores, so a side that costs more CPU is slower here. ``benchmarks/ab_launch.py`` times the
+first launch alone, many more pairs in the same time.
+
 The node hooks are on the submit path (``PrologFlags=Alloc``: the job starts when every node's
 prolog is done). By default (``BV_BENCH_SIDE_HOOKS=1``) each side runs its OWN hooks: the dev
 cluster is brought up with ``BV_DEVCLUSTER_HOOKS`` naming a symlink that is switched to the
@@ -67,6 +74,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _common import PY, REPO, Figure, devcluster_env
+from _procsample import ProcSampler
 
 DEVCLUSTER = str(REPO / "slurm" / "devcluster")
 EXAMPLE = str(REPO / "examples" / "train_ddp.py")
@@ -91,6 +99,8 @@ class Run:
     resumed_step: int | None = None
     error: str | None = None
     job: str = ""
+    # BV_BENCH_CPU=1: window ("launch", "relaunch") -> role -> CPU seconds (_procsample)
+    cpu: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -192,6 +202,9 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
     else:
         env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     ckpt = work / "ckpt"
+    sampler = ProcSampler() if os.environ.get("BV_BENCH_CPU") == "1" else None
+    if sampler is not None:
+        sampler.__enter__()
     t0 = time.monotonic()
     out = subprocess.run(
         [PY, "-m", "bluevela", "submit", "-N", "2", "--spare-nodes", "1" if spare else "0",
@@ -232,9 +245,27 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
                 run.resumed_step = int(m.group(1)) if m else None
         tail.poll()
         _trace(run, tail, checkout)
+        if sampler is not None:
+            sampler.__exit__()
+            _cpu_windows(run, sampler, submitted)
         return run
     finally:
+        if sampler is not None:
+            sampler.__exit__()
         _settle(env, job.group(1), crashed)
+
+
+def _cpu_windows(run: Run, sampler: ProcSampler, submitted: float) -> None:
+    """BV_BENCH_CPU=1: CPU seconds by role in the launch (job started -> first rank line) and
+    the relaunch (crash -> resumed); "busy": all cores' non-idle seconds."""
+    windows = {}
+    if "job started" in run.start and "first rank line" in run.start:
+        windows["launch"] = (submitted + run.start["job started"],
+                             submitted + run.start["first rank line"])
+    if "resumed" in run.phases:
+        windows["relaunch"] = (run.crash_at, run.crash_at + run.phases["resumed"])
+    for name, (a, b) in windows.items():
+        run.cpu[name] = {**sampler.cpu_by_role(a, b), "busy": sampler.busy(a, b)}
 
 
 def _trace(run: Run, tail: Tail, checkout: Path | None) -> None:
@@ -406,6 +437,15 @@ def _before_after(env: dict[str, str], old: Path, pairs: int,
         return (f"{len(rs)} interleaved pairs; per-pair range {min(rs):.2f}-{max(rs):.2f}"
                 if rs else "no complete pair")
 
+    for window in ("launch", "relaunch"):
+        for which in ("old", "new"):
+            got = [r.cpu[window] for r in runs[which] if window in r.cpu]
+            if got:
+                roles = sorted({k for g in got for k in g})
+                print(f"recovery: {which} CPU s in the {window} (median of {len(got)}): "
+                      + ", ".join(f"{k} {statistics.median(g.get(k, 0.0) for g in got):.2f}"
+                                  for k in roles), flush=True)
+
     where = {"old": str(old), "new": str(new or "this checkout")}
     hooks_note = "each side's own hooks" if hooks is not None else "the cluster's hooks"
     for which in ("old", "new"):
@@ -461,6 +501,10 @@ def _pair(env: dict[str, str], old: Path, new: Path | None, example: str,
             f"{k} {v:.1f} s" for k, v in run.phases.items()) + "; submit " + ", ".join(
             f"{k} {v:.2f} s" for k, v in run.start.items())
             + (f" (ERROR {run.error})" if run.error else ""), flush=True)
+        for window, roles in run.cpu.items():
+            print(f"recovery: pair {i + 1} ({which}) CPU s in the {window}: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in sorted(roles.items(), key=lambda kv: -kv[1])),
+                flush=True)
         if not run.error:
             pair[which] = run
     return pair
