@@ -11,10 +11,12 @@ sides of a comparison). Linux only; a process that lives less than `every_s` may
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -37,9 +39,15 @@ def role(cmdline: str, comm: str) -> str:
     if comm in ("srun", "slurmstepd", "slurmd", "slurmctld", "munged", "sbatch", "scontrol",
                 "squeue"):
         return comm
-    if "bench_recovery" in cmdline or "benchmarks/run.py" in cmdline:
+    if "benchmarks/" in cmdline:  # this measurement itself (run.py, ab_launch.py)
         return "benchmark"
     return "other"
+
+
+def _at(samples: Sequence[tuple[float, float]], t: float, before: float) -> float:
+    """The value of the last (time, value) sample at or before `t`; `before` when none is."""
+    i = bisect.bisect_right(samples, t, key=lambda sample: sample[0])
+    return samples[i - 1][1] if i else before
 
 
 @dataclass
@@ -52,12 +60,7 @@ class Proc:
 
     def ticks_at(self, t: float) -> int:
         """Ticks used by monotonic time `t` (the last sample at or before it; 0 before)."""
-        got = 0
-        for when, ticks in self.samples:
-            if when > t:
-                break
-            got = ticks
-        return got
+        return int(_at(self.samples, t, 0))
 
 
 class ProcSampler:
@@ -68,13 +71,21 @@ class ProcSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def __enter__(self) -> ProcSampler:
+    def start(self) -> None:
         self._thread.start()
+
+    def stop(self) -> None:
+        """Ends the sampling (again: nothing); read the figures only after this."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def __enter__(self) -> ProcSampler:
+        self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        self.stop()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -126,11 +137,6 @@ class ProcSampler:
 
     def busy(self, t0: float, t1: float) -> float:
         """Seconds of all cores not idle between t0 and t1 (from /proc/stat)."""
-        def idle_at(t: float) -> float:
-            got = self.idle[0][1] if self.idle else 0.0
-            for when, idle in self.idle:
-                if when > t:
-                    break
-                got = idle
-            return got
-        return (os.cpu_count() or 1) * (t1 - t0) - (idle_at(t1) - idle_at(t0))
+        first = self.idle[0][1] if self.idle else 0.0
+        idle = _at(self.idle, t1, first) - _at(self.idle, t0, first)
+        return (os.cpu_count() or 1) * (t1 - t0) - idle

@@ -31,19 +31,48 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import PY, devcluster_env  # noqa: E402
 from _procsample import ProcSampler  # noqa: E402
-from bench_recovery import DEVCLUSTER, FIRST_RANK, SideHooks, Tail, _job_state  # noqa: E402
+from bench_recovery import (  # noqa: E402
+    DEVCLUSTER,
+    ENDED,
+    FIRST_RANK,
+    SideHooks,
+    Tail,
+    _job_state,
+)
 
 TRAIN_ARGS = ["--steps", "3", "--step-s", "0.2", "--ckpt-every", "100"]
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "GONE", "NODE_FAIL")
 
 
-def run_once(env: dict[str, str], checkout: Path, example: str) -> dict[str, object]:
+@dataclass
+class Launch:
+    """One job's first launch; times in seconds after `bv submit` returned."""
+
+    job: str
+    started: float  # the attempt-1 banner
+    first: float  # the first rank line
+    cpu: dict[str, float]  # role -> CPU seconds in the launch; "busy": all cores
+
+    @property
+    def launch(self) -> float:
+        return self.first - self.started
+
+    def figure(self, name: str) -> float:
+        return {"job started": self.started, "first rank line": self.first,
+                "launch": self.launch}[name]
+
+
+FIGURES = ("job started", "first rank line", "launch")
+RATIOS = ("first rank line", "launch")
+
+
+def run_once(env: dict[str, str], checkout: Path, example: str) -> Launch:
     env = {**env, "PYTHONPATH": str(checkout)}
     if "BV_SITE" in env:
         env["BV_SITE"] = str(checkout / "site.yaml")
@@ -61,6 +90,7 @@ def run_once(env: dict[str, str], checkout: Path, example: str) -> dict[str, obj
         tail = Tail(work / f"bv-{job}.out")
         started = tail.wait(lambda s: s.startswith("==== bv attempt 1 job"), 120)
         first = tail.wait(lambda s: FIRST_RANK.match(s) is not None, 120)
+        samp.stop()  # the window is over: the rest of the job is not measured
         deadline = time.monotonic() + 120
         while _job_state(env, job)[0] not in ENDED and time.monotonic() < deadline:
             time.sleep(0.3)
@@ -69,11 +99,13 @@ def run_once(env: dict[str, str], checkout: Path, example: str) -> dict[str, obj
             tail.poll()
             raise RuntimeError(f"job {job}: no banner or rank line: "
                                + " | ".join(line for _, line in tail.lines[-5:]))
-    cpu = samp.cpu_by_role(started[0], first[0])
-    cpu["busy"] = samp.busy(started[0], first[0])
-    return {"job": job, "job started": started[0] - submitted,
-            "first rank line": first[0] - submitted, "launch": first[0] - started[0],
-            "cpu": cpu}
+    cpu = {**samp.cpu_by_role(started[0], first[0]), "busy": samp.busy(started[0], first[0])}
+    return Launch(job, started[0] - submitted, first[0] - submitted, cpu)
+
+
+def _quartiles(values: list[float]) -> str:
+    return (" / ".join(f"{q:.2f}" for q in statistics.quantiles(values, n=4))
+            if len(values) > 1 else "n/a")
 
 
 def main() -> int:
@@ -82,7 +114,8 @@ def main() -> int:
     parser.add_argument("--new", type=Path, default=Path(__file__).resolve().parent.parent)
     parser.add_argument("--pairs", type=int, default=10)
     args = parser.parse_args()
-    hooks = SideHooks({"old": args.old, "new": args.new})
+    checkouts = {"old": args.old, "new": args.new}
+    hooks = SideHooks(checkouts)
     os.environ["BV_DEVCLUSTER_HOOKS"] = str(hooks.link)
     try:
         env = devcluster_env()
@@ -91,53 +124,47 @@ def main() -> int:
             return 1
         os.environ["BV_DEVCLUSTER_DIR"] = env["BV_DEVCLUSTER_DIR"]
         example = str(args.old / "examples" / "train_ddp.py")
-        runs: dict[str, list[dict[str, object]]] = {"old": [], "new": []}
-        ratios: dict[str, list[float]] = {"first rank line": [], "launch": []}
+        runs: dict[str, list[Launch]] = {"old": [], "new": []}
+        ratios: dict[str, list[float]] = {name: [] for name in RATIOS}
         for which in ("old", "new"):  # not counted: the first jobs after the cluster's start
             hooks.switch(which)
             try:
-                run_once(env, args.old if which == "old" else args.new, example)
+                run_once(env, checkouts[which], example)
             except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
                 print(f"ab_launch: warm-up {which}: {exc}", flush=True)
         for i in range(args.pairs):
-            pair = {}
+            pair: dict[str, Launch] = {}
             for which in (("old", "new") if i % 2 == 0 else ("new", "old")):
                 hooks.switch(which)
                 try:
-                    pair[which] = run_once(env, args.old if which == "old" else args.new,
-                                           example)
+                    r = pair[which] = run_once(env, checkouts[which], example)
                 except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
                     print(f"ab_launch: pair {i + 1} {which}: {exc}", flush=True)
                     continue
-                r = pair[which]
-                cpu = r["cpu"]
-                assert isinstance(cpu, dict)
-                print(f"ab_launch: pair {i + 1} {which} job {r['job']}: job started "
-                      f"{r['job started']:.2f}, first rank line {r['first rank line']:.2f}, "
-                      f"launch {r['launch']:.2f} s; CPU s " + ", ".join(
-                          f"{k} {v:.2f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])),
+                print(f"ab_launch: pair {i + 1} {which} job {r.job}: job started "
+                      f"{r.started:.2f}, first rank line {r.first:.2f}, launch {r.launch:.2f} s;"
+                      " CPU s " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                            sorted(r.cpu.items(), key=lambda kv: -kv[1])),
                       flush=True)
             if len(pair) == 2:
                 for which, r in pair.items():
                     runs[which].append(r)
-                for key in ratios:
-                    ratios[key].append(float(pair["new"][key]) / float(pair["old"][key]))
-        for which in ("old", "new"):
-            rs = runs[which]
-            if not rs:
+                for name in RATIOS:
+                    ratios[name].append(pair["new"].figure(name) / pair["old"].figure(name))
+        for which, done in runs.items():
+            if not done:
                 continue
-            roles = sorted({k for r in rs for k in r["cpu"]})  # type: ignore[union-attr]
-            print(f"ab_launch: {which} medians of {len(rs)}: " + ", ".join(
-                f"{k} {statistics.median(float(r[k]) for r in rs):.2f} s"  # type: ignore[arg-type]
-                for k in ("job started", "first rank line", "launch")) + "; CPU s " + ", ".join(
-                f"{k} {statistics.median(r['cpu'].get(k, 0.0) for r in rs):.2f}"  # type: ignore[union-attr]
+            roles = sorted({k for r in done for k in r.cpu})
+            print(f"ab_launch: {which} medians of {len(done)}: " + ", ".join(
+                f"{name} {statistics.median(r.figure(name) for r in done):.2f} s"
+                for name in FIGURES) + "; CPU s " + ", ".join(
+                f"{k} {statistics.median(r.cpu.get(k, 0.0) for r in done):.2f}"
                 for k in roles), flush=True)
-        for key, rs in ratios.items():
-            if rs:
-                print(f"ab_launch: {key} new/old {statistics.median(rs):.3f} over {len(rs)} "
-                      f"pairs (range {min(rs):.2f}-{max(rs):.2f}; quartiles "
-                      + (" / ".join(f"{q:.2f}" for q in statistics.quantiles(rs, n=4))
-                         if len(rs) > 1 else "n/a") + ")", flush=True)
+        for name, values in ratios.items():
+            if values:
+                print(f"ab_launch: {name} new/old {statistics.median(values):.3f} over "
+                      f"{len(values)} pairs (range {min(values):.2f}-{max(values):.2f}; "
+                      f"quartiles {_quartiles(values)})", flush=True)
         return 0
     finally:
         os.environ.pop("BV_DEVCLUSTER_HOOKS", None)

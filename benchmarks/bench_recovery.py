@@ -81,6 +81,8 @@ EXAMPLE = str(REPO / "examples" / "train_ddp.py")
 TRAIN_ARGS = ["--steps", "30", "--step-s", "0.5", "--ckpt-every", "5"]
 CRASH_AT = "step=10 attempt=1"
 RESUMED = re.compile(r"^rank=\d+ attempt=2 resumed_from_step=(\d+)$")
+# The states `_job_state` gives once a job has ended (GONE: no longer known to Slurm).
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "GONE", "NODE_FAIL")
 FIRST_RANK = re.compile(r"^rank=\d+ attempt=1 resumed_from_step=\d+$")
 # The dev cluster's (slurm/devcluster); BV_DEVCLUSTER_* set before `up` (and kept for this
 # run) give Slurm's production defaults instead: the variant that shows which paths stay flat.
@@ -162,7 +164,7 @@ def _settle(env: dict[str, str], job: str, crashed: str) -> None:
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         state, _ = _job_state(env, job)
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "GONE", "NODE_FAIL"):
+        if state in ENDED:
             break
         time.sleep(0.5)
     else:
@@ -202,9 +204,6 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
     else:
         env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     ckpt = work / "ckpt"
-    sampler = ProcSampler() if os.environ.get("BV_BENCH_CPU") == "1" else None
-    if sampler is not None:
-        sampler.__enter__()
     t0 = time.monotonic()
     out = subprocess.run(
         [PY, "-m", "bluevela", "submit", "-N", "2", "--spare-nodes", "1" if spare else "0",
@@ -217,7 +216,11 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
     run.job = job.group(1)
     tail = Tail(work / f"bv-{job.group(1)}.out")
     crashed = "node2"
+    # BV_BENCH_CPU=1: from here on (the windows it reports begin at the attempt-1 banner)
+    sampler = ProcSampler() if os.environ.get("BV_BENCH_CPU") == "1" else None
     try:
+        if sampler is not None:
+            sampler.start()
         if tail.wait(lambda s: s.startswith(CRASH_AT), 180) is None:
             run.error = "never reached step 10"
             return run
@@ -245,13 +248,11 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
                 run.resumed_step = int(m.group(1)) if m else None
         tail.poll()
         _trace(run, tail, checkout)
-        if sampler is not None:
-            sampler.__exit__()
-            _cpu_windows(run, sampler, submitted)
         return run
     finally:
         if sampler is not None:
-            sampler.__exit__()
+            sampler.stop()
+            _cpu_windows(run, sampler, submitted)
         _settle(env, job.group(1), crashed)
 
 
@@ -303,7 +304,11 @@ def run_bare(env: dict[str, str], work: Path) -> Run:
                          env=env, cwd=work, check=True).stdout.strip().split(";")[0]
     tail = Tail(out)
     crashed = "node2"
+    # BV_BENCH_CPU=1: from here on (the windows it reports begin at the attempt-1 banner)
+    sampler = ProcSampler() if os.environ.get("BV_BENCH_CPU") == "1" else None
     try:
+        if sampler is not None:
+            sampler.start()
         if tail.wait(lambda s: s.startswith(CRASH_AT), 180) is None:
             run.error = "never reached step 10"
             return run
