@@ -120,6 +120,14 @@ class Paths:
     metrics: AbsPath = Path("/var/lib/node_exporter/textfile")
 
 
+def _python_command(v: str) -> str:
+    """A command name or an absolute path, without control characters."""
+    plain = not any(ord(c) < 0x20 or ord(c) == 0x7F for c in v)
+    if not plain or not (re.fullmatch(r"[A-Za-z0-9_.+-]+", v) or v.startswith("/")):
+        raise ValueError("must be a command name (python3) or an absolute path")
+    return v
+
+
 @dataclass(frozen=True)
 class Launch:
     """Defaults for `bv submit`."""
@@ -144,6 +152,9 @@ class Launch:
     # A lost node without a spare: grow the job by one node (needs Slurm's
     # permit_job_expansion; docs/install.md) waiting at most this long, else requeue; 0: off.
     grow_deadline_s: Annotated[float, Ge(0), Le(3600)] = 0.0
+    # The job's Python (the batch script's `exec` line; `bv submit --python`): a command on
+    # the job's PATH or an absolute path, >= 3.11 with this bluevela (checked at submit).
+    python: Annotated[str, _Checked(_python_command)] = "python3"
 
 
 def _check_names(v: list[str]) -> list[str]:

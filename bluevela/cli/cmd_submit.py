@@ -54,6 +54,12 @@ from bluevela.cli.output import emit_json
 @click.option("-d", "--dependency", default=None, help="e.g. afterok:1234, singleton.")
 @click.option("--sbatch-arg", "sbatch_args", multiple=True, metavar="--NAME[=VALUE]",
               help="Any other sbatch option (repeatable), checked against sbatch's own list.")
+@click.option("--python", "python", default=None, metavar="PYTHON",
+              help="The job's Python (>= 3.11 with bluevela): a command on the job's PATH or "
+                   "an absolute path. Default: site.yaml launch.python, else python3.")
+@click.option("--no-python-check", is_flag=True,
+              help="Do not run the job's Python at submit to check it (for a PATH that only "
+                   "the compute nodes set up).")
 @click.option("--site", "site_path", default=None, metavar="PATH", help="site.yaml to use.")
 @click.option("--hold", is_flag=True, help="Submit held (release with scontrol release).")
 @click.option("--dry-run", is_flag=True, help="Print the batch script; do not touch Slurm.")
@@ -71,7 +77,8 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
             signal_before: int | None, spare_nodes: int | None, min_nodes: int | None,
             hang_timeout: float | None, cpus_per_task: int | None, mem: str | None,
             exclusive: bool, constraint: str | None, exclude: str | None,
-            dependency: str | None, sbatch_args: tuple[str, ...]) -> None:
+            dependency: str | None, sbatch_args: tuple[str, ...], python: str | None,
+            no_python_check: bool) -> None:
     """Submit SCRIPT [ARGS]... as a torchrun job: one srun task per node, c10d rendezvous on
     the first node of the allocation."""
     from bluevela.launch.submit import build_request, exit_status_for, follow, submit
@@ -88,7 +95,7 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
         signal_before=signal_before, spare_nodes=spare_nodes, min_nodes=min_nodes,
         hang_timeout=hang_timeout, cpus_per_task=cpus_per_task, mem=mem, exclusive=exclusive,
         constraint=constraint, exclude=exclude, dependency=dependency, sbatch_args=sbatch_args,
-        notes=notes,
+        python=python, notes=notes,
     )
     for note in notes:
         click.echo(f"bv: note: {note}", err=True)
@@ -98,6 +105,10 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
         else:
             click.echo(request.materialize(), nl=False)
         return
+    if not no_python_check:
+        from bluevela.launch.jobpython import check_job_python
+
+        check_job_python(request.python, request.env, cwd=os.getcwd())
     if retry_s is None and site is not None:
         retry_s = site.launch.submit_retry_s
     client = obj.client(retry_s=retry_s)

@@ -7,6 +7,7 @@ line or a command) is refused with LaunchError. `#SBATCH` lines are sorted.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -97,6 +98,9 @@ class SubmitRequest:
     max_restarts: int = 0
     requeue: bool = True
     torchrun: tuple[str, ...] = ("torchrun",)
+    # The interpreter of the batch script's `exec` line (and so of the agents: they run the
+    # supervisor's own sys.executable): a name looked up on the job's PATH, or a path.
+    python: str = "python3"
     output: str = "bv-%j.out"
     chdir: str | None = None
     hold: bool = False
@@ -138,6 +142,10 @@ class SubmitRequest:
             raise LaunchError("--max-restarts must be >= 0")
         if not self.script:
             raise LaunchError("no training script given")
+        _plain("--python", self.python)
+        if not (os.path.isabs(self.python) or _WORD.match(self.python)):
+            raise LaunchError(f"--python {self.python!r} is neither a command name (python3) "
+                              "nor an absolute path")
         for name, value in (
             ("script", self.script), ("job name", self.job_name), ("comment", self.comment),
             ("output", self.output), ("chdir", self.chdir),
@@ -274,7 +282,7 @@ class SubmitRequest:
         spare/remaining nodes after a node loss, and requeues (docs/resilience.md)."""
         # -P: the job's working directory (the user's submit directory) is not put on the
         # import path; a module planted there (e.g. select.py) must not run in the supervisor.
-        argv = ["python3", "-P", "-m", "bluevela.launch.supervisor", f"--nodes={self.nodes}"]
+        argv = [self.python, "-P", "-m", "bluevela.launch.supervisor", f"--nodes={self.nodes}"]
         if self.spare_nodes:
             argv.append(f"--spare-nodes={self.spare_nodes}")
         if self.min_nodes is not None and self.min_nodes < self.nodes:

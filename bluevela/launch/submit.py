@@ -64,6 +64,7 @@ def build_request(
     exclude: str | None = None,
     dependency: str | None = None,
     sbatch_args: tuple[str, ...] = (),
+    python: str | None = None,
     notes: list[str] | None = None,
 ) -> SubmitRequest:
     """Merge the site's launch defaults with the user's options.
@@ -109,6 +110,7 @@ def build_request(
         max_restarts=max_restarts if max_restarts is not None else (launch.max_restarts if launch else 0),
         requeue=requeue if requeue is not None else (launch.requeue if launch else True),
         torchrun=tuple(launch.torchrun) if launch else ("torchrun",),
+        python=python or (launch.python if launch else "python3"),
         output=launch.output if launch else "bv-%j.out",
         hold=hold,
         signal_before=signal_before,
