@@ -440,6 +440,16 @@ class VersionPins:
 
 
 @dataclass(frozen=True)
+class LocalCheckpoint:
+    """A node class's node-local checkpoint tier (bluevela/ckpt, docs/checkpoints.md)."""
+
+    __pydantic_config__ = _STRICT
+
+    dir: AbsPath | None = None  # e.g. an NVMe mount or /dev/shm; None: no node-local tier
+    budget_gb: NonNegFloat = 0.0  # the tier's room on one node, all ranks; 0: the disk's own
+
+
+@dataclass(frozen=True)
 class NodeClass:
     __pydantic_config__ = _STRICT
 
@@ -453,6 +463,7 @@ class NodeClass:
     nccl: NCCLThresholds = field(default_factory=NCCLThresholds)
     bench: BenchThresholds = field(default_factory=BenchThresholds)
     versions: VersionPins = field(default_factory=VersionPins)
+    checkpoint: LocalCheckpoint = field(default_factory=LocalCheckpoint)
 
     def __post_init__(self) -> None:
         if self.gpus and not self.gpu_model:
@@ -476,6 +487,33 @@ class Telemetry:
     max_mb: Annotated[float, Gt(0)] = 256.0  # bound on <state>/samples
 
 
+def _switch_map(v: dict[str, str]) -> dict[str, str]:
+    for name, nodes in v.items():
+        if not re.match(r"^[A-Za-z0-9_.-]{1,64}$", name):
+            raise ValueError(f"switch name {name!r}: letters, digits, '_', '-', '.'")
+        _hostlist_expr(nodes)
+    return v
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """The checkpoint store's job-wide settings (bluevela/ckpt, docs/checkpoints.md)."""
+
+    __pydantic_config__ = _STRICT
+
+    keep_local: Annotated[int, Ge(1), Le(100)] = 2  # node-local steps kept per rank
+    drain_every: Annotated[int, Ge(0)] = 0  # every n-th save to shared storage; 0: at the end
+    # switch (or rail) name -> hostlist: a node's partner copy goes to another switch
+    switches: Annotated[dict[str, str], _Checked(_switch_map)] = field(default_factory=dict)
+
+    def switch_map(self) -> dict[str, str]:
+        """node -> switch name."""
+        import hostlist
+
+        return {node: sw for sw, nodes in self.switches.items()
+                for node in hostlist.expand_hostlist(nodes)}
+
+
 @dataclass(frozen=True)
 class Site:
     __pydantic_config__ = _STRICT
@@ -487,6 +525,7 @@ class Site:
     launch: Launch = field(default_factory=Launch)
     health: Health = field(default_factory=Health)
     telemetry: Telemetry = field(default_factory=Telemetry)
+    checkpoint: Checkpoints = field(default_factory=Checkpoints)
 
     def __post_init__(self) -> None:
         seen: dict[str, str] = {}
