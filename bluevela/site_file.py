@@ -1,8 +1,8 @@
 """The site file: found, read, validated into the model (`bluevela.site`), cached.
 
-The file is found from `--site`, then `$BV_SITE`, then `./site.yaml`, then
-`/etc/bluevela/site.yaml`; root hooks never look in the current directory
-(`find_site_path(cwd=False)`). Validation errors come back as `PATH:LINE: message` lines.
+The file is found from `--site`, then `$BV_SITE`, then `/etc/bluevela/site.yaml`, then
+`./site.yaml` only where there is no system file (`choose_site`); root hooks never look in the
+current directory (`find_site_path(cwd=False)`). Validation errors come back as `PATH:LINE: message` lines.
 pydantic and PyYAML are imported only when a file is actually parsed: a validated site is
 cached (JSON, keyed by the file and by the model's own source), so the prolog and `bv submit`
 normally rebuild the frozen dataclasses from the cache without either (docs/site-yaml.md).
@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,7 +25,7 @@ from bluevela.site import Site, _annotation_names, to_dict
 logger = logging.getLogger(__name__)
 
 ETC_SITE = Path("/etc/bluevela/site.yaml")
-SEARCH_PATHS = (Path("site.yaml"), ETC_SITE)
+CWD_SITE = Path("site.yaml")
 T = TypeVar("T")
 
 
@@ -62,9 +63,65 @@ def _build(cls: type[T], data: dict[str, Any]) -> T:
     return cls(**values)
 
 
+@dataclass(frozen=True)
+class SiteChoice:
+    """Which site file a command uses, and why (`choose_site`).
+
+    Attributes:
+        path: the file, or None when there is none.
+        how: where it came from: `--site`, `$BV_SITE`, `system` (/etc/bluevela/site.yaml),
+            `cwd` (./site.yaml, only where there is no system file), or `none`.
+        ignored: a ./site.yaml passed over because the system file exists.
+    """
+
+    path: Path | None
+    how: str
+    ignored: Path | None = None
+
+    def lines(self) -> list[str]:
+        """What a command that depends on the site (bv submit) tells its user on stderr."""
+        out = []
+        if self.path is None:
+            out.append("warning: no site file (--site, $BV_SITE, /etc/bluevela/site.yaml, "
+                       "./site.yaml): the job gets none of the site's launch defaults, and no "
+                       "checkpoint signal (launch.signal_before_s) unless --signal-before is "
+                       "given")
+        else:
+            shown = {"--site": " (--site)", "$BV_SITE": " ($BV_SITE)",
+                     "cwd": " (./site.yaml: there is no /etc/bluevela/site.yaml)"}
+            out.append(f"site file: {self.path}{shown.get(self.how, '')}")
+        if self.ignored is not None:
+            out.append(f"note: {self.ignored} ignored: the site's {ETC_SITE} comes first "
+                       f"(--site {self.ignored} to use it)")
+        return out
+
+
+def choose_site(explicit: str | os.PathLike[str] | None = None) -> SiteChoice:
+    """The site file of a user's command: `explicit` (--site), `$BV_SITE`, the system file
+    /etc/bluevela/site.yaml, and ./site.yaml only where there is no system file.
+
+    The system file comes before the working directory's: a project that happens to carry a
+    site.yaml of its own (or another cluster's) must not replace what the site's admin
+    configured, on a cluster that has one (issue 35). On a machine without one (a laptop, the
+    dev cluster) ./site.yaml still works with no option.
+    """
+    if explicit:
+        return SiteChoice(Path(explicit), "--site")
+    env = os.environ.get("BV_SITE")
+    if env:
+        return SiteChoice(Path(env), "$BV_SITE")
+    local = CWD_SITE if CWD_SITE.is_file() else None
+    if ETC_SITE.is_file():
+        return SiteChoice(ETC_SITE, "system", ignored=local)
+    if local is not None:
+        return SiteChoice(local, "cwd")
+    return SiteChoice(None, "none")
+
+
 def find_site_path(explicit: str | os.PathLike[str] | None = None, *,
                    cwd: bool = True) -> Path:
-    """Resolve the site file: `explicit`, `$BV_SITE`, `./site.yaml`, `/etc/bluevela/site.yaml`.
+    """Resolve the site file: `explicit`, `$BV_SITE`, `/etc/bluevela/site.yaml`, then
+    `./site.yaml` where there is no system file (`choose_site`).
 
     Args:
         explicit: a path given on the command line.
@@ -79,17 +136,11 @@ def find_site_path(explicit: str | os.PathLike[str] | None = None, *,
             raise SiteConfigError(f"site file {chosen!r} is not an absolute path (a root hook "
                                   "never reads a site file relative to its working directory)")
         return Path(chosen)
-    if explicit:
-        return Path(explicit)
-    env = os.environ.get("BV_SITE")
-    if env:
-        return Path(env)
-    for candidate in SEARCH_PATHS:
-        if candidate.is_file():
-            return candidate
-    raise SiteConfigError(
-        "no site file: pass --site, set BV_SITE, or create ./site.yaml or /etc/bluevela/site.yaml"
-    )
+    choice = choose_site(explicit)
+    if choice.path is None:
+        raise SiteConfigError("no site file: pass --site, set BV_SITE, or create "
+                              "/etc/bluevela/site.yaml (or ./site.yaml)")
+    return choice.path
 
 
 def _line_of(root: Any, loc: tuple[int | str, ...]) -> int | None:

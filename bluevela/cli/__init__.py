@@ -88,7 +88,8 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--site", "site_path", metavar="PATH", envvar=None,
-              help="site.yaml (default: $BV_SITE, ./site.yaml, /etc/bluevela/site.yaml).")
+              help="site.yaml (default: $BV_SITE, /etc/bluevela/site.yaml, then ./site.yaml "
+                   "where there is no system file).")
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 @click.version_option(__version__, prog_name="bv")
 @click.pass_context

@@ -60,7 +60,9 @@ from bluevela.cli.output import emit_json
 @click.option("--no-python-check", is_flag=True,
               help="Do not run the job's Python at submit to check it (for a PATH that only "
                    "the compute nodes set up).")
-@click.option("--site", "site_path", default=None, metavar="PATH", help="site.yaml to use.")
+@click.option("--site", "site_path", default=None, metavar="PATH",
+              help="site.yaml to use (default: $BV_SITE, /etc/bluevela/site.yaml, then "
+                   "./site.yaml where there is no system file).")
 @click.option("--hold", is_flag=True, help="Submit held (release with scontrol release).")
 @click.option("--dry-run", is_flag=True, help="Print the batch script; do not touch Slurm.")
 @click.option("--wait", is_flag=True, help="Follow the job to its end; exit non-zero if it failed.")
@@ -82,10 +84,12 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
     """Submit SCRIPT [ARGS]... as a torchrun job: one srun task per node, c10d rendezvous on
     the first node of the allocation."""
     from bluevela.launch.submit import build_request, exit_status_for, follow, submit
+    from bluevela.site_file import choose_site
 
     if site_path:
         obj.site_path = site_path
-    site = obj.site_or_none()
+    choice = choose_site(obj.site_path)
+    site = obj.site() if choice.path is not None else None
     notes: list[str] = []
     request = build_request(
         site, script, args, nodes=nodes, gpus_per_node=gpus_per_node,
@@ -97,11 +101,15 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
         constraint=constraint, exclude=exclude, dependency=dependency, sbatch_args=sbatch_args,
         python=python, notes=notes,
     )
+    for line in choice.lines():
+        if not (as_json and line.startswith("site file:")):  # --json: in the document
+            click.echo(f"bv: {line}", err=True)
     for note in notes:
         click.echo(f"bv: note: {note}", err=True)
+    where = {"site": str(choice.path) if choice.path else None}
     if dry_run:
         if as_json:
-            emit_json({"dry_run": True, "script": request.materialize()})
+            emit_json({"dry_run": True, **where, "script": request.materialize()})
         else:
             click.echo(request.materialize(), nl=False)
         return
@@ -115,7 +123,7 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
     job_id = submit(request, client, cwd=os.getcwd())
     if not wait:
         if as_json:
-            emit_json({"job_id": job_id, "nodes": nodes, "procs_per_node": request.nproc_per_node,
+            emit_json({"job_id": job_id, **where, "nodes": nodes, "procs_per_node": request.nproc_per_node,
                        "output": request.output.replace("%j", str(job_id))})
         else:
             click.echo(f"Submitted job {job_id}. Follow it: bv status {job_id} | bv logs {job_id} --follow")
@@ -138,7 +146,7 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
 
     info = with_causes(info)
     if as_json:
-        emit_json({"job_id": job_id, **info.to_dict(), "wait_exit_status": code})
+        emit_json({"job_id": job_id, **info.to_dict(), **where, "wait_exit_status": code})
     else:
         for rec in info.attempts[:-1]:
             click.echo(printable(f"job {job_id}: attempt {rec.attempt} ended {rec.state_name}"

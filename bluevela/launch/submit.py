@@ -77,7 +77,7 @@ def build_request(
     """
     launch = site.launch if site else None
     if node_class is not None and site is None:
-        raise LaunchError(f"--class {node_class} needs a site file (--site, $BV_SITE, ./site.yaml)")
+        raise LaunchError(f"--class {node_class} needs a site file (--site, $BV_SITE, /etc/bluevela/site.yaml, ./site.yaml)")
     if gpus_per_node is None:
         gpus_per_node = site.node_class(name=node_class).gpus if (site and node_class) else 0
     site_env = tuple(launch.env.items()) if launch else ()
@@ -119,6 +119,7 @@ def build_request(
         hang_timeout=(hang_timeout if hang_timeout is not None
                       else (launch.hang_timeout_s if launch else 0.0)),
         grow_deadline=launch.grow_deadline_s if launch else 0.0,
+        rdzv_guard=launch.rdzv_guard if launch else "required",
         cpus_per_task=cpus_per_task,
         mem=mem,
         exclusive=exclusive,
