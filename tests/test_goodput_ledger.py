@@ -179,8 +179,9 @@ def test_the_fleet_report_uses_the_ledger_where_events_exist() -> None:
         _launch(1, 1, 12, 20, [(4, 30, 31), (8, 41, 42)], "lost", gone=48, failed=47,
                 detected=47.2, nodes=["node2"]),
         _launch(2, 2, 49, 56, [(12, 66, 67)], "ok", gone=80)])
-    with_events = JobFacts(9, T + 10, T + 80, 3, 0, 0, ["node1", "node2", "node3"], [], [], [],
-                           3, goodput=[rec])
+    # node2's epilog never came (the hooks saw it go: the ledger's failure is the fleet's)
+    with_events = JobFacts(9, T + 10, T + 80, 3, 0, 0, ["node1", "node2", "node3"], ["node2"],
+                           [], [], 3, goodput=[rec])
     plain = JobFacts(10, T + 100, T + 460, 2, 0, 0, ["node1", "node3"], [], [], [], 2)
     classes = {"h": NodeClassInfo(frozenset({"node1", "node2", "node3"}), 8)}
     rep = compute(FleetFacts(jobs=[with_events, plain]), since=T, now=T + 3600,

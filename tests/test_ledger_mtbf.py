@@ -1,6 +1,8 @@
 """The goodput ledgers' node failures feed the fleet MTBF that their own advice uses
 (bluevela/report/fleet_goodput.py `ledger_failures`, fleet.py `compute`), once each: a failure a ledger and a
-drain of the same node both saw is one failure. Hand-built facts; every number by hand."""
+drain of the same node both saw is one failure. A ledger is the job owner's account: a node it
+names counts only when the hooks saw it go (its prolog of that attempt came, its epilog never
+did; issue 33 section 4). Hand-built facts; every number by hand."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 
 from bluevela.launch.events import validate
 from bluevela.report.fleet import compute
-from bluevela.report.fleet_facts import Event, FleetFacts, JobFacts, NodeClassInfo
+from bluevela.report.fleet_facts import Attempt, Event, FleetFacts, JobFacts, NodeClassInfo
 
 T = 1_800_000_000.0
 NOW = T + 36000.0  # a 10 h window
@@ -36,8 +38,15 @@ def _job(job_id: int, start: float, lost: str, at: float, end: float,
              "spares": 0, "first_progress": T + at + 6, "ckpts": [], "ckpt_more": [0, 0.0],
              "end": {"kind": "ok", "cause": "ok", "nodes": [], "failed": None,
                      "detected": None, "gone": T + end}}]})
-    return JobFacts(job_id, T + start, T + end, 3, 0, 0, list(NODES), kw.get("lost_nodes", []),
-                    [], [], 3, goodput=[rec])
+    j = JobFacts(job_id, T + start, T + end, 3, 0, 0, list(NODES), kw.get("lost_nodes", []),
+                 [], [], 3, goodput=[rec])
+    if kw.get("requeued"):
+        # Slurm requeued the job after that attempt; the hooks saw `lost` go in attempt 0 (its
+        # prolog came, its epilog never did), and every node come back for attempt 1.
+        j.restarts = 1
+        j.attempts = {0: Attempt(T + start, T + end, set(NODES), set(rest)),
+                      1: Attempt(T + end + 10, T + end + 20, set(NODES), set(NODES))}
+    return j
 
 
 def _drain(node: str, at: float, job_id: int) -> Event:
@@ -46,10 +55,12 @@ def _drain(node: str, at: float, job_id: int) -> Event:
 
 def test_a_failure_only_the_ledger_saw_counts_and_one_seen_twice_counts_once() -> None:
     # job 9 lost node2 at T+47 and node2's epilog drained it at T+80 (the same failure);
-    # job 11 lost node3 at T+7000 and nothing else saw it (a spare took over, the node came
-    # back): before issue 28, only node2's drain counted.
+    # job 11 lost node3 at T+7000, its epilog of that attempt never came, and the job was
+    # requeued (node3 ran the next attempt, so it is not among the job's lost nodes): before
+    # issue 28, only node2's drain counted.
     facts = FleetFacts(events=[_drain("node2", 80, 9)],
-                       jobs=[_job(9, 10, "node2", 47, 80), _job(11, 6900, "node3", 7000, 8000)],
+                       jobs=[_job(9, 10, "node2", 47, 80),
+                             _job(11, 6900, "node3", 7000, 8000, requeued=True)],
                        passing_prologs={"node3": [T + 6900.0]}, nodes_seen=set(NODES))
     rep = compute(facts, since=T, now=NOW, classes=CLASSES)
     fleet, (cls,) = rep["fleet"], rep["mtbf"]["by_class"]
@@ -74,7 +85,7 @@ def test_a_failure_only_the_ledger_saw_counts_and_one_seen_twice_counts_once() -
 def test_once_each_by_time_and_incident(drain_at: float, passing: list[float],
                                         failures: int) -> None:
     facts = FleetFacts(events=[_drain("node2", drain_at, 12)],
-                       jobs=[_job(9, 10, "node2", 47, 80)],
+                       jobs=[_job(9, 10, "node2", 47, 80, requeued=True)],
                        passing_prologs={"node2": passing}, nodes_seen=set(NODES))
     rep = compute(facts, since=T, now=NOW, classes=CLASSES)
     assert rep["mtbf"]["by_class"][0]["incidents"] == failures
@@ -97,7 +108,8 @@ def test_the_job_advice_reads_the_same_mtbf() -> None:
     from bluevela.report import goodput as G
     from bluevela.report import goodput_advice as GA
 
-    facts = FleetFacts(jobs=[_job(11, 6900, "node3", 7000, 8000)], nodes_seen=set(NODES))
+    facts = FleetFacts(jobs=[_job(11, 6900, "node3", 7000, 8000, requeued=True)],
+                       nodes_seen=set(NODES))
     rep = compute(facts, since=T, now=NOW, classes=CLASSES)
     (cls,) = rep["mtbf"]["by_class"]
     # one failure (the ledger's) in 3 nodes x 10 h in service
@@ -106,3 +118,56 @@ def test_the_job_advice_reads_the_same_mtbf() -> None:
     adv = GA.advise(led, cls["mtbf_h"], cls["incidents"])
     assert adv["node_mtbf_s"] == pytest.approx(30 * 3600) and adv["failures_seen"] == 1
     assert adv["job_mtbf_s"] == pytest.approx(30 * 3600 / 3)
+
+
+def test_a_healthy_node_named_in_a_forged_lost_end_gets_no_incident() -> None:
+    """Issue 33 section 4: the owner's events name node3 lost, but node3's prolog and epilog
+    both came (the hooks found it healthy after the job) and nothing of the hooks says
+    otherwise: no incident, the class MTBF and the advice built on it stay as they were.
+    Before, the ledger's word alone made an incident of it."""
+    honest = FleetFacts(jobs=[_job(11, 6900, "node3", 7000, 8000)], nodes_seen=set(NODES))
+    rep = compute(honest, since=T, now=NOW, classes=CLASSES)
+    (cls,) = rep["mtbf"]["by_class"]
+    assert rep["fleet"]["incidents"] == 0 and cls["incidents"] == 0 and cls["mtbf_h"] is None
+    assert rep["nodes"] == [] and rep["interruptions"]["total"] == 0
+    (row,) = rep["ledger"]["per_job"]  # the job's own account still shows its interruption
+    assert row["interruptions"][0]["nodes"] == ["node3"]
+    assert row["advice"]["failures_seen"] == 0
+    # the same record for a requeued job that lost node3 in attempt 0 (the hooks' evidence):
+    # one incident
+    rep = compute(FleetFacts(jobs=[_job(11, 6900, "node3", 7000, 8000, requeued=True)],
+                             nodes_seen=set(NODES)), since=T, now=NOW, classes=CLASSES)
+    assert rep["mtbf"]["by_class"][0]["incidents"] == 1
+
+
+def test_a_job_slurm_saw_fail_counts_no_goodput_from_its_ledger() -> None:
+    """Issue 33 section 4: a job Slurm saw fail (exit 1) with events that say every launch
+    went well: its hours count as `failed`, none as goodput; the contradicted ledger is left
+    out of the ledger figures, named in `refused`. Before, its ledger's productive time
+    (97% of its hours) counted as `completed`."""
+    good = _job(11, 6900, "node3", 7000, 8000)
+    rec = good.goodput[0]
+    forged = {**rec, "launches": [{**rec["launches"][1], "start": T + 6902,
+                                   "first_progress": T + 6905,
+                                   "nodes": NODES, "n_nodes": 3}]}
+    failed = JobFacts(12, T + 6900, T + 8000, 3, 1, 0, list(NODES), [], [], [], 3,
+                      goodput=[validate(forged)])
+    rep = compute(FleetFacts(jobs=[failed], nodes_seen=set(NODES)), since=T, now=NOW,
+                  classes=CLASSES)
+    g = rep["goodput"]
+    assert g["jobs_by_outcome"]["failed"] == 1 and g["jobs_with_ledger"] == 0
+    assert g["goodput_pct"] == 0.0 and g["gpu_hours"]["completed"] == 0.0
+    assert g["gpu_hours"]["failed"] == pytest.approx(round(1100 * 24 / 3600, 2))
+    assert rep["ledger"]["jobs"] == 0 and rep["ledger"]["per_job"] == []
+    (ref,) = rep["ledger"]["refused"]
+    assert ref["job_id"] == 12 and "clean exit" in ref["why"]
+    # A failed job whose events agree (its last launch failed) keeps its ledger figures, but
+    # its hours are still Slurm's outcome: failed, not split into goodput.
+    honest = {**forged, "launches": [{**forged["launches"][0], "end": {
+        **forged["launches"][0]["end"], "kind": "failed", "failed": T + 7990,
+        "detected": T + 7991}}]}
+    failed.goodput = [validate(honest)]
+    rep = compute(FleetFacts(jobs=[failed], nodes_seen=set(NODES)), since=T, now=NOW,
+                  classes=CLASSES)
+    assert rep["ledger"]["jobs"] == 1 and rep["ledger"]["refused"] == []
+    assert rep["goodput"]["goodput_pct"] == 0.0 and rep["goodput"]["jobs_with_ledger"] == 0

@@ -309,7 +309,8 @@ def compute(facts: FleetFacts, *, since: float, now: float,
     gpus_of = {n: classes[c].gpus for n, c in class_of.items()}
     job_events, requeues = _job_events(facts.jobs, since, now)
     events = [*facts.events, *job_events]
-    built = build_ledgers(facts.jobs, gpus_of)
+    refused: list[dict[str, Any]] = []
+    built = build_ledgers(facts.jobs, gpus_of, refused)
     # The ledgers' node failures count in the MTBF the advice uses, once each.
     events += ledger_failures(built, events, facts.passing_prologs, since, now)
     events.sort(key=lambda e: (e.time, e.node, e.source))
@@ -322,6 +323,7 @@ def compute(facts: FleetFacts, *, since: float, now: float,
     total_in = sum(r["in_service_h"] for r in classes_out)
     total_inc = sum(r["incidents"] for r in classes_out)
     ledger = ledger_figures(built, class_of, classes_out)
+    ledger["refused"] = refused
     return {
         "format": FORMAT, "schema_version": SCHEMA_VERSION,
         "window": {"since_unix_s": since, "now_unix_s": now, "since_utc": iso(since),

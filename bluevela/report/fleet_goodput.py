@@ -1,7 +1,20 @@
 """Goodput in the fleet report (`bv report fleet`): GPU hours of the jobs that ended in the
 window by how each ended, and the jobs' goodput ledgers (bluevela/report/goodput.py): ETTR per
 job and by job size, hours lost by phase and by cause, the checkpoint interval and spare
-advice, and the node failures only a ledger saw (counted in the MTBF once each). Pure: no I/O.
+advice, and the node failures a ledger saw that the hooks confirm (counted in the MTBF once
+each). Pure: no I/O.
+
+The goodput events are the job owner's file (bluevela/launch/events.py): the fleet's figures
+take Slurm's outcome and the hooks' own evidence first, never the owner's word alone
+(docs/report.md, "What the fleet figures trust"):
+
+- a job's hours count as goodput only when Slurm saw it end cleanly (exit 0, no signal): a
+  ledger may split such a job's hours into productive and lost, never turn a failed job's
+  into goodput;
+- a ledger whose own account contradicts Slurm's (its last launch ended cleanly, Slurm saw the
+  job fail) is left out of the ledger figures (`refused`);
+- a node a ledger names as lost counts as a node failure only when the hooks saw it go (its
+  prolog of that attempt came, its epilog never did), or through the hooks' own events.
 """
 
 from __future__ import annotations
@@ -13,6 +26,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from bluevela.launch.outcome import StepEnd
 from bluevela.report.fleet_facts import (
     LEDGER_FAILURE,
     NODE_LOST,
@@ -39,6 +53,12 @@ def pct(part: float, whole: float) -> float | None:
 # ------------------------------------------------------------------------- hours by outcome
 
 
+def slurm_clean(j: JobFacts) -> bool:
+    """Whether Slurm saw the job end cleanly: exit status 0 and no signal (the hooks' record
+    of Slurm's SLURM_JOB_EXIT_CODE2). A node lost on the way is no contradiction of that."""
+    return j.exit_code == 0 and j.exit_signal <= 0
+
+
 def _outcome(j: JobFacts) -> str:
     if j.lost or (j.epilog_critical and (j.exit_code > 0 or j.exit_signal > 0)):
         return "lost_node"
@@ -54,11 +74,14 @@ def _outcome(j: JobFacts) -> str:
 def goodput_hours(jobs: list[JobFacts], gpus_of: Mapping[str, int], since: float,
                   now: float, ledger: Mapping[int, tuple[float, float]] | None = None
                   ) -> dict[str, Any]:
-    """GPU hours by how each job ended. A job with a goodput ledger (`ledger`: job ->
-    productive and allocated seconds) is split by it instead: its productive time counts
-    as `completed`, the rest of its allocation as `lost_ledger` (docs/report.md)."""
+    """GPU hours by how each job ended (Slurm's outcome: the hooks' exit status and lost
+    nodes). A job Slurm saw end cleanly (`slurm_clean`) that has a goodput ledger (`ledger`:
+    job -> productive and allocated seconds) is split by it instead: its productive time
+    counts as `completed`, the rest of its allocation as `lost_ledger` (docs/report.md).
+    Any other job's hours go to its outcome whatever its ledger says."""
     ledger = ledger or {}
     kinds = _OUTCOMES + (("lost_ledger",) if ledger else ())
+    split = 0
     gpu_h = dict.fromkeys(kinds, 0.0)
     node_h = dict.fromkeys(kinds, 0.0)
     count = dict.fromkeys(kinds, 0)
@@ -66,8 +89,12 @@ def goodput_hours(jobs: list[JobFacts], gpus_of: Mapping[str, int], since: float
     for j in jobs:
         kind = _outcome(j)
         count[kind] += 1
-        if j.job_id in ledger:
+        # Only a job Slurm saw complete may be split by its ledger: the owner's events never
+        # make a failed job's hours goodput.
+        if j.job_id in ledger and slurm_clean(j):
+            split += 1
             productive, allocated = ledger[j.job_id]
+            productive = min(productive, allocated)
             parts = [("completed", productive), ("lost_ledger", max(0.0, allocated - productive))]
         elif math.isnan(j.start) or math.isnan(j.end):
             no_times += 1
@@ -88,7 +115,7 @@ def goodput_hours(jobs: list[JobFacts], gpus_of: Mapping[str, int], since: float
 
     return {
         "jobs": len(jobs), "jobs_by_outcome": count, "jobs_without_times": no_times,
-        "jobs_with_ledger": len([j for j in jobs if j.job_id in ledger]),
+        "jobs_with_ledger": split,
         "gpu_hours": {k: round(v, 2) for k, v in gpu_h.items()},
         "node_hours": {k: round(v, 2) for k, v in node_h.items()},
         "gpu_hours_total": round(total_g, 2), "node_hours_total": round(total_n, 2),
@@ -102,15 +129,40 @@ def goodput_hours(jobs: list[JobFacts], gpus_of: Mapping[str, int], since: float
 # ---------------------------------------------------------------------------------- ledgers
 
 
-def build_ledgers(jobs: list[JobFacts], gpus_of: Mapping[str, int]) -> Built:
+def contradiction(j: JobFacts) -> str | None:
+    """Why a job's goodput events contradict what Slurm saw of it (the hooks' record of its
+    exit status), or None: a record whose last launch ended cleanly (`ok`) for a job Slurm
+    saw fail or end by a signal, or whose end Slurm did not report. A record that agrees, or
+    says nothing of the end, passes."""
+    if slurm_clean(j) or not j.goodput:
+        return None
+    outcome = _outcome(j)
+    last = max(j.goodput, key=lambda r: int(r["restart"]))
+    ends = [la["end"] for la in last["launches"] if la.get("end") is not None]
+    if ends and ends[-1]["kind"] == StepEnd.OK.value:
+        return (f"job {j.job_id}: its goodput events end in a clean exit, Slurm saw the job "
+                f"{outcome.replace('_', ' ')} (exit {j.exit_code}, signal {j.exit_signal}"
+                f"{', lost ' + ','.join(j.lost) if j.lost else ''}): ledger left out")
+    return None
+
+
+def build_ledgers(jobs: list[JobFacts], gpus_of: Mapping[str, int],
+                  refused: list[dict[str, Any]] | None = None) -> Built:
     """The goodput ledger (bluevela/report/goodput.py) of every job with supervisor events,
-    with its GPUs per node."""
+    with its GPUs per node. A job whose events contradict Slurm's outcome (`contradiction`)
+    gets none; it is added to `refused` (job id and why) when given."""
     from bluevela.report import goodput as G
     from bluevela.report.goodput_bounds import Allocation
 
     out: Built = []
     for j in jobs:
         if not j.goodput:
+            continue
+        why = contradiction(j)
+        if why is not None:
+            logger.warning("%s", why)
+            if refused is not None:
+                refused.append({"job_id": j.job_id, "why": why})
             continue
         attempts = [{"restart": k, "first_prolog_unix_s": None if math.isnan(a.first_prolog)
                      else a.first_prolog, "last_epilog_unix_s": None if math.isnan(a.last_epilog)
@@ -133,10 +185,24 @@ def build_ledgers(jobs: list[JobFacts], gpus_of: Mapping[str, int]) -> Built:
     return out
 
 
+def hooks_saw_go(j: JobFacts, restart: int) -> set[str]:
+    """The nodes the hooks saw leave attempt `restart` of job `j`: its prolog of that attempt
+    came, its epilog never did (a job without restart counts: its `lost` nodes)."""
+    if j.attempts:
+        a = j.attempts.get(restart)
+        return set() if a is None else a.prolog_nodes - a.epilog_nodes
+    return set(j.lost) if restart == 0 else set()
+
+
 def ledger_failures(built: Built, events: list[Event], passing: Mapping[str, list[float]],
                     since: float, now: float) -> list[Event]:
-    """The node failures the jobs' ledgers saw (a lost node: `node failure: <node>`) that no
-    other event already counts, as events of source `ledger` (pure).
+    """The node failures the jobs' ledgers saw (a lost node: `node failure: <node>`) that the
+    hooks confirm and that no other event already counts, as events of source `ledger` (pure).
+
+    A ledger is the job owner's account: a node it names as lost counts only when the hooks
+    saw that node leave the attempt (`hooks_saw_go`); a node whose epilog of that attempt came
+    (the hooks found it there after the job) is no failure of the fleet's, whatever the
+    record says (a CRITICAL epilog is one already, as the hooks' own event).
 
     One failure is counted once: a ledger's failure of a node is the same as an event of that
     node (a drain, a CRITICAL report, the job's "node lost", another ledger's) of the same
@@ -153,7 +219,10 @@ def ledger_failures(built: Built, events: list[Event], passing: Mapping[str, lis
             t = intr.at if intr.at is not None else (j.end if not math.isnan(j.end) else j.start)
             if intr.kind != "lost" or math.isnan(t) or not since <= t <= now:
                 continue
+            gone = hooks_saw_go(j, intr.restart)
             for node in intr.nodes:
+                if node not in gone:
+                    continue
                 if _counted(by_node[node], passing.get(node, []), j.job_id, t):
                     continue
                 ev = Event(t, node, "ledger", LEDGER_FAILURE, False, j.job_id,
