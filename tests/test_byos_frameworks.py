@@ -47,6 +47,40 @@ print(f"device={t.strategy.root_device}", flush=True)
 print(f"end_step={t.global_step} callbacks={[type(c).__name__ for c in t.callbacks]}", flush=True)
 """
 
+# As Lightning's docs say to resume: a ModelCheckpoint with `save_last=True` saving every 2
+# steps, and `fit(ckpt_path="last")` (argv[4] "last"), or the script's own explicit path to
+# that callback's `last.ckpt` (argv[4] "explicit").
+LIGHTNING_LAST = """
+import os, signal, sys, torch
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+class M(L.LightningModule):
+    def __init__(self):
+        super().__init__(); self.net = nn.Linear(4, 1)
+    def training_step(self, batch, i):
+        if self.global_step == 2 and sys.argv[2] == "signal":
+            os.kill(os.getpid(), signal.SIGUSR1)  # what bv's node agent sends
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+    def on_train_start(self):
+        print(f"start_step={self.global_step}", flush=True)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+data = DataLoader(TensorDataset(torch.randn(256, 4), torch.randn(256, 1)), batch_size=4)
+dirpath = os.path.join(sys.argv[1], "checkpoints")
+t = L.Trainer(accelerator=sys.argv[3], max_steps=6, default_root_dir=sys.argv[1], logger=False,
+              enable_progress_bar=False, enable_model_summary=False,
+              callbacks=[ModelCheckpoint(dirpath=dirpath, save_last=True, every_n_train_steps=2)])
+if sys.argv[4] == "last":
+    ckpt_path = "last"
+else:
+    last = os.path.join(dirpath, "last.ckpt")
+    ckpt_path = last if os.path.exists(last) else None
+t.fit(M(), data, ckpt_path=ckpt_path)
+print(f"end_step={t.global_step} callbacks={[type(c).__name__ for c in t.callbacks]}", flush=True)
+"""
+
 HF = """
 import os, signal, sys, torch
 from torch import nn
@@ -77,9 +111,11 @@ print(f"end_step={t.state.global_step} callbacks="
 """
 
 
-def _run(code: str, out: Path, mode: str, env: dict[str, str], accel: str = "cpu") -> str:
-    proc = subprocess.run([sys.executable, "-c", code, str(out), mode, accel], env=env, cwd=out.parent,
-                          capture_output=True, text=True, timeout=240, check=False)
+def _run(code: str, out: Path, mode: str, env: dict[str, str], accel: str = "cpu",
+         *extra: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", code, str(out), mode, accel, *extra], env=env,
+                          cwd=out.parent, capture_output=True, text=True, timeout=240,
+                          check=False)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
     assert "Traceback" not in text, text
@@ -129,6 +165,38 @@ def test_lightning_saves_at_the_signal_and_resumes_there(tmp_path: Path, accel: 
     # Off (BV_INTEGRATIONS=0): no callback, and the signal would be SIGUSR1's default.
     off = _run(LIGHTNING, tmp_path / "off", "run", _env(tmp_path, BV_INTEGRATIONS="0"), accel)
     assert "BvCheckpoint" not in off
+
+
+def _global_step(path: Path) -> int:
+    import torch
+
+    return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("resume", ["last", "explicit"])
+def test_lightning_resume_from_last_finds_the_signal_checkpoint(tmp_path: Path,
+                                                                 resume: str) -> None:
+    """Lightning's documented resume, `ckpt_path="last"` (or the script's own path to
+    ModelCheckpoint's `last.ckpt`), starts at the step bv's signal saved, not at the older
+    `last.ckpt` of `every_n_train_steps` (issue 33: up to 24 steps lost per interruption)."""
+    _need("lightning")
+    root = tmp_path / "root"
+    env = _env(tmp_path)
+    first = _run(LIGHTNING_LAST, root, "signal", env, "cpu", resume)
+    stopped = re.search(r"^end_step=(\d+) callbacks=.*'BvCheckpoint'", first, re.M)
+    assert stopped and stopped.group(1) == "3", first  # the callback's own last.ckpt: step 2
+    last = root / "checkpoints" / "last.ckpt"
+    linked = last.is_symlink() and last.resolve() == root / "hpc_ckpt_1.ckpt"
+    second = _run(LIGHTNING_LAST, root, "run", env, "cpu", resume)
+    assert re.search(r"^start_step=3$", second, re.M), second  # 0 steps lost (before: 2)
+    assert linked  # bv's save, written once
+    assert re.search(r"^end_step=6 ", second, re.M), second
+    # The resumed callback wrote its next last.ckpt in place of the link (the same name: its
+    # state came with the checkpoint), never through it into bv's HPC file.
+    assert not last.is_symlink() and _global_step(last) == 6
+    assert _global_step(root / "hpc_ckpt_1.ckpt") == 3
+    assert not list((root / "checkpoints").glob("last-v*")), list(root.rglob("*"))
 
 
 @pytest.mark.timeout(600)

@@ -8,16 +8,31 @@ process bv launched (`bluevela.integrations.armed()`) with a known Lightning ver
 At each training batch end every rank reduces its request flag (Lightning's own
 ``strategy.reduce_boolean_decision``: one all-reduce); when any rank was asked, every rank
 saves Lightning's HPC checkpoint (``<default_root_dir>/hpc_ckpt_<n>.ckpt``, what Lightning's
-own SLURM requeue handler writes) and sets ``trainer.should_stop``. Lightning's own resume
-loads the newest ``hpc_ckpt_*`` when ``fit()`` gets no ``ckpt_path`` under Slurm (bv's
-training world keeps ``SLURM_NTASKS`` set, so Lightning detects Slurm), so the next attempt
-starts at the step this one stopped at. Nothing here calls ``scontrol``: bv requeues.
+own SLURM requeue handler writes) and sets ``trainer.should_stop``. Nothing here calls
+``scontrol``: bv requeues.
+
+The next attempt must start at that step whichever resume the script chose:
+- ``fit()`` without ``ckpt_path`` under Slurm (bv's training world keeps ``SLURM_NTASKS`` set,
+  so Lightning detects Slurm): Lightning loads the newest ``hpc_ckpt_*``, the one above.
+- ``fit(ckpt_path="last")`` (Lightning's documented resume): Lightning 2.x loads the newest by
+  modification time of each ModelCheckpoint's ``last*.ckpt`` in its ``dirpath`` (and of
+  OnExceptionCheckpoint's file); it never looks at ``hpc_ckpt_*``. So for every ModelCheckpoint
+  with ``save_last`` rank 0 points its last checkpoint (``last.ckpt``, or the name it already
+  uses in this run) at the HPC file (`point_last`): a symbolic link, as Lightning's own
+  ``save_last="link"`` makes, so the state is written once (a copy where no link can be made,
+  a second save where ``dirpath`` is remote). The callback's ``last_model_path`` is set to that
+  name before the save, so the resumed ModelCheckpoint goes on writing the same file.
+- An explicit ``ckpt_path=<dirpath>/last.ckpt``: the same link.
+A ModelCheckpoint without ``save_last`` gets no ``last.ckpt`` from bv: its configuration says
+there is none, and Lightning's "last" finds none (it warns and starts over), as without bv.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -36,6 +51,62 @@ def hpc_save_path(folder: str) -> str:
     except OSError:
         numbers = []
     return str(Path(folder) / f"hpc_ckpt_{max(numbers, default=0) + 1}.ckpt")
+
+
+def _remote(path: str) -> bool:
+    """A URL (fsspec's ``s3://``, ``file://``): no symbolic link there."""
+    return "://" in path
+
+
+def last_paths(trainer: Any) -> list[str]:
+    """Where ``fit(ckpt_path="last")`` looks: per ModelCheckpoint with ``save_last``, the last
+    checkpoint it wrote in this run, else ``<dirpath>/last.ckpt`` (its own name for it). Sets
+    each callback's ``last_model_path`` to it: that is part of the state about to be saved, and
+    the resumed callback then writes its next last checkpoint there, not to ``last-v1.ckpt``."""
+    # The ModelCheckpoint of each Lightning package the script imported (never an import here:
+    # the other package would take seconds in the signal's window).
+    kinds = tuple(module.ModelCheckpoint for name in ("lightning.pytorch.callbacks",
+                                                      "pytorch_lightning.callbacks")
+                  if (module := sys.modules.get(name)) is not None)
+    out: list[str] = []
+    for cb in trainer.callbacks:
+        if not isinstance(cb, kinds) or not cb.save_last or not cb.dirpath:
+            continue
+        dirpath = str(cb.dirpath)
+        last = str(cb.last_model_path or "")
+        if not last or os.path.dirname(os.path.normpath(last)) != os.path.normpath(dirpath):
+            import torch
+
+            metrics = {**trainer.callback_metrics, "epoch": torch.tensor(trainer.current_epoch),
+                       "step": torch.tensor(trainer.global_step)}
+            last = cb.format_checkpoint_name(metrics, cb.CHECKPOINT_NAME_LAST)
+        cb.last_model_path = last
+        if last not in out:
+            out.append(last)
+    return out
+
+
+def point_last(target: str, last: str) -> None:
+    """Make `last` name the checkpoint at `target`, replacing what `last` was in one rename (a
+    stop at any moment leaves the old or the new, never neither): a relative symbolic link, or
+    where the filesystem makes none, a copy."""
+    folder = os.path.dirname(last) or "."
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(last)}.bv-{os.getpid()}")
+    if os.path.isdir(tmp) and not os.path.islink(tmp):
+        shutil.rmtree(tmp)  # a stopped earlier try's
+    elif os.path.lexists(tmp):
+        os.remove(tmp)
+    try:
+        os.symlink(os.path.relpath(target, folder), tmp)
+    except OSError:
+        if os.path.isdir(target):
+            shutil.copytree(target, tmp, symlinks=True)
+        else:
+            shutil.copyfile(target, tmp)
+    if os.path.isdir(last) and not os.path.islink(last):
+        shutil.rmtree(last)  # a sharded strategy's folder: no rename replaces one
+    os.replace(tmp, last)
 
 
 def _callback_class(base: type) -> type:
@@ -61,12 +132,27 @@ def _callback_class(base: type) -> type:
             runtime.stopping_for_checkpoint()  # bv requeues: this rank stopped for it
             path = hpc_save_path(str(trainer.default_root_dir))
             path = trainer.strategy.broadcast(path)  # rank 0's name on every rank
+            lasts = last_paths(trainer)
             trainer.save_checkpoint(path)
+            for last in lasts:
+                if _remote(path) or _remote(last):
+                    trainer.save_checkpoint(last)  # every rank: a save may be collective
+                elif trainer.is_global_zero:
+                    try:
+                        point_last(path, last)
+                    except OSError as exc:  # the HPC checkpoint stands: stop as asked
+                        sys.stderr.write(f"bv: could not point {last} at {path} ({exc}): "
+                                         "fit(ckpt_path=\"last\") would resume from an older "
+                                         "checkpoint\n")
+            if lasts:
+                trainer.strategy.barrier("bv.last")  # every rank returns once the link is made
             self.stopped_at = int(trainer.global_step)
             trainer.should_stop = True
             if trainer.is_global_zero:
+                also = "".join(f", {last}" for last in lasts)
                 sys.stderr.write(f"bv: checkpoint requested ({runtime.requested_by() or 'signal'}"
-                                 f"): saved step {trainer.global_step} to {path}, stopping\n")
+                                 f"): saved step {trainer.global_step} to {path}{also}, "
+                                 "stopping\n")
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             from bluevela import runtime
