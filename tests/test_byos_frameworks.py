@@ -111,6 +111,44 @@ print(f"end_step={t.state.global_step} callbacks="
 """
 
 
+# Accelerate as its docs show automatic checkpoint naming: `save_state()` into
+# project_dir/checkpoints/checkpoint_<n>, `load_state()` of the newest at start; bv's one line
+# turns the signal into Accelerate's trigger. argv[2]: the step the signal stops at (it comes
+# during the one before), or "run".
+ACCELERATE = """
+import os, signal, sys, torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+from torch import nn
+from bluevela import runtime
+class Steps:
+    done = 0
+    def state_dict(self): return {"done": self.done}
+    def load_state_dict(self, state): self.done = state["done"]
+acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+    project_dir=sys.argv[1], automatic_checkpoint_naming=True))
+model = nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model, opt = acc.prepare(model, opt)
+steps = Steps()
+acc.register_for_checkpointing(steps)
+if os.path.isdir(os.path.join(sys.argv[1], "checkpoints")):
+    acc.load_state()
+print(f"start_step={steps.done}", flush=True)
+while steps.done < 6:
+    loss = nn.functional.mse_loss(model(torch.randn(4, 4)), torch.randn(4, 1))
+    acc.backward(loss); opt.step(); opt.zero_grad()
+    steps.done += 1
+    if runtime.checkpoint_requested(): acc.set_trigger()  # bv's one line
+    if sys.argv[2] == str(steps.done + 1):  # once the line installed bv's handler
+        os.kill(os.getpid(), signal.SIGUSR1)  # what bv's node agent sends
+    if acc.check_trigger():
+        acc.save_state()
+        break
+print(f"end_step={steps.done}", flush=True)
+"""
+
+
 def _run(code: str, out: Path, mode: str, env: dict[str, str], accel: str = "cpu",
          *extra: str) -> str:
     proc = subprocess.run([sys.executable, "-c", code, str(out), mode, accel, *extra], env=env,
@@ -218,3 +256,22 @@ def test_hf_trainer_saves_at_the_signal_and_resumes_there(tmp_path: Path, accel:
     _on(second, accel)
     assert re.search(r"^start_step=3$", second, re.M), second  # get_last_checkpoint
     assert re.search(r"^end_step=6 ", second, re.M)
+
+
+@pytest.mark.timeout(600)
+def test_accelerate_automatic_naming_resumes_and_saves_again(tmp_path: Path) -> None:
+    """Accelerate's automatic checkpoint naming across two of bv's signals: the resumed
+    process's `save_state()` writes the next folder (on accelerate 1.15.0 without bv's wrap it
+    raised "checkpoint_0 already exists": the second interruption lost everything since the
+    first), and `load_state()` of the newest resumes at each signal's step."""
+    _need("accelerate")
+    project = tmp_path / "project"
+    env = _env(tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    starts, ends = [], []
+    for mode in ("3", "5", "run"):
+        text = _run(ACCELERATE, project, mode, env)
+        starts += re.findall(r"^start_step=(\d+)$", text, re.M)
+        ends += re.findall(r"^end_step=(\d+)$", text, re.M)
+    assert (starts, ends) == (["0", "3", "5"], ["3", "5", "6"])
+    assert sorted(p.name for p in (project / "checkpoints").iterdir()) == [
+        "checkpoint_0", "checkpoint_1"]

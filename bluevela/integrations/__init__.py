@@ -12,7 +12,9 @@ bluevela/runtime/world.py, bluevela/integrations/boot.py):
 - torchtitan (`torchtitan.py`): the start-up hook wraps the Trainer's `__init__` and its loop
   condition `should_continue_training` when `torchtitan.trainer` is imported (no plugin entry
   point either); only when checkpointing is enabled.
-- Accelerate: one documented line in the loop (docs/byos.md).
+- Accelerate: one documented line in the loop (docs/byos.md); the start-up hook wraps
+  `Accelerator.load_state` when `accelerate.accelerator` is imported (`accelerate.py`: the
+  automatic checkpoint counter after a resume).
 
 Each one: bv's checkpoint signal (SIGUSR1 from the node agent) sets bluevela.runtime's flag; at
 the next step boundary the ranks agree (one all-reduce of one number: any rank asked), save in

@@ -4,6 +4,8 @@
 - Post-import hooks (a `sys.meta_path` finder that runs a function after a module's own code):
   when `transformers.trainer` is imported, every `Trainer` gets bv's callback (hf.py); when
   `torchtitan.trainer` is, its Trainer saves and stops at bv's signal (torchtitan.py); when
+  `accelerate.accelerator` is, `load_state()` of the newest automatic checkpoint carries
+  Accelerate's checkpoint counter on, so the next `save_state()` can write (accelerate.py); when
   Lightning is imported, the checkpoint handler for SIGUSR1 is installed at once (its callback
   comes through Lightning's entry point; the handler must be there before the Trainer is, as
   importing Lightning takes seconds). Nothing else is imported here: a process that never
@@ -41,6 +43,12 @@ def _hf(module: ModuleType) -> None:
     hf.patch(module)
 
 
+def _accelerate(module: ModuleType) -> None:
+    from bluevela.integrations import accelerate
+
+    accelerate.patch(module)
+
+
 def _torchtitan(module: ModuleType) -> None:
     from bluevela.integrations import torchtitan
 
@@ -49,6 +57,7 @@ def _torchtitan(module: ModuleType) -> None:
 
 HOOKS: dict[str, Callable[[ModuleType], None]] = {
     "transformers.trainer": _hf,
+    "accelerate.accelerator": _accelerate,
     "torchtitan.trainer": _torchtitan,
     "lightning.pytorch": _install_usr1,
     "pytorch_lightning": _install_usr1,
