@@ -156,6 +156,8 @@ class CheckpointStore:
         self.server: ShardServer | None = None
         self._pending: _Job | None = None
         self._skips: list[str] = []
+        self._invs: list[NodeInv] = []
+        self._shared: dict[int, frozenset[int]] = {}
         self.root = (layout.job_root(cfg.local_dir, cfg.job or "none")
                      if cfg.local_dir else None)
         if self.root is not None:
@@ -468,6 +470,8 @@ class CheckpointStore:
             os.close(fd)
 
     def close(self) -> None:
+        """Wait for the queued writes, then stop serving this node's shards."""
+        self.wait()
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -504,16 +508,17 @@ class CheckpointStore:
         invs = [NodeInv.from_wire(g) for g in gathered if g is not None]
         failed: set[int] = set()
         shared: dict[int, frozenset[int]] = {}
-        listed = False
+        listed = retry_shared = False
         skipped: list[str] = []
         all_skips: list[str] = []
         while True:
-            if not listed and needs_shared(invs, self.world, failed):
+            if not listed and (retry_shared or needs_shared(invs, self.world, failed)):
                 got = self.coll.all_gather(
                     {str(s): sorted(r) for s, r in self._list_shared().items()}
                     if self.rank == 0 else None)
                 shared = {int(s): frozenset(r) for s, r in got[0].items()}
                 listed = True
+            self._invs, self._shared = invs, shared
             cands = candidates(invs, self.world, shared, failed)
             if not cands:
                 summary = _summary(None, [], all_skips, time.perf_counter() - t0)
@@ -535,13 +540,29 @@ class CheckpointStore:
                 _say(summary, self.rank)
                 state, extra, source = result
                 return Restored(step, state, extra, source, seconds, skipped, summary)
-            failed.add(step)
             del result
+            if not listed:
+                retry_shared = True  # the same step again, with shared storage's copies
+                continue
+            failed.add(step)
 
-    def _load_step(self, step: int, where: list[Place]) -> tuple[Any, dict[str, bytes], str] | None:
+    def load_rank(self, step: int, rank: int) -> tuple[Any, dict[str, bytes], str] | None:
+        """Another rank's shard of `step` (DCP reads replicated items from the rank that
+        wrote them), from the fastest verified place the last `load_latest` found; None when
+        none verifies (`last_skips` says why). Not a collective."""
+        return self._load_step(step, places(step, rank, self.node, self._invs, self._shared),
+                               rank)
+
+    @property
+    def last_skips(self) -> list[str]:
+        return list(self._skips)
+
+    def _load_step(self, step: int, where: list[Place],
+                   rank: int | None = None) -> tuple[Any, dict[str, bytes], str] | None:
         self._skips = []
-        expect = {"step": step, "rank": self.rank, "name": self.cfg.name}
-        name = layout.shard_name(self.rank)
+        rank = self.rank if rank is None else rank
+        expect = {"step": step, "rank": rank, "name": self.cfg.name}
+        name = layout.shard_name(rank)
         for place in where:
             try:
                 if place.tier == "local":
@@ -554,9 +575,9 @@ class CheckpointStore:
                     assert place.addr is not None
                     if self.root is None:
                         raise TransferError("no node-local tier to fetch into")
-                    fd = self._step_fd("own", step)
+                    fd = self._step_fd("own" if rank == self.rank else "held", step)
                     try:
-                        fetch_shard(place.addr, self.key, step, self.rank, fd, name)
+                        fetch_shard(place.addr, self.key, step, rank, fd, name)
                         info, payload = load_at(fd, name, expect)
                     finally:
                         os.close(fd)

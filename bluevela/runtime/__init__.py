@@ -35,6 +35,7 @@ __all__ = [
     "attempt",
     "checkpoint_requested",
     "checkpoint_saved",
+    "checkpoint_store",
     "checkpointing",
     "clear_checkpoint_request",
     "finished",
@@ -52,4 +53,9 @@ def __getattr__(name: str) -> Any:
         from bluevela.runtime import heartbeat
 
         return getattr(heartbeat, name)
+    if name == "checkpoint_store":
+        # The node-local checkpoint store (bluevela/ckpt, docs/checkpoints.md), on first use.
+        from bluevela.ckpt.store import open_store
+
+        return open_store
     raise AttributeError(f"module 'bluevela.runtime' has no attribute {name!r}")

@@ -1,0 +1,321 @@
+"""The checkpoint store (bluevela/ckpt, docs/checkpoints.md) with real files: ranks are threads
+of this process (tests/ckpt_helpers.py), each "node" a node-local directory of its own, the
+partner copies sent over real loopback TCP, shared storage a directory.
+
+The planted faults: a torn local file, a flipped byte in the partner's copy, a missing shared
+copy, a node lost with its disk (the spare fetches the lost rank's shard from the partner and
+reads nothing of shared storage), the partner lost together with the node, a full node-local
+disk (a 64 KiB tmpfs) and a budget. Each resume loads no torn or corrupt copy, names every
+skip, and takes the newest step complete somewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bluevela.ckpt import layout
+from bluevela.ckpt.partner import TransferError, choose_partners, fetch_shard, send_shard
+from bluevela.ckpt.plan import NodeInv, candidates, needs_shared, places
+from bluevela.ckpt.shardfile import ShardError, load_at, verify_at, write_shard
+from bluevela.ckpt.stage import Stager, decode
+from tests.ckpt_helpers import KEY, make_store, run_ranks
+
+torch = pytest.importorskip("torch")
+
+
+def _state(rank: int, step: int, n: int = 4096) -> dict[str, Any]:
+    return {"model": {"w": torch.full((n,), float(rank * 1000 + step)),
+                      "b": torch.arange(8, dtype=torch.int64) + step},
+            "optim": {"state": {0: {"m": torch.ones(3, 3, dtype=torch.bfloat16) * step}},
+                      "param_groups": [{"lr": 0.1, "params": [0]}]},
+            "step": step, "rng": b"\x00\x01" * 8, "nan": float("nan"), "t": (1, "a")}
+
+
+def _check(state: dict[str, Any], rank: int, step: int) -> None:
+    assert state["step"] == step
+    assert state["model"]["w"][0].item() == rank * 1000 + step
+    assert torch.equal(state["model"]["b"], torch.arange(8, dtype=torch.int64) + step)
+    assert state["optim"]["state"][0]["m"].dtype == torch.bfloat16
+    assert state["optim"]["param_groups"] == [{"lr": 0.1, "params": [0]}]
+    assert state["rng"] == b"\x00\x01" * 8 and state["t"] == (1, "a")
+    assert state["nan"] != state["nan"]
+
+
+def _shard(tmp: Path, node: str, kind: str, step: int, rank: int) -> Path:
+    return (tmp / "local" / node / f"bv-{os.getuid()}" / "job-77" / "t" / kind
+            / layout.step_dir(step) / layout.shard_name(rank))
+
+
+def _save_steps(tmp: Path, world: int, steps: list[int], **kw: Any) -> list[Any]:
+    def body(rank: int, coll: Any) -> Any:
+        s = make_store(tmp, rank, coll, **kw)
+        for step in steps:
+            s.save(step, _state(rank, step))
+        done = s.finalize()
+        return done, dict(s.status)
+
+    return run_ranks(world, body)
+
+
+def _resume(tmp: Path, world: int, nodes: dict[int, str] | None = None, **kw: Any) -> list[Any]:
+    def body(rank: int, coll: Any) -> Any:
+        node = (nodes or {}).get(rank)
+        s = make_store(tmp, rank, coll, node=node, **kw)
+        try:
+            return s.load_latest()
+        finally:
+            s.close()
+
+    return run_ranks(world, body)
+
+
+def test_save_is_complete_in_local_and_partner_then_drained_at_the_end(tmp_path: Path) -> None:
+    results = _save_steps(tmp_path, 2, [1, 2, 3])
+    done, status = results[0]
+    # Every step is complete on the node and on the partner; only the newest was drained.
+    assert done == {1: ["local", "partner"], 2: ["local", "partner"],
+                    3: ["local", "partner", "shared"]}
+    assert status[3]["partner"] == "ok (n2)"
+    # keep=2: step 1 pruned from the node-local tier (own and held copies).
+    assert not _shard(tmp_path, "n1", "own", 1, 0).exists()
+    assert not _shard(tmp_path, "n2", "held", 1, 0).exists()
+    assert _shard(tmp_path, "n2", "held", 3, 0).is_file()
+    assert (tmp_path / "shared" / "t" / layout.step_dir(3) / "manifest.json").is_file()
+    restored = _resume(tmp_path, 2)
+    for rank, r in enumerate(restored):
+        assert r.step == 3 and r.source == "local (own copy on this node)"
+        _check(r.state, rank, 3)
+    assert restored[0].summary.endswith("nothing skipped")
+
+
+def test_torn_local_file_is_skipped_for_the_partners_copy(tmp_path: Path) -> None:
+    _save_steps(tmp_path, 2, [1, 2])
+    torn = _shard(tmp_path, "n1", "own", 2, 0)
+    with open(torn, "r+b") as f:
+        f.truncate(torn.stat().st_size // 2)
+    restored = _resume(tmp_path, 2)
+    assert restored[0].step == 2
+    assert restored[0].source == "partner (held copy on n2)"
+    _check(restored[0].state, 0, 2)
+    assert "rank 0 step 2 local (own copy on this node): torn" in restored[1].summary
+
+
+def test_flipped_byte_in_partner_copy_and_torn_local_falls_back_to_shared(
+        tmp_path: Path) -> None:
+    _save_steps(tmp_path, 2, [1, 2])  # step 2 drained at the end
+    torn = _shard(tmp_path, "n2", "own", 2, 1)
+    torn.write_bytes(torn.read_bytes()[:100])
+    copy = _shard(tmp_path, "n1", "held", 2, 1)
+    data = bytearray(copy.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    copy.write_bytes(bytes(data))
+    restored = _resume(tmp_path, 2)
+    assert restored[1].step == 2 and restored[1].source == "shared"
+    _check(restored[1].state, 1, 2)
+    summary = restored[0].summary
+    assert "rank 1 step 2 local (own copy on this node): torn" in summary
+    assert "rank 1 step 2 partner (held copy on n1): corrupt: checksum mismatch" in summary
+
+
+def test_missing_shared_copy_means_an_older_step(tmp_path: Path) -> None:
+    _save_steps(tmp_path, 2, [1, 2], drain_every=1)
+    # Rank 1's every copy of step 2 is gone or bad: its node file and the partner copy torn,
+    # its shared copy removed. Step 1 is complete in shared storage.
+    for p in (_shard(tmp_path, "n2", "own", 2, 1), _shard(tmp_path, "n1", "held", 2, 1)):
+        p.write_bytes(b"BVCKPT01")
+    (tmp_path / "shared" / "t" / layout.step_dir(2) / layout.shard_name(1)).unlink()
+    restored = _resume(tmp_path, 2)
+    assert [r.step for r in restored] == [1, 1]
+    for rank, r in enumerate(restored):
+        _check(r.state, rank, 1)
+    assert "rank 1 step 2" in restored[0].summary and "torn" in restored[0].summary
+
+
+def test_spare_fetches_the_lost_nodes_shard_from_its_partner_no_shared_read(
+        tmp_path: Path) -> None:
+    _save_steps(tmp_path, 2, [1, 2], shared_dir=None)
+    shutil.rmtree(tmp_path / "local" / "n2")  # the node is lost with its disk
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0)  # any read of shared storage would fail (and be named as a skip)
+    try:
+        restored = _resume(tmp_path, 2, nodes={1: "n3"})  # the spare takes rank 1
+    finally:
+        os.chmod(shared, 0o755)
+    assert [r.step for r in restored] == [2, 2]
+    assert restored[1].source == "partner (held copy on n1)"
+    _check(restored[1].state, 1, 2)
+    assert restored[0].summary.endswith("nothing skipped")
+    assert list(shared.iterdir()) == []
+    # The fetched copy is now the spare's own node-local file.
+    assert verify_at(os.open(_shard(tmp_path, "n3", "own", 2, 1).parent, os.O_RDONLY),
+                     layout.shard_name(1)).step == 2
+
+
+def test_partner_lost_with_the_node_resumes_from_shared(tmp_path: Path) -> None:
+    # Three nodes: n1 -> n2 -> n3 -> n1 ... (ring, half away): n1's copies are on n2.
+    _save_steps(tmp_path, 3, [1, 2, 3], drain_every=2)  # step 2 drained, 3 at the end
+    partners = choose_partners(["n1", "n2", "n3"])
+    lost = "n1"
+    shutil.rmtree(tmp_path / "local" / lost)
+    shutil.rmtree(tmp_path / "local" / partners[lost])
+    # The end-of-job drain of step 3 is lost too (a node lost during the drain).
+    (tmp_path / "shared" / "t" / layout.step_dir(3) / layout.shard_name(0)).unlink()
+    restored = _resume(tmp_path, 3, nodes={0: "n4", 1: "n5"})
+    assert [r.step for r in restored] == [2, 2, 2]
+    assert restored[0].source == "shared"
+    for rank, r in enumerate(restored):
+        _check(r.state, rank, 2)
+
+
+def test_full_node_local_disk_drains_that_step_from_memory(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    small = tmp_path / "local" / "n1"
+    small.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)],
+                      check=False).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        def body(rank: int, coll: Any) -> Any:
+            s = make_store(tmp_path, rank, coll)
+            s.save(1, _state(rank, 1, n=64 << 10))  # 256 KiB of floats: over the tmpfs
+            out = s.complete()
+            s.close()
+            return out, dict(s.status[1])
+
+        (done, status), (_, status1) = run_ranks(2, body)
+        assert "No space left on device" in status["local"]
+        assert status["partner"] == "not sent: no local shard"
+        assert status["shared"] == "ok" and done[1] == []  # rank 1's step was not drained
+        # rank 1's copy to the full node was refused, with the partner's reason.
+        assert status1["partner"].startswith("failed (n1): partner refused"), status1
+        restored = _resume(tmp_path, 2)
+        assert restored[0].step == 1 and restored[0].source == "shared"
+        assert restored[1].source == "local (own copy on this node)"
+        _check(restored[0].state, 0, 1)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+def test_budget_refuses_the_local_write_and_says_so(tmp_path: Path) -> None:
+    def body(rank: int, coll: Any) -> Any:
+        s = make_store(tmp_path, rank, coll, budget_bytes=10_000)
+        s.save(1, _state(rank, 1))
+        s.close()
+        return dict(s.status[1])
+
+    status = run_ranks(1, body)[0]
+    assert status["local"].startswith("failed: shard of ") and "budget" in status["local"]
+    assert status["shared"] == "ok"
+
+
+def test_staging_reuses_one_copy_of_the_state() -> None:
+    stager = Stager()
+    state = {"w": torch.randn(1000), "v": [torch.zeros(10, dtype=torch.int32)]}
+    first = stager.stage(state)
+    ptrs = [t.data_ptr() for t in first.tensors]
+    state["w"].add_(1)
+    second = stager.stage(state)
+    assert [t.data_ptr() for t in second.tensors] == ptrs
+    assert stager.held_bytes == 1000 * 4 + 10 * 4
+    # The staged copy is a copy: the loop may change its tensors after stage() returned.
+    state["w"].zero_()
+    payload = bytearray(b"".join(bytes(c) for c in second.chunks()))
+    got, _ = decode(payload)
+    assert got["w"].abs().sum().item() > 0
+    # A tensor that left the state takes its buffer with it.
+    stager.stage({"w": state["w"]})
+    assert stager.held_bytes == 1000 * 4
+
+
+def test_shard_file_faults_are_named(tmp_path: Path) -> None:
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        hdr = {"step": 5, "rank": 0, "payload": 10, "name": "t"}
+        write_shard(fd, "a.bvck", hdr, [b"0123456789"])
+        assert load_at(fd, "a.bvck")[1] == bytearray(b"0123456789")
+        raw = (tmp_path / "a.bvck").read_bytes()
+        cases = {"torn": raw[:-5], "corrupt: checksum mismatch":
+                 raw.replace(b"0123456789", b"0123456788"), "not a bv shard": b"x" * 80}
+        for why, data in cases.items():
+            (tmp_path / "b.bvck").write_bytes(data)
+            with pytest.raises(ShardError, match=why):
+                verify_at(fd, "b.bvck")
+        with pytest.raises(ShardError, match="step 5 where 6"):
+            verify_at(fd, "a.bvck", expect={"step": 6})
+        os.symlink(tmp_path / "a.bvck", tmp_path / "c.bvck")
+        with pytest.raises(ShardError, match="symlink"):
+            verify_at(fd, "c.bvck")
+        # A failed write leaves nothing behind (no temporary, no target).
+        with pytest.raises(ValueError):
+            write_shard(fd, "d.bvck", hdr, [b"short"])
+        assert sorted(os.listdir(fd)) == ["a.bvck", "b.bvck", "c.bvck"]
+    finally:
+        os.close(fd)
+
+
+def test_transfer_with_a_wrong_key_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    from bluevela.ckpt.partner import ShardServer
+
+    held = tmp_path / "held"
+    held.mkdir()
+    src = os.open(tmp_path, os.O_RDONLY)
+    write_shard(src, "rank-00000.bvck", {"step": 3, "rank": 0, "payload": 4}, [b"abcd"])
+    server = ShardServer(KEY, lambda step: os.open(held, os.O_RDONLY),
+                         lambda step, rank: None, lambda s, r, n: None, 1 << 20, "127.0.0.1")
+    try:
+        with pytest.raises(TransferError, match="refused"):
+            send_shard(("127.0.0.1", server.port), b"x" * 32, src, "rank-00000.bvck", 3, 0)
+        assert list(held.iterdir()) == []
+        # The step and rank in the request must be the file's own.
+        with pytest.raises(TransferError, match="refused"):
+            send_shard(("127.0.0.1", server.port), KEY, src, "rank-00000.bvck", 4, 0)
+        assert send_shard(("127.0.0.1", server.port), KEY, src, "rank-00000.bvck", 3, 0) > 0
+        assert [p.name for p in held.iterdir()] == ["rank-00000.bvck"]
+        with pytest.raises(TransferError, match="does not hold it"):
+            fetch_shard(("127.0.0.1", server.port), KEY, 3, 0, src, "x.bvck")
+    finally:
+        server.close()
+        os.close(src)
+
+
+def test_partners_sit_on_another_switch() -> None:
+    nodes = [f"g{i}" for i in range(1, 9)]
+    sw = {n: ("a" if i < 4 else "b") for i, n in enumerate(nodes)}
+    got = choose_partners(nodes, sw)
+    assert all(sw[n] != sw[p] for n, p in got.items())
+    assert sorted(set(got.values())) == nodes  # every node keeps exactly one node's copies
+    assert choose_partners(["only"]) == {}
+    plain = choose_partners(["a", "b", "c"])
+    assert all(n != p for n, p in plain.items())
+
+
+def test_plan_prefers_local_and_lists_shared_only_when_needed() -> None:
+    fs = frozenset
+    n1 = NodeInv("n1", ("h1", 1), own={2: fs({0}), 3: fs({0})}, held={2: fs({1}), 3: fs({1})})
+    n3 = NodeInv("n3", ("h3", 3))
+    assert not needs_shared([n1, n3], 2, set())
+    assert candidates([n1, n3], 2, {}, set()) == [3, 2]
+    got = places(3, 1, "n3", [n1, n3], {3: fs({1})})
+    assert [p.words() for p in got] == ["partner (held copy on n1)", "shared"]
+    # A step newer than any complete one was seen: shared storage may hold it.
+    n1b = NodeInv("n1", ("h1", 1), own={4: fs({0}), 3: fs({0})}, held={3: fs({1})})
+    assert needs_shared([n1b], 2, set())
+    assert needs_shared([n1], 2, {3, 2})
+
+
+def test_runtime_gives_the_store_and_nothing_imports_torch() -> None:
+    code = ("import sys, bluevela.runtime as r, bluevela.ckpt.store;"
+            "f = r.checkpoint_store; assert f.__name__ == 'open_store';"
+            "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
