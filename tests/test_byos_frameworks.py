@@ -104,7 +104,9 @@ args = TrainingArguments(output_dir=sys.argv[1], max_steps=6, save_steps=1000, r
                          use_cpu=sys.argv[3] == "cpu", disable_tqdm=True, per_device_train_batch_size=4)
 t = Trainer(model=M(), args=args, train_dataset=D(), callbacks=[Ask()])
 last = get_last_checkpoint(sys.argv[1]) if os.path.isdir(sys.argv[1]) else None
-t.train(resume_from_checkpoint=last)
+# HF's two documented idioms: the path get_last_checkpoint() finds (its example scripts), or
+# True (the Trainer looks for it in output_dir itself; it raises where there is none yet).
+t.train(resume_from_checkpoint=(last is not None) if sys.argv[4] == "true" else last)
 print(f"device={t.args.device}", flush=True)
 print(f"end_step={t.state.global_step} callbacks="
       f"{[type(c).__name__ for c in t.callback_handler.callbacks]}", flush=True)
@@ -238,21 +240,23 @@ def test_lightning_resume_from_last_finds_the_signal_checkpoint(tmp_path: Path,
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("accel", ACCELERATORS)
-def test_hf_trainer_saves_at_the_signal_and_resumes_there(tmp_path: Path, accel: str) -> None:
+@pytest.mark.parametrize(("accel", "resume"), [("cpu", "path"), ("cpu", "true"),
+                                               pytest.param("gpu", "path", marks=pytest.mark.gpu)])
+def test_hf_trainer_saves_at_the_signal_and_resumes_there(tmp_path: Path, accel: str,
+                                                          resume: str) -> None:
     _need("transformers")
     out = tmp_path / "out"
     # As torchrun gives them: Accelerate (under the Trainer) joins a 1-rank group (gloo on a
     # CPU, NCCL on a GPU).
     env = _env(tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    first = _run(HF, out, "signal", env, accel)
+    first = _run(HF, out, "signal", env, accel, resume)
     _on(first, accel)
     assert re.search(r"^start_step=0$", first, re.M)
     stopped = re.search(r"^end_step=(\d+) callbacks=.*'BvCheckpointCallback'", first, re.M)
     assert stopped and stopped.group(1) == "3", first
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [
         "checkpoint-3"]
-    second = _run(HF, out, "run", env, accel)
+    second = _run(HF, out, "run", env, accel, resume)
     _on(second, accel)
     assert re.search(r"^start_step=3$", second, re.M), second  # get_last_checkpoint
     assert re.search(r"^end_step=6 ", second, re.M)
