@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# Unknown keys are errors: a typo in site.yaml must not pass silently.
+# Unknown keys fail validation; the file reader (site_file.parse_site) then drops and reports
+# them, or, for `bv site validate`, makes them errors: a typo must not pass silently, and a
+# newer bv's key must not make an older node's hooks stop checking.
 _STRICT = {"extra": "forbid"}
 
 
@@ -152,6 +154,10 @@ class Launch:
     # A lost node without a spare: grow the job by one node (needs Slurm's
     # permit_job_expansion; docs/install.md) waiting at most this long, else requeue; 0: off.
     grow_deadline_s: Annotated[float, Ge(0), Le(3600)] = 0.0
+    # torchrun through bv's rendezvous guard (launch/rdzv_guard.py); "optional": a torchrun
+    # the guard cannot run (a site's wrapper, another environment's) runs unguarded, said in
+    # the job's output, instead of failing the step.
+    rdzv_guard: Literal["required", "optional"] = "required"
     # The job's Python (the batch script's `exec` line; `bv submit --python`): a command on
     # the job's PATH or an absolute path, >= 3.11 with this bluevela (checked at submit).
     python: Annotated[str, _Checked(_python_command)] = "python3"
@@ -540,6 +546,12 @@ class Site:
         """Where the site was read from (not part of the file)."""
         return self.__dict__.get("_source")
 
+    @property
+    def unknown_keys(self) -> tuple[str, ...]:
+        """`PATH:LINE: key: ...` for each key of the file this bv does not know and ignored
+        (not part of the file's model; site_file.parse_site)."""
+        return self.__dict__.get("_unknown_keys", ())
+
     def class_name_for(self, node: str | None = None) -> str:
         """The node class of `node` (default: this host), or `$BV_NODE_CLASS` when set."""
         forced = os.environ.get("BV_NODE_CLASS")
@@ -588,7 +600,8 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def load_site(explicit: str | os.PathLike[str] | None = None, *, cwd: bool = True) -> Site:
+def load_site(explicit: str | os.PathLike[str] | None = None, *, cwd: bool = True,
+              strict: bool = False) -> Site:
     """The site file found, read and validated (`site_file.load_site`: the search order, the
     cache, the `PATH:LINE` errors).
 
@@ -597,4 +610,4 @@ def load_site(explicit: str | os.PathLike[str] | None = None, *, cwd: bool = Tru
     """
     from bluevela.site_file import load_site as load
 
-    return load(explicit, cwd=cwd)
+    return load(explicit, cwd=cwd, strict=strict)

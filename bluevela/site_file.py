@@ -168,8 +168,14 @@ def _line_of(root: Any, loc: tuple[int | str, ...]) -> int | None:
     return line
 
 
-def parse_site(text: str, source: Path) -> Site:
+def parse_site(text: str, source: Path, *, strict: bool = False) -> Site:
     """Parse and validate site.yaml text.
+
+    A key this bv's model does not know (a newer bv's key during a rollout, or a typo) is
+    dropped and reported (`Site.unknown_keys`, one `PATH:LINE: key: ...` line each, logged as a
+    warning by `load_site`) when it is the only kind of problem: a node still on an older bv
+    keeps its hooks checking with what it knows instead of failing open on the whole file.
+    `strict` (`bv site validate`) makes such a key an error, as every other problem is.
 
     Raises:
         SiteConfigError: with `PATH:LINE: message` problems.
@@ -206,19 +212,66 @@ def parse_site(text: str, source: Path) -> Site:
         text = str(part)
         return text if re.fullmatch(r"[A-Za-z0-9_./\[\]-]{1,64}", text) else "<key>"
 
+    def describe(err: Any) -> str:
+        loc = tuple(err["loc"])
+        line = _line_of(root, loc) or 1
+        where = ".".join(shown(p) for p in loc) or "(top)"
+        message = printable(err["msg"].removeprefix("Value error, "))
+        if err["type"] in _UNKNOWN_KEY:
+            message = f"{message}: {unknown_key_words()}"
+        return f"{source}:{line}: {where}: {message}"
+
+    unknown: list[str] = []
     try:
         site = validate(Site, data)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            loc = tuple(err["loc"])
-            line = _line_of(root, loc) or 1
-            where = ".".join(shown(p) for p in loc) or "(top)"
-            message = printable(err["msg"].removeprefix("Value error, "))
-            problems.append(f"{source}:{line}: {where}: {message}")
-        raise SiteConfigError(problems[0], problems) from exc
+        errors = exc.errors()
+        extra = [e for e in errors if e["type"] in _UNKNOWN_KEY]
+        if strict or len(extra) < len(errors) or not _drop_keys(data, extra):
+            problems = [describe(err) for err in errors]
+            raise SiteConfigError(problems[0], problems) from exc
+        extra.sort(key=lambda err: _line_of(root, tuple(err["loc"])) or 1)  # file order
+        unknown = [describe(err) for err in extra]
+        try:
+            site = validate(Site, data)
+        except ValidationError as again:
+            problems = [describe(err) for err in again.errors()]
+            raise SiteConfigError(problems[0], problems) from again
     _set_source(site, source)
+    _set_unknown(site, unknown)
     return site
+
+
+# pydantic's error types for a key a dataclass (extra="forbid") does not have.
+_UNKNOWN_KEY = frozenset({"unexpected_keyword_argument", "extra_forbidden"})
+
+
+def unknown_key_words() -> str:
+    """What an unknown key's line says after pydantic's own words."""
+    from bluevela import __version__
+
+    return (f"a key this bv ({__version__}) does not know: a newer bv's, or a typo "
+            "(docs/site-yaml.md, \"Unknown keys\")")
+
+
+def _drop_keys(data: dict[str, Any], errors: list[Any]) -> bool:
+    """Remove each unknown key at its error location from the parsed file; False when one
+    cannot be found (then the problems are raised as they are)."""
+    for err in errors:
+        *parents, last = tuple(err["loc"])
+        node: Any = data
+        for part in parents:
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        if not isinstance(node, dict) or last not in node:
+            return False
+        del node[last]
+    return True
+
+
+def _set_unknown(site: Site, lines: list[str]) -> None:
+    site.__dict__["_unknown_keys"] = tuple(lines)  # bookkeeping, like the source
 
 
 def _set_source(site: Site, source: Path) -> None:
@@ -266,8 +319,10 @@ def _read_cache(cache: Path, key: dict[str, Any]) -> Site | None:
         return None
     try:
         site = _build(Site, doc["site"])
+        unknown = [str(line) for line in doc.get("unknown_keys", [])]
     except (KeyError, TypeError, AttributeError, ValueError):
         return None
+    _set_unknown(site, unknown)
     return site
 
 
@@ -278,19 +333,23 @@ def _write_cache(cache: Path, key: dict[str, Any], site: Site) -> None:
 
     try:
         cache.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        body = {"key": key, "site": to_dict(site)}
+        body = {"key": key, "site": to_dict(site), "unknown_keys": list(site.unknown_keys)}
         atomic_write(cache, json.dumps(body).encode(), 0o600)
     except (OSError, BluevelaError) as exc:
         logger.debug("site cache not written (%s): %s", cache, exc)
 
 
-def load_site(explicit: str | os.PathLike[str] | None = None, *, cwd: bool = True) -> Site:
+def load_site(explicit: str | os.PathLike[str] | None = None, *, cwd: bool = True,
+              strict: bool = False) -> Site:
     """Find (`find_site_path`; `cwd=False` for root entry points), read and validate the
     site file.
 
     A validated site is cached (JSON, keyed by the file's path, inode, size and mtime, and the
     model's own version) so the prolog and `bv submit` skip YAML parsing and validation when
     the file has not changed.
+
+    Keys this bv does not know are dropped with one warning each (`parse_site`); `strict`
+    makes them errors (`bv site validate`).
 
     Raises:
         SiteConfigError: when missing, unreadable or invalid.
@@ -312,7 +371,7 @@ def load_site(explicit: str | os.PathLike[str] | None = None, *, cwd: bool = Tru
         cached = _read_cache(cache, key)
         if cached is not None:
             _set_source(cached, path)
-            return cached
+            return _report_unknown(cached, strict)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -322,4 +381,14 @@ def load_site(explicit: str | os.PathLike[str] | None = None, *, cwd: bool = Tru
     site = parse_site(text, path)
     if cache is not None and key is not None:
         _write_cache(cache, key, site)
+    return _report_unknown(site, strict)
+
+
+def _report_unknown(site: Site, strict: bool) -> Site:
+    """Warn once per unknown key (the hooks' log, a user's stderr), or raise when `strict`."""
+    lines = list(site.unknown_keys)
+    if lines and strict:
+        raise SiteConfigError(lines[0], lines)
+    for line in lines:
+        logger.warning("%s; ignored", line)
     return site

@@ -21,13 +21,20 @@ def command() -> None:
                    "spool and archive owner/mode/mount, and the merged slurm.conf lines bv "
                    "expects. Exit status: the worst finding (0 OK, 1 WARNING, 2 CRITICAL).")
 @click.option("--json", "as_json", is_flag=True, help="With --cluster: the findings as JSON.")
+@click.option("--allow-unknown", is_flag=True,
+              help="Keys this bv does not know (a newer bv's) are warnings, not errors: what "
+                   "the hooks and bv submit do with them.")
 @click.pass_obj
-def validate(obj: State, path: str | None, against_cluster: bool, as_json: bool) -> None:
-    """Validate PATH (default: the site file bv would use). Problems print as PATH:LINE: message."""
+def validate(obj: State, path: str | None, against_cluster: bool, as_json: bool,
+             allow_unknown: bool) -> None:
+    """Validate PATH (default: the site file bv would use). Problems print as PATH:LINE: message.
+
+    A key this bv does not know is an error here (a typo must not pass); the hooks and the
+    other commands ignore it with a warning (docs/site-yaml.md, "Unknown keys")."""
     from bluevela.launch.grow import readiness
     from bluevela.site import load_site
 
-    site = load_site(path or obj.site_path)
+    site = load_site(path or obj.site_path, strict=not allow_unknown)
     if not as_json:
         click.echo(f"{site.source}: OK ({site.cluster}: {len(site.node_classes)} node classes)")
     note = readiness(site.launch.grow_deadline_s)
