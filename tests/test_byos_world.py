@@ -187,7 +187,7 @@ def test_agent_stops_a_worker_without_a_handler_with_sigterm(
     torchrun.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
     env.update(SRUN_ENV, BV_SUPERVISOR=f"127.0.0.1:{listen.getsockname()[1]}",
-               SLURMD_NODENAME="node1", BV_RDZV_NODE="node1",
+               SLURMD_NODENAME="node1", BV_RDZV_NODE="node1", BV_RDZV_GUARD="optional",
                PYTHONPATH=str(REPO), **{SECRET_ENV: secret})
     env.pop("BV_USR1_WAIT_S", None)
     if env_wait is not None:

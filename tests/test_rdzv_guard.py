@@ -5,6 +5,7 @@ on this machine, one stopped at the exit barrier)."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -20,12 +21,16 @@ import pytest
 
 from bluevela.launch.rdzv_guard import (
     LINGER_S,
+    GuardUnavailable,
     HeldStore,
     finish_rendezvous,
+    guard_plan,
     guarded_argv,
     guarded_pickle,
     install,
+    launcher_python,
     loads,
+    torchrun_start,
 )
 
 
@@ -260,3 +265,273 @@ def test_the_host_waits_at_most_the_bound_and_a_late_node_finds_no_store() -> No
     started = time.monotonic()
     assert finish_rendezvous(HeldStore(client, "u", host=False), 2) is None
     assert time.monotonic() - started < 2
+
+
+# --------------------------------------------------------------------------------------------
+# Every launcher form pip, uv and conda write (issue 33 §2): the guard finds the real Python
+
+LAUNCHERS = Path(__file__).resolve().parent / "data" / "launchers"
+REC = "/tmp/rec"
+LONG = f"{REC}/{'d' * 60}/{'e' * 60}"
+
+
+@pytest.mark.parametrize(("name", "venv_bin"), [
+    ("pip-short", f"{REC}/short/venv/bin"),
+    ("pip-long-path", f"{LONG}/venv/bin"),
+    ("pip-space", f"{REC}/with space/venv/bin"),
+    ("uv-short", f"{REC}/short/venv-uv/bin"),
+    ("uv-long-path", f"{LONG}/venv-uv/bin"),
+    ("uv-space", f"{REC}/with space/venv-uv/bin"),
+    ("conda-entry-point-space", f"{REC}/conda envs/train/bin"),
+])
+def test_recorded_launchers_are_guarded(tmp_path: Path, name: str, venv_bin: str) -> None:
+    """tests/data/launchers/ (pip 23.2.1 and uv 0.13.9 recorded, conda's from its source):
+    before, every #!/bin/sh trampoline (a path over 127 bytes or with a space) made the
+    guard return None and torch's torchrun ran unguarded without a word."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    torchrun = bindir / "torchrun"
+    shutil.copyfile(LAUNCHERS / name, torchrun)
+    torchrun.chmod(0o755)
+    python = f"{venv_bin}/python3"
+    argv = ["torchrun", "--nnodes=2", "train.py"]
+    assert guarded_argv(argv, python, path=str(bindir)) == [
+        python, "-P", "-m", "bluevela.launch.rdzv_guard", str(torchrun), *argv[1:]]
+    # The same launcher with another environment's bv: not guarded (bluevela may not import).
+    assert guarded_argv(argv, "/opt/other/bin/python3", path=str(bindir)) is None
+    with pytest.raises(GuardUnavailable, match="another environment than bv's"):
+        guard_plan(argv, "/opt/other/bin/python3", str(bindir))
+
+
+def test_uv_relocatable_and_conda_env_launchers(tmp_path: Path) -> None:
+    """uv's relocatable venv runs the Python beside the (real) script; conda's long-prefix
+    rewrite (#!/usr/bin/env python3.11) runs the first python3.11 on the job's PATH."""
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    shutil.copyfile(LAUNCHERS / "uv-relocatable", venv / "torchrun")
+    (venv / "torchrun").chmod(0o755)
+    linked = tmp_path / "links"
+    linked.mkdir()
+    (linked / "torchrun").symlink_to(venv / "torchrun")
+    head = (LAUNCHERS / "uv-relocatable").read_bytes()
+    assert launcher_python(str(linked / "torchrun"), head) == str(venv / "python")
+    argv = ["torchrun", "t.py"]
+    assert guarded_argv(argv, str(venv / "python3"), path=str(linked)) is not None
+    # conda: python3.11 resolved on PATH; its directory decides, as for any other form.
+    conda = tmp_path / "conda" / "bin"
+    conda.mkdir(parents=True)
+    shutil.copyfile(LAUNCHERS / "conda-long-prefix", conda / "torchrun")
+    (conda / "torchrun").chmod(0o755)
+    (conda / "python3.11").symlink_to(sys.executable)
+    assert guarded_argv(argv, str(conda / "python3"), path=str(conda)) == [
+        str(conda / "python3"), "-P", "-m", "bluevela.launch.rdzv_guard",
+        str(conda / "torchrun"), "t.py"]
+    (conda / "python3.11").unlink()  # no python3.11 on the job's PATH: nothing to compare
+    with pytest.raises(GuardUnavailable, match="names its Python in no form"):
+        guard_plan(argv, str(conda / "python3"), str(conda))
+
+
+def _shim_wheel(out: Path) -> Path:
+    """A wheel whose one entry point is torch's: `torchrun = torch.distributed.run:main`
+    (what torch's own wheel declares), written by hand: no build backend needed."""
+    import zipfile
+
+    wheel = out / "trshim-0.0.1-py3-none-any.whl"
+    info = "trshim-0.0.1.dist-info"
+    files = {
+        "trshim/__init__.py": "",
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: trshim\nVersion: 0.0.1\n",
+        f"{info}/WHEEL": ("Wheel-Version: 1.0\nGenerator: bluevela-tests\nRoot-Is-Purelib: "
+                          "true\nTag: py3-none-any\n"),
+        f"{info}/entry_points.txt": "[console_scripts]\ntorchrun = torch.distributed.run:main\n",
+    }
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, body in files.items():
+            zf.writestr(name, body)
+        zf.writestr(f"{info}/RECORD", "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n")
+    return wheel
+
+
+def _venv_with_torchrun(where: Path, wheel: Path) -> Path:
+    """A real venv (the system's site-packages visible: torch and bluevela import) with the
+    wheel installed by pip, which writes the launcher its own way for this path."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
+                    str(where)], check=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "pip", "--python", str(where / "bin" / "python3"),
+                        "install", "-q", "--no-deps", "--no-index", "--no-compile", str(wheel)],
+                       capture_output=True, text=True, timeout=300, check=False,
+                       env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    assert p.returncode == 0, p.stderr
+    return where
+
+
+# The worker says whether its torchrun is the guard: its parent's command line.
+GUARD_PROBE = """import os
+argv = open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\\0")
+print("GUARDED" if b"bluevela.launch.rdzv_guard" in argv else "UNGUARDED", flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_real_venvs_at_a_long_path_and_with_a_space_run_torchrun_guarded(tmp_path: Path) -> None:
+    """The reproduction of issue 33 §2: venvs made by `python -m venv` at a path over 127
+    bytes and at one with a space, torchrun installed by pip: pip writes the #!/bin/sh
+    trampoline, and the guard used to return None (torch's torchrun ran unguarded). Now the
+    agent's command runs torchrun through the guard, for real."""
+    pytest.importorskip("torch.distributed.run")
+    wheel = _shim_wheel(tmp_path)
+    long_base = tmp_path / ("l" * 70) / ("m" * 40)
+    venvs = [_venv_with_torchrun(long_base / "venv", wheel),
+             _venv_with_torchrun(tmp_path / "with space" / "venv", wheel)]
+    probe = tmp_path / "probe.py"
+    probe.write_text(GUARD_PROBE)
+    for venv in venvs:
+        bindir = venv / "bin"
+        first = (bindir / "torchrun").read_bytes().split(b"\n", 1)[0]
+        assert first == b"#!/bin/sh", first  # pip's trampoline: the form the guard missed
+        python = str(bindir / "python3")
+        argv = guarded_argv(["torchrun", "--standalone", "--nproc-per-node=1", str(probe)],
+                            python, path=str(bindir))
+        assert argv is not None and argv[0] == python
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                           check=False, env={**os.environ, "PATH": f"{bindir}:{os.defpath}"})
+        assert p.returncode == 0 and "GUARDED" in p.stdout.split(), p.stdout + p.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# When the guard cannot apply: said in the job's output, and the step fails unless the site
+# opted out (site.yaml launch.rdzv_guard: optional -> BV_RDZV_GUARD in the batch script)
+
+# Not torch's torchrun (a site's wrapper): records its environment, exits 0.
+WRAPPER = """import json, os, sys
+json.dump({k: os.environ.get(k) for k in ("PET_RDZV_CONF", "BV_RDZV_IS_HOST")},
+          open(os.path.join(sys.argv[-1], "wrapper.env"), "w"))
+"""
+
+
+def _agent_run(tmp_path: Path, torchrun: Path, guard: str | None,
+               node: str = "node1") -> tuple[dict[str, object], str]:
+    """The real node agent on `torchrun` told `go` by a test supervisor: its exit message
+    and its stderr (what lands in the job's output)."""
+    from bluevela.protocol.channel import Channel, challenge_line
+    from bluevela.protocol.keys import SECRET_ENV, derive, new_secret
+
+    secret = new_secret()
+    listen = socket.socket()
+    listen.bind(("127.0.0.1", 0))
+    listen.listen(1)
+    listen.settimeout(20)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BV_")}
+    env.update(BV_SUPERVISOR=f"127.0.0.1:{listen.getsockname()[1]}", SLURMD_NODENAME=node,
+               BV_RDZV_NODE="node1", **{SECRET_ENV: secret})
+    if guard is not None:
+        env["BV_RDZV_GUARD"] = guard
+    err = tmp_path / f"agent-{guard}.err"
+    with open(err, "wb") as errf:
+        agent = subprocess.Popen([sys.executable, "-P", "-m", "bluevela.launch.agent", "--",
+                                  str(torchrun), str(tmp_path)], env=env, stderr=errf,
+                                 cwd=tmp_path)
+        try:
+            sock, _ = listen.accept()
+            sock.settimeout(30)
+            nonce = os.urandom(16)
+            sock.sendall(challenge_line(nonce))
+            chan = Channel(sock, derive(bytes.fromhex(secret), b"line"), nonce, b"s")
+            queue: list[dict[str, object]] = []
+
+            def nxt() -> dict[str, object]:
+                while not queue:
+                    data = sock.recv(65536)
+                    assert data, "the agent closed its channel"
+                    queue.extend(chan.feed(data))
+                return queue.pop(0)
+
+            hello = nxt()
+            chan.send({"t": "go", "port": hello.get("port", 40000)})
+            while (msg := nxt())["t"] != "exit":
+                pass
+            agent.wait(timeout=30)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+            listen.close()
+    return msg, err.read_text()
+
+
+@pytest.mark.timeout(120)
+def test_an_unguardable_torchrun_fails_the_step_unless_the_site_allows_it(
+        tmp_path: Path) -> None:
+    """Before, the agent ran whatever guarded_argv could not guard, silently. Now: exit 126
+    with the reason (the supervisor's end line), nothing started; with the site's opt-out it
+    runs, the job's output says it is unguarded, and is_host still reaches torchrun
+    (PET_RDZV_CONF: torchrun's --rdzv-conf from the environment)."""
+    wrapper = _script(tmp_path / "torchrun", f"#!{sys.executable}\n{WRAPPER}")
+    msg, err = _agent_run(tmp_path, wrapper, None)
+    assert msg["rc"] == 126, msg
+    why = str(msg["why"])
+    assert "cannot run through bv's rendezvous guard" in why and "not torch's torchrun" in why
+    assert "launch.rdzv_guard: optional" in why and why in err
+    assert not (tmp_path / "wrapper.env").exists()
+    msg, err = _agent_run(tmp_path, wrapper, "optional")
+    assert msg["rc"] == 0, (msg, err)
+    assert "torchrun runs WITHOUT bv's rendezvous guard" in err
+    assert json.loads((tmp_path / "wrapper.env").read_text()) == {
+        "PET_RDZV_CONF": "is_host=1", "BV_RDZV_IS_HOST": None}
+    # Any other value is not an opt-out.
+    msg, _ = _agent_run(tmp_path, wrapper, "off")
+    assert msg["rc"] == 126, msg
+
+
+def test_torchrun_start_names_the_host_on_every_node(tmp_path: Path) -> None:
+    bindir = tmp_path / "venv" / "bin"
+    bindir.mkdir(parents=True)
+    _script(bindir / "torchrun", f"#!{bindir}/python\n{TORCHRUN}")
+    env = {"PATH": str(bindir)}
+    python = str(bindir / "python3")
+    host = torchrun_start(["torchrun", "t.py"], host=True, env=env, python=python)
+    client = torchrun_start(["torchrun", "t.py"], host=False, env=env, python=python)
+    assert host.argv == client.argv == [python, "-P", "-m", "bluevela.launch.rdzv_guard",
+                                        str(bindir / "torchrun"), "t.py"]
+    assert (host.env, client.env, host.note) == ({"BV_RDZV_IS_HOST": "1"},
+                                                 {"BV_RDZV_IS_HOST": "0"}, "")
+    wrap = tmp_path / "wrap"
+    wrap.mkdir()
+    _script(wrap / "torchrun", "#!/bin/sh\nexec torchrun \"$@\"\n")
+    opted = torchrun_start(["torchrun"], host=False, python=python,
+                           env={"PATH": str(wrap), "BV_RDZV_GUARD": "optional",
+                                "PET_RDZV_CONF": "read_timeout=90"})
+    assert opted.env == {"PET_RDZV_CONF": "read_timeout=90,is_host=0"}
+
+
+@pytest.mark.timeout(240)
+def test_a_squatted_rendezvous_port_fails_the_host_instead_of_being_joined(
+        tmp_path: Path) -> None:
+    """torch 2.13 guesses is_host from the endpoint's name; when the port is taken its guess
+    falls back to a client of whoever holds it (reproduced first: the step runs on the
+    squatter's store). Named by bv (BV_RDZV_IS_HOST=1 on the step's first node), the host's
+    torchrun fails with bv's line. The squatter is a TCPStore server that bound the port
+    first, as another user of the node would (root here: no other uid imports this torch)."""
+    dist = pytest.importorskip("torch.distributed")
+    torchrun = shutil.which("torchrun")
+    if torchrun is None or guarded_argv([torchrun]) is None:
+        pytest.skip("no torch torchrun for this Python")
+    port = _free_port()
+    squatter = dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True)
+    worker = tmp_path / "worker.py"
+    worker.write_text("print('WORKER RAN', flush=True)\n")
+    argv = guarded_argv([torchrun, "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                         f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=squat", str(worker)])
+    assert argv is not None
+    base = {k: v for k, v in os.environ.items() if k != "BV_RDZV_IS_HOST"}
+    try:
+        joined = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                                cwd=tmp_path, env=base, check=False)
+        named = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                               cwd=tmp_path, env={**base, "BV_RDZV_IS_HOST": "1"}, check=False)
+    finally:
+        del squatter
+    assert joined.returncode == 0 and "WORKER RAN" in joined.stdout, joined.stderr
+    assert named.returncode != 0 and "WORKER RAN" not in named.stdout
+    assert (f"bv rdzv_guard: cannot host the rendezvous store at 127.0.0.1:{port}: the port "
+            "is taken") in named.stderr

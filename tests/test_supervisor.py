@@ -248,7 +248,8 @@ class AgentPeer:
         torchrun.chmod(0o755)
         env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
         env.update(BV_SUPERVISOR=f"127.0.0.1:{self.listen.getsockname()[1]}",
-                   SLURMD_NODENAME=node, BV_RDZV_NODE=node, **{SECRET_ENV: secret})
+                   SLURMD_NODENAME=node, BV_RDZV_NODE=node, BV_RDZV_GUARD="optional",
+                   **{SECRET_ENV: secret})
         self.agent = subprocess.Popen(
             [sys.executable, "-P", "-m", "bluevela.launch.agent",
              "--", str(torchrun), str(tmp_path)], env=env, cwd=REPO)

@@ -49,7 +49,7 @@ from collections.abc import Mapping, Sequence
 
 from bluevela.launch.events_copy import CopyWriter
 from bluevela.launch.proctree import catches, kill_group, kill_tree, signal_pid, worker_pids
-from bluevela.launch.rdzv_guard import guarded_argv
+from bluevela.launch.rdzv_guard import GuardUnavailable, torchrun_start
 from bluevela.launch.usr1_wait import USR1_WAIT_ENV, explicit_wait, handler_wait, request_left
 from bluevela.protocol.channel import Channel, ChannelError, read_challenge
 from bluevela.protocol.keys import SECRET_ENV, agg_key, beat_key, line_key, secret_from_env
@@ -432,10 +432,18 @@ class Agent:
     def _start(self, port: int) -> None:
         try:
             # torch's own torchrun runs with its rendezvous state unpickled through an
-            # allow-list: the store has no authentication.
+            # allow-list (the store has no authentication), this node named its host or not.
+            start = torchrun_start(self.torchrun, host=self.node == self.rdzv_node, env=self.env)
+        except GuardUnavailable as exc:  # the step's failure, as a torchrun that cannot start
+            _log(f"agent on {safe_name(self.node)}: {exc}")
+            self._finish(126, str(exc))
+            return
+        if start.note and self.node == self.rdzv_node:  # said once a step, not once a node
+            _log(f"agent on {safe_name(self.node)}: {start.note}")
+        try:
             self.proc = subprocess.Popen(
-                guarded_argv(self.torchrun) or self.torchrun, start_new_session=True,
-                env={**training_env(self.env, self.torchrun),
+                start.argv, start_new_session=True,
+                env={**training_env(self.env, self.torchrun), **start.env,
                      **endpoint_env(self.rdzv_node, port), **self._beat_env()})
         except OSError as exc:
             # A missing or unrunnable torchrun is the step's failure (the shell's 127/126),

@@ -39,9 +39,10 @@ import dataclasses
 import io
 import os
 import pickle
+import re
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 RENDEZVOUS_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
@@ -135,6 +136,7 @@ def hold_store(held: list[HeldStore]) -> bool:
     create = getattr(module, "_create_tcp_store", None)
     if create is None:
         return False
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.elastic.rendezvous.utils import (
         _matches_machine_hostname,
         parse_rendezvous_endpoint,
@@ -142,8 +144,22 @@ def hold_store(held: list[HeldStore]) -> bool:
 
     default_port = int(getattr(module, "DEFAULT_PORT", 29400))
 
+    named = os.environ.get(HOST_ENV)
+
     def create_and_hold(params: Any) -> Any:
-        store = create(params)
+        if named in ("0", "1"):
+            # bv names the host (the step's first node): torch's own guess would adopt a
+            # squatter's store as a client when the port is taken; named, the host fails.
+            params.config["is_host"] = named
+        try:
+            store = create(params)
+        except RendezvousConnectionError:
+            if named == "1":
+                sys.stderr.write(
+                    f"bv rdzv_guard: cannot host the rendezvous store at {params.endpoint}: "
+                    "the port is taken (another process holds it): the step fails rather than "
+                    "join a store it does not own\n")
+            raise
         host = params.get_as_bool("is_host")
         if host is None:
             endpoint = parse_rendezvous_endpoint(params.endpoint, default_port=default_port)
@@ -195,30 +211,150 @@ def _fixed_nnodes(torchrun_args: Sequence[str]) -> int:
     return int(high) if low == high else 0
 
 
+# The line a console-script launcher runs its Python with when a #! line cannot (the path is
+# over 127 bytes or has a space): pip's and conda's `'''exec' "/path/python" "$0" "$@"`, uv's
+# `'''exec' '/path/python' "$0" "$@"` (tests/data/launchers/ holds each one recorded).
+TRAMPOLINE = re.compile(rb"^'''exec' (?P<cmd>.+?) \"\$0\" \"\$@\"")
+# uv's relocatable venvs: the Python beside the script (newer uv: its realpath; older: as found).
+RELOCATABLE = (
+    (b'"$(dirname -- "$(realpath -- "$0")")"/', True),
+    (b'"$(CDPATH= cd -- "$(dirname -- "$0")" && echo "$PWD")"/', False),
+)
+ENV_PROGRAMS = ("/usr/bin/env", "/bin/env")  # conda's long-prefix form: #!/usr/bin/env python3.11
+GUARD_ENV = "BV_RDZV_GUARD"  # "required" (the default) or "optional": site.yaml launch.rdzv_guard
+HOST_ENV = "BV_RDZV_IS_HOST"  # "1" on the step's first node (it hosts the store), else "0"
+RDZV_CONF_ENV = "PET_RDZV_CONF"  # torchrun's --rdzv-conf, from the environment
+TORCHRUN_MODULE = "torch.distributed.run"
+
+
+class GuardUnavailable(Exception):
+    """The torchrun command cannot run through the guard (the reason is the message)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchrunStart:
+    """How the node agent starts torchrun: its argv, what it adds to torchrun's environment,
+    and a line for the job's output ('' when there is nothing to say)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    note: str = ""
+
+
+def torchrun_start(torchrun: Sequence[str], *, host: bool, env: Mapping[str, str],
+                   python: str = sys.executable) -> TorchrunStart:
+    """The node agent's torchrun: through the guard, with this node's part in the rendezvous
+    named (`host`: the step's first node hosts the store, the others are its clients, so a
+    port someone else took first fails the step instead of being joined).
+
+    Raises:
+        GuardUnavailable: the guard cannot apply and the site did not opt out
+            (``BV_RDZV_GUARD=optional``: site.yaml ``launch.rdzv_guard: optional``).
+    """
+    try:
+        argv = guard_plan(torchrun, python, env.get("PATH", os.defpath))
+    except GuardUnavailable as exc:
+        if env.get(GUARD_ENV, "required") != "optional":
+            raise GuardUnavailable(
+                f"torchrun cannot run through bv's rendezvous guard: {exc}; refused (a site "
+                "can allow an unguarded torchrun: site.yaml launch.rdzv_guard: optional)"
+            ) from exc
+        # Unguarded: the state is unpickled by torch's own pickle. is_host still travels, in
+        # the environment torchrun reads --rdzv-conf from (a --rdzv-conf option wins over it).
+        conf = ",".join(p for p in (env.get(RDZV_CONF_ENV, ""), f"is_host={int(host)}") if p)
+        return TorchrunStart(list(torchrun), {RDZV_CONF_ENV: conf},
+                             f"torchrun runs WITHOUT bv's rendezvous guard ({exc}): whoever "
+                             "reaches the rendezvous store's port can run code as the job's "
+                             "user (site.yaml launch.rdzv_guard: optional)")
+    return TorchrunStart(argv, {HOST_ENV: "1" if host else "0"})
+
+
 def guarded_argv(argv: Sequence[str], python: str = sys.executable,
                  path: str | None = None) -> list[str] | None:
     """The argv that runs `argv` (a torchrun command) through this guard, or None when it
-    cannot: the command is not torch's ``torchrun`` script, or that script runs another Python
-    (another environment, where bluevela may not import) than `python`."""
+    cannot (`guard_plan` says why)."""
+    try:
+        return guard_plan(argv, python, path if path is not None else os.environ.get("PATH"))
+    except GuardUnavailable:
+        return None
+
+
+def guard_plan(argv: Sequence[str], python: str, path: str | None) -> list[str]:
+    """The argv that runs `argv` through this guard: `argv` is torch's ``torchrun`` console
+    script (any launcher form pip, uv or conda write; a pyenv shim of it) or ``PY -m
+    torch.distributed.run``, run by `python`'s environment (where bluevela imports).
+
+    Raises:
+        GuardUnavailable: why it cannot (not torch's torchrun, not found, another Python).
+    """
     import shutil
 
     if not argv:
-        return None
-    found = shutil.which(argv[0], path=path if path is not None else os.environ.get("PATH"))
+        raise GuardUnavailable("no torchrun command")
+    found = shutil.which(argv[0], path=path)
     if found is None:
-        return None
+        raise GuardUnavailable(f"{argv[0]!r} is not found on PATH")
+    if len(argv) >= 3 and list(argv[1:3]) == ["-m", TORCHRUN_MODULE]:
+        _same_python(found, python, f"{argv[0]} -m {TORCHRUN_MODULE}")
+        return [python, "-P", "-m", "bluevela.launch.rdzv_guard", "torchrun", *argv[3:]]
     head = _head(found)
     if PYENV_SHIM_MARK in head:
         # The shim would run this name from the current pyenv version: the one `python` is.
         found = os.path.join(os.path.dirname(python), os.path.basename(found))
         head = _head(found)
-    first = head.split(b"\n", 1)[0]
-    if not first.startswith(b"#!") or TORCHRUN_MARK not in head:
-        return None
-    interpreter = first[2:].strip().split(b" ")[0].decode("utf-8", "replace")
-    if os.path.dirname(interpreter) != os.path.dirname(python):
-        return None
+    if TORCHRUN_MARK not in head:
+        raise GuardUnavailable(f"{found} is not torch's torchrun script (a wrapper or another "
+                               "program: the guard runs torch's own torchrun only)")
+    interpreter = launcher_python(found, head, path)
+    if interpreter is None:
+        raise GuardUnavailable(f"{found} names its Python in no form bv knows")
+    _same_python(interpreter, python, found)
     return [python, "-P", "-m", "bluevela.launch.rdzv_guard", found, *argv[1:]]
+
+
+def _same_python(interpreter: str, python: str, what: str) -> None:
+    if _real_dir(interpreter) != _real_dir(python):
+        raise GuardUnavailable(f"{what} runs {interpreter}, another environment than bv's "
+                               f"{python} (bluevela may not import there)")
+
+
+def _real_dir(path: str) -> str:
+    return os.path.realpath(os.path.dirname(os.path.abspath(path)))
+
+
+def launcher_python(script: str, head: bytes, path: str | None = None) -> str | None:
+    """The interpreter a console-script launcher (`head`: its first bytes) runs: a plain
+    ``#!/path/python`` line, ``#!/usr/bin/env python3.11`` (found on `path`), or the
+    ``#!/bin/sh`` trampoline pip, uv and conda write for a path over 127 bytes or with a space
+    (uv's relocatable form: the Python beside `script`). None when it says none of these."""
+    import shlex
+    import shutil
+
+    lines = head.split(b"\n", 2)
+    first = lines[0].rstrip(b"\r")
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].decode("utf-8", "replace").split()
+    if words[:1] in (["/bin/sh"], ["/usr/bin/sh"]) and len(lines) > 1:
+        match = TRAMPOLINE.match(lines[1])
+        if match is None:
+            return None
+        cmd = match.group("cmd")
+        try:
+            for prefix, real in RELOCATABLE:
+                if cmd.startswith(prefix):
+                    base = os.path.realpath(script) if real else os.path.abspath(script)
+                    rest = shlex.split(cmd[len(prefix):].decode("utf-8", "replace"))
+                    return os.path.join(os.path.dirname(base), rest[0]) if len(rest) == 1 else None
+            words = shlex.split(cmd.decode("utf-8", "replace"))
+        except ValueError:  # unbalanced quotes
+            return None
+    if not words:
+        return None
+    if words[0] in ENV_PROGRAMS:
+        names = [w for w in words[1:] if not w.startswith("-") and "=" not in w]
+        return shutil.which(names[0], path=path) if names else None
+    return words[0]
 
 
 def _head(path: str) -> bytes:

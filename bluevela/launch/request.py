@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from bluevela import __version__
 from bluevela.errors import LaunchError
+from bluevela.launch.rdzv_guard import GUARD_ENV
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TIME = re.compile(r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2}|UNLIMITED|INFINITE)$")
@@ -110,6 +111,7 @@ class SubmitRequest:
     min_nodes: int | None = None  # elastic shrink floor (data parallel); None: fixed size
     hang_timeout: float = 0.0  # seconds without progress from any rank; 0: no watchdog
     grow_deadline: float = 0.0  # seconds to wait for a node grown in place of a lost one; 0: off
+    rdzv_guard: str = "required"  # site.yaml launch.rdzv_guard: "optional" lets torchrun run unguarded
     cpus_per_task: int | None = None
     mem: str | None = None
     exclusive: bool = False
@@ -142,6 +144,8 @@ class SubmitRequest:
             raise LaunchError("--max-restarts must be >= 0")
         if not self.script:
             raise LaunchError("no training script given")
+        if self.rdzv_guard not in ("required", "optional"):
+            raise LaunchError(f"rdzv_guard must be required or optional, not {self.rdzv_guard!r}")
         _plain("--python", self.python)
         if not (os.path.isabs(self.python) or _WORD.match(self.python)):
             raise LaunchError(f"--python {self.python!r} is neither a command name (python3) "
@@ -301,6 +305,9 @@ class SubmitRequest:
             "# torchrun; the c10d rendezvous is on the first node of SLURM_JOB_NODELIST.",
             "set -euo pipefail",
             *export_lines(self.env),
+            # The site's word, after the job's own: an unguarded torchrun fails the step unless
+            # the site allows it (bluevela/launch/rdzv_guard.py).
+            f"export {GUARD_ENV}={self.rdzv_guard}",
         ]
         # The supervisor is the job's main process (it receives --signal=B:USR1): exec.
         lines.append("exec " + " ".join(shlex.quote(w) for w in self.supervisor_argv()))
