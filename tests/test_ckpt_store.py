@@ -306,9 +306,14 @@ def test_plan_prefers_local_and_lists_shared_only_when_needed() -> None:
     assert candidates([n1, n3], 2, {}, set()) == [3, 2]
     got = places(3, 1, "n3", [n1, n3], {3: fs({1})})
     assert [p.words() for p in got] == ["partner (held copy on n1)", "shared"]
-    # A step newer than any complete one was seen: shared storage may hold it.
+    # A step newer than any complete one: shared storage may hold it only if a rank drained
+    # it (its marker); else it is not worth a read of the file system.
     n1b = NodeInv("n1", ("h1", 1), own={4: fs({0}), 3: fs({0})}, held={3: fs({1})})
-    assert needs_shared([n1b], 2, set())
+    assert not needs_shared([n1b], 2, set())
+    n1c = NodeInv("n1", ("h1", 1), own={4: fs({0}), 3: fs({0})}, held={3: fs({1})},
+                  drained=fs({4}))
+    assert needs_shared([n1c], 2, set())
+    assert NodeInv.from_wire(n1c.to_wire()) == n1c
     assert needs_shared([n1], 2, {3, 2})
 
 

@@ -28,6 +28,7 @@ from bluevela.util.fs import open_dir
 
 STEP_RE = re.compile(r"^step-([0-9]{8,12})$")
 RANK_RE = re.compile(r"^rank-([0-9]{5,7})\.bvck$")
+DRAINED_RE = re.compile(r"^drained-([0-9]{5,7})$")  # a rank's shard of the step is drained
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 MAX_ENTRIES = 100_000  # a directory listing read no further
 
@@ -75,13 +76,19 @@ def open_chain(base: Path, parts: list[str], create: bool) -> int:
     return fd
 
 
+def drained_name(rank: int) -> str:
+    return f"drained-{rank:05d}"
+
+
 @dataclass(frozen=True)
 class Entry:
-    """A shard file found in a tier (not yet verified)."""
+    """A shard file found in a tier (not yet verified); `drained`: a marker that the rank's
+    shard of the step reached shared storage (size 0)."""
 
     step: int
     rank: int
     size: int
+    drained: bool = False
 
 
 def inventory(base: Path, parts: list[str]) -> list[Entry]:
@@ -109,6 +116,9 @@ def inventory(base: Path, parts: list[str]) -> list[Entry]:
                         break
                     r = RANK_RE.match(rname)
                     if not r:
+                        d = DRAINED_RE.match(rname)
+                        if d:
+                            out.append(Entry(int(m.group(1)), int(d.group(1)), 0, True))
                         continue
                     try:
                         st = os.stat(rname, dir_fd=sfd, follow_symlinks=False)
@@ -137,8 +147,8 @@ def remove_step(base: Path, parts: list[str], step: int, rank: int | None = None
             return 0
         try:
             for name in os.listdir(sfd):
-                if rank is not None and name != shard_name(rank) and not (
-                        name.startswith(f".{shard_name(rank)}.")):
+                if rank is not None and name not in (shard_name(rank), drained_name(rank)) \
+                        and not name.startswith(f".{shard_name(rank)}."):
                     continue
                 try:
                     st = os.stat(name, dir_fd=sfd, follow_symlinks=False)

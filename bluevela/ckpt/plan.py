@@ -5,7 +5,9 @@ The rule: the newest step that every rank can read somewhere, each rank from its
 (this node's own file, a copy this node holds for a partner, the copy on another node of the
 job fetched over the network, then shared storage). Shared storage is listed only when the
 node-local tiers do not settle it: no step complete there, or a newer step seen there that is
-not complete (its missing shards may have been drained), or every local candidate failed.
+not complete whose drain a rank recorded (a `drained-<rank>` marker beside its node-local
+shard), or every local candidate failed. A step newer than every complete one that no rank
+recorded as drained cannot be in shared storage: it is not worth a read of the file system.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class NodeInv:
     addr: tuple[str, int] | None  # a rank's shard server there
     own: dict[int, frozenset[int]] = field(default_factory=dict)  # step -> ranks
     held: dict[int, frozenset[int]] = field(default_factory=dict)
+    drained: frozenset[int] = frozenset()  # steps a rank here drained to shared storage
 
     def holds(self, step: int, rank: int) -> str | None:
         if rank in self.own.get(step, ()):
@@ -33,7 +36,8 @@ class NodeInv:
     def to_wire(self) -> dict[str, object]:
         return {"node": self.node, "addr": list(self.addr) if self.addr else None,
                 "own": {str(s): sorted(r) for s, r in self.own.items()},
-                "held": {str(s): sorted(r) for s, r in self.held.items()}}
+                "held": {str(s): sorted(r) for s, r in self.held.items()},
+                "drained": sorted(self.drained)}
 
     @classmethod
     def from_wire(cls, d: dict[str, object]) -> NodeInv:
@@ -44,7 +48,8 @@ class NodeInv:
         addr = d.get("addr")
         return cls(str(d["node"]),
                    (str(addr[0]), int(addr[1])) if isinstance(addr, list) else None,
-                   conv(d.get("own", {})), conv(d.get("held", {})))
+                   conv(d.get("own", {})), conv(d.get("held", {})),
+                   frozenset(int(s) for s in d.get("drained", [])))  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -81,8 +86,8 @@ def needs_shared(invs: Sequence[NodeInv], world: int, failed: set[int]) -> bool:
     good = [s for s in local_complete(invs, world) if s not in failed]
     if not good:
         return True
-    seen = [s for s in _steps(invs) if s not in failed]
-    return max(seen) > good[0]
+    drained = [s for inv in invs for s in inv.drained if s not in failed]
+    return bool(drained) and max(drained) > good[0]
 
 
 def candidates(invs: Sequence[NodeInv], world: int, shared: dict[int, frozenset[int]],

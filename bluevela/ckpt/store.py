@@ -156,6 +156,7 @@ class CheckpointStore:
         self.server: ShardServer | None = None
         self._pending: _Job | None = None
         self._skips: list[str] = []
+        self.shared_reads = 0  # listings and loads of shared storage by this rank's resumes
         self._invs: list[NodeInv] = []
         self._shared: dict[int, frozenset[int]] = {}
         self.root = (layout.job_root(cfg.local_dir, cfg.job or "none")
@@ -419,9 +420,28 @@ class CheckpointStore:
                 os.close(dst)
             st["shared"] = "ok"
             self._drained.add(job.step)
+            self._mark_drained(job.step)
             job.stats.drain_s = time.perf_counter() - t
         except (OSError, ValueError, ShardError) as exc:
             st["shared"] = f"failed: {_words(exc)}"
+
+    def _mark_drained(self, step: int) -> None:
+        # Beside the node-local shard: a resume then knows shared storage may hold the step
+        # without reading the file system (plan.needs_shared).
+        if self.root is None:
+            return
+        try:
+            fd = self._step_fd("own", step)
+        except (OSError, ValueError):
+            return
+        try:
+            os.close(os.open(layout.drained_name(self.rank),
+                             os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=fd))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     # -- what is complete where ------------------------------------------------------------
     def complete(self) -> dict[int, list[str]]:
@@ -482,15 +502,20 @@ class CheckpointStore:
         if self.root is None:
             return NodeInv(self.node, addr)
         inv: dict[str, dict[int, set[int]]] = {"own": {}, "held": {}}
+        drained: set[int] = set()
         for kind in inv:
             for e in layout.inventory(self._base(), self._parts(kind)):
-                inv[kind].setdefault(e.step, set()).add(e.rank)
+                if e.drained:
+                    drained.add(e.step)
+                else:
+                    inv[kind].setdefault(e.step, set()).add(e.rank)
         return NodeInv(self.node, addr, {s: frozenset(r) for s, r in inv["own"].items()},
-                       {s: frozenset(r) for s, r in inv["held"].items()})
+                       {s: frozenset(r) for s, r in inv["held"].items()}, frozenset(drained))
 
     def _list_shared(self) -> dict[int, frozenset[int]]:
         if self.cfg.shared_dir is None:
             return {}
+        self.shared_reads += 1
         out: dict[int, set[int]] = {}
         for e in layout.inventory(self.cfg.shared_dir, [self.cfg.name]):
             out.setdefault(e.step, set()).add(e.rank)
@@ -522,7 +547,7 @@ class CheckpointStore:
             cands = candidates(invs, self.world, shared, failed)
             if not cands:
                 summary = _summary(None, [], all_skips, time.perf_counter() - t0)
-                logger.warning(summary)
+                (logger.warning if all_skips else logger.info)(summary)
                 _say(summary, self.rank)
                 return None
             step = cands[0]
@@ -582,6 +607,7 @@ class CheckpointStore:
                     finally:
                         os.close(fd)
                 else:
+                    self.shared_reads += 1
                     fd = self._shared_fd(step, create=False)
                     try:
                         info, payload = load_at(fd, name, expect)

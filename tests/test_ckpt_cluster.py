@@ -1,0 +1,107 @@
+"""The node-local checkpoint store on the REAL dev cluster (docs/checkpoints.md): a plain DDP
+script (examples/train_store.py) on 2 nodes + 1 spare saves through `runtime.checkpoint_store`
+(node-local tier under <tmp>/local/<hostname>, a copy on the partner node over the store's
+authenticated TCP transfer, shared storage only at the end). A node of the step is crashed
+(every process in its namespace killed) and its node-local directory deleted (the disk goes
+with the node); bv's supervisor relaunches the step on the spare in the same allocation, and
+there every rank resumes from the newest step, the spare's from the surviving node's copy:
+nothing of the shared directory is read (each rank counts its reads of it), and before the
+job's end nothing was ever drained there.
+
+How the spare learns where the lost node's copy is: the ranks of the relaunched step gather
+their nodes' inventories (and shard servers' addresses) over the job's own process group in
+`load_latest`; nothing is handed through the supervisor.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hostlist
+import pytest
+
+from tests.conftest import DEVCLUSTER, REPO, DevCluster
+
+BANNER = re.compile(r"^==== bv attempt (\d+) job (\d+) nodes (\S+) previous: (.*) ====$", re.M)
+RESUMED = re.compile(r"^rank=(\d+) attempt=(\d+) host=(\S+) resumed=(-?\d+) source=(\S+) "
+                     r"shared_reads=(\d+)$", re.M)
+
+
+def _output(cwd: Path) -> str:
+    files = sorted(cwd.glob("bv-*.out"))
+    return files[0].read_text(errors="replace") if files else ""
+
+
+def _wait(what: str, pattern: str, cwd: Path, proc: subprocess.Popen[str],
+          timeout: float) -> re.Match[str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = re.search(pattern, _output(cwd), re.M)
+        if m:
+            return m
+        if proc.poll() is not None:
+            raise AssertionError(f"bv submit ended ({proc.returncode}) before {what}:\n"
+                                 f"{_output(cwd)}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} after {timeout:.0f} s:\n{_output(cwd)}")
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(420)
+def test_spare_resumes_from_the_partners_copy_without_shared_storage(
+        devcluster: DevCluster, tmp_path: Path) -> None:
+    devcluster.resume_all()
+    devcluster.wait_idle(timeout=120)
+    shared, local = tmp_path / "shared", tmp_path / "local"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bluevela", "submit", "--wait", "-N", "2", "--spare-nodes", "1",
+         "--procs-per-node", "1", str(REPO / "examples" / "train_store.py"),
+         "--shared", str(shared), "--local-base", str(local), "--steps", "30",
+         "--ckpt-every", "2", "--step-s", "0.4"],
+        cwd=tmp_path, env=devcluster.environ(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    crashed: str | None = None
+    try:
+        _wait("the 4th checkpoint", r"^checkpoint step=6 ", tmp_path, proc, 200)
+        first = BANNER.search(_output(tmp_path))
+        assert first is not None
+        crashed = hostlist.expand_hostlist(first.group(3))[1]
+        # Nothing has been drained to shared storage: only the node-local tier and the partner
+        # copies hold the steps saved so far.
+        assert not list(shared.glob("train/step-*")), list(shared.rglob("*"))
+        devcluster.run([sys.executable, str(DEVCLUSTER), "crash", crashed])
+        shutil.rmtree(local / crashed)  # the node's disk is gone with it
+        _wait("attempt 2", r"^==== bv attempt 2 job", tmp_path, proc, 150)
+        devcluster.run([sys.executable, str(DEVCLUSTER), "revive", crashed], check=False)
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out + _output(tmp_path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if crashed is not None:
+            devcluster.run([sys.executable, str(DEVCLUSTER), "revive", crashed], check=False)
+    text = _output(tmp_path)
+    banners = BANNER.findall(text)
+    assert [b[0] for b in banners] == ["1", "2"], text
+    second = hostlist.expand_hostlist(banners[1][2])
+    assert crashed not in second and f"{crashed} lost" in banners[1][3], banners[1]
+    part2 = text[text.index("==== bv attempt 2 job"):]
+    rows = [m for m in RESUMED.findall(part2) if m[1] == "2"]
+    assert len(rows) == 2, part2
+    steps = {int(r[3]) for r in rows}
+    assert len(steps) == 1 and next(iter(steps)) >= 6, rows
+    # Shared storage was neither listed nor read by any rank of the relaunched step.
+    assert [r[5] for r in rows] == ["0", "0"], rows
+    spare = next(n for n in second if n not in hostlist.expand_hostlist(banners[0][2]))
+    by_host = {r[2]: r[4] for r in rows}
+    # The rank on the spare had nothing of its own: it fetched its shard from the surviving
+    # node (the partner's held copy, or that node's own file when ranks swapped nodes).
+    assert by_host[spare].startswith("partner_("), by_host
+    summary = re.search(r"^bv ckpt: resumed step (\d+) .*$", part2, re.M)
+    assert summary is not None and summary.group(0).endswith("nothing skipped"), part2
+    assert re.search(r"^final tiers step=28 local,partner,shared$", part2, re.M), part2
