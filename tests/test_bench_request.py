@@ -114,3 +114,55 @@ def test_bad_values_are_refused(kwargs: dict[str, object]) -> None:
         BenchJobRequest(steps=(BenchStep(("/py",), nodes=2),), nodelist=("node1",))
     with pytest.raises(LaunchError, match="plain name"):
         BenchStep(("/py",), mpi="pmix;x").validate()
+
+
+# -- the pair step's rendezvous port (issue 33 §2) ------------------------------------------
+
+SRUN_ENV = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
+            "SLURM_STEP_NODELIST": "node[1,3]", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}
+
+
+def test_an_srun_step_meets_on_the_port_its_script_drew_never_one_from_the_job_id() -> None:
+    """Until issue 33 the ranks met on 29600 + (job id * 8 + step) % 2000: anyone who read the
+    public job id could bind it first on the first node (rank 0 then failed and the others
+    joined the squatter). Now the port comes from BV_BENCH_PORT, and a step without it is a
+    measurement that could not run, said, never a derived port."""
+    from bluevela.bench.dist import from_environment
+    from bluevela.errors import BenchError
+
+    env = from_environment({**SRUN_ENV, "BV_BENCH_PORT": "41017"})
+    assert env is not None and (env.rank, env.world, env.master_addr, env.master_port) == (
+        1, 2, "node1", 41017)
+    for bad in (None, "", "0", "70000", "29600; id"):
+        with pytest.raises(BenchError, match="no rendezvous port for this srun step"):
+            from_environment({**SRUN_ENV, **({} if bad is None else {"BV_BENCH_PORT": bad})})
+
+
+def test_the_pair_script_draws_a_fresh_port_on_the_first_node_for_the_step(
+        tmp_path: Path) -> None:
+    """The pair job's allreduce step, run by bash as Slurm runs the batch script, with a
+    stand-in srun that records what the ranks would get: a port the kernel picked on this
+    (the batch, the step's first) node, free, different for each draw; the MPI step gets none."""
+    import socket
+    import sys
+
+    req, _ = pair_job(_site(), ("node1", "node3"), "cpu", WORKDIR, OPTS, 1)
+    steps = [line for line in req.materialize().splitlines() if "srun " in line]
+    assert [("BV_BENCH_PORT=" in s) for s in steps] == [True, False]
+    srun = tmp_path / "srun"
+    srun.write_text('#!/bin/sh\necho "${BV_BENCH_PORT:-none}" >> "$BV_TEST_OUT"\n')
+    srun.chmod(0o755)
+    script = "\n".join(s.replace("/opt/bluevela/bin/python3", sys.executable) for s in steps)
+    out = tmp_path / "ports"
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "BV_TEST_OUT": str(out),
+           "PYTHONPATH": str(REPO)}
+    for _ in range(3):
+        subprocess.run(["bash", "-c", "rc=0\n" + script], env=env, check=True, timeout=60)
+    lines = out.read_text().split()
+    drawn = lines[0::2]
+    assert lines[1::2] == ["none"] * 3  # the MPI step meets through PMIx, not on a port
+    assert all(p.isdigit() and 1024 <= int(p) <= 65535 for p in drawn), drawn
+    assert len(set(drawn)) == 3, drawn
+    assert 29600 + (4242 * 8) % 2000 not in {int(p) for p in drawn}
+    with socket.socket() as probe:  # free on this node right after the draw
+        probe.bind(("", int(drawn[-1])))

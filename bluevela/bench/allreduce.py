@@ -23,6 +23,7 @@ from bluevela.bench.dist import RankEnv, free_port, from_environment, spawn_loca
 from bluevela.bench.registry import Check, RunParams, register
 from bluevela.bench.result import Facts, Figure
 from bluevela.bench.timing import gpu_count, iterations_for
+from bluevela.errors import BenchError
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +212,10 @@ def gather_pair(params: RunParams) -> Facts:
     """All_reduce sweep over the ranks of an `srun -N2` step (one per GPU, or one per CPU node)."""
     import torch
 
-    env = from_environment()
+    try:
+        env = from_environment()
+    except BenchError as exc:
+        return Facts.failed("allreduce-pair", str(exc))
     if env is None or env.world < 2:
         return Facts.failed("allreduce-pair", "needs ranks on two nodes: run it under "
                             "srun -N2 --ntasks-per-node=<GPUs, or 1>")

@@ -3,7 +3,10 @@ our own local spawn, or an `srun` step), or spawned here as local processes.
 
 Inside an `srun` step every task gets its rank from SLURM_PROCID, the world from
 SLURM_STEP_NUM_TASKS and the rendezvous host from the first node of SLURM_STEP_NODELIST; the port
-is derived from the job and step ids so two steps never reuse one.
+from BV_BENCH_PORT, which the nightly's batch script draws on that node before the step (`python
+-m bluevela.bench.dist`: a port the kernel picks, free there now), as the node agent of `bv
+submit` picks the rendezvous port. A port derived from the public job id (until issue 33) could
+be bound first by anyone on the node: rank 0 then failed, and the other ranks joined the squatter.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bluevela.bench.result import Facts
+from bluevela.errors import BenchError
 
 logger = logging.getLogger(__name__)
 
-PORT_BASE = 29600
-PORT_SPAN = 2000
+PORT_BASE = 29600  # MASTER_PORT of a launcher that gives none
+PORT_ENV = "BV_BENCH_PORT"  # an srun step's rendezvous port, drawn by its batch script
 
 
 @dataclass(frozen=True)
@@ -39,16 +43,14 @@ class RankEnv:
     master_port: int
 
 
-def slurm_port(job_id: int, step_id: int, base: int = PORT_BASE) -> int:
-    """A rendezvous port for one srun step, distinct for the steps of one job."""
-    return base + (job_id * 8 + step_id) % PORT_SPAN
-
-
 def from_environment(env: Mapping[str, str] | None = None) -> RankEnv | None:
     """The rank set up by a launcher, or None when this process is alone.
 
     torchrun's (or our spawn's) RANK/WORLD_SIZE/MASTER_ADDR win; else an srun step of more than
     one task. A batch script's own environment (no step) is "alone".
+
+    Raises:
+        BenchError: an srun step without its rendezvous port (BV_BENCH_PORT).
     """
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
@@ -59,7 +61,11 @@ def from_environment(env: Mapping[str, str] | None = None) -> RankEnv | None:
         import hostlist
 
         head = hostlist.expand_hostlist(env["SLURM_STEP_NODELIST"])[0]
-        port = slurm_port(int(env.get("SLURM_JOB_ID") or "0"), int(env.get("SLURM_STEP_ID") or "0"))
+        raw = env.get(PORT_ENV, "")
+        if not raw.isdigit() or not 1 <= int(raw) <= 65535:
+            raise BenchError(f"no rendezvous port for this srun step ({PORT_ENV}={raw!r}): the "
+                             "nightly's batch script draws one on the step's first node")
+        port = int(raw)
         return RankEnv(int(env["SLURM_PROCID"]), ntasks, int(env.get("SLURM_LOCALID") or "0"),
                        head, port)
     return None
@@ -74,10 +80,11 @@ def launcher_rank(env: Mapping[str, str] | None = None) -> int:
     return 0
 
 
-def free_port() -> int:
-    """A TCP port free on the loopback interface right now."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now, the kernel's pick (a random one of its ephemeral
+    range: nothing about the job predicts it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -131,3 +138,14 @@ def spawn_local(nprocs: int, worker_args: Sequence[str], measurement: str, *,
             return Facts.from_dict(json.loads(out.read_text()))
         except (OSError, ValueError, KeyError) as exc:
             return Facts.failed(measurement, f"rank 0 wrote no result: {exc}")
+
+
+def main() -> int:
+    """`python -m bluevela.bench.dist`: print a port free on every interface of this node, for
+    the srun step its batch script starts next (BV_BENCH_PORT)."""
+    print(free_port(""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -42,11 +42,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     facts: Facts
     if args.what == "allreduce":
         from bluevela.bench.allreduce import run_rank, sweep_config
+        from bluevela.errors import BenchError
 
         cfg = sweep_config(args.size_bytes, args.budget_s, args.warmup, args.max_iters)
-        env = from_environment()
-        facts = run_rank(env, args.scope, cfg)
-        rank = env.rank if env else 0
+        try:
+            env = from_environment()
+        except BenchError as exc:  # no rendezvous port: every rank says so, rank 0 reports it
+            facts = Facts.failed("allreduce" if args.scope == "node" else "allreduce-pair",
+                                 str(exc))
+            rank = launcher_rank()
+        else:
+            facts = run_rank(env, args.scope, cfg)
+            rank = env.rank if env else 0
     else:
         from bluevela.bench.mpi import run_mpi
 

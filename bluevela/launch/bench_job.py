@@ -4,8 +4,9 @@ sends for one node or one node pair, a sibling of `SubmitRequest` with the same 
 It reuses request.py's validation and quoting: every value is checked with the same patterns
 (`_plain` refuses control characters, `_WORD`/`_TIME` check names and times) and every word that
 reaches the script is `shlex.quote`d; `#SBATCH` lines are sorted; unknown sbatch options are
-refused with the list of valid ones. The only shell expansion in the script is our own fixed
-`--cpus-per-task="$SLURM_CPUS_ON_NODE"` template for a step that spawns its own ranks.
+refused with the list of valid ones. The only shell expansions in the script are our own fixed
+templates: `--cpus-per-task="$SLURM_CPUS_ON_NODE"` for a step that spawns its own ranks, and
+`BV_BENCH_PORT="$(PY -P -m bluevela.bench.dist)"` before a step whose ranks meet on a port.
 
 Unlike `bv submit`'s torchrun job, a benchmark job pins its nodes (`--nodelist`), is
 `--exclusive` (nothing else shares the node while it is measured), and runs several srun steps,
@@ -31,6 +32,8 @@ from bluevela.launch.request import (
 )
 from bluevela.util.fs import safe_node_name
 
+PORT_ENV = "BV_BENCH_PORT"  # bluevela.bench.dist.PORT_ENV (that module imports the bench package)
+
 logger = logging.getLogger(__name__)
 
 BENCH_SBATCH_OPTIONS = tuple(sorted({*SBATCH_OPTIONS, "nodelist"}))
@@ -48,6 +51,8 @@ class BenchStep:
         mpi: srun's `--mpi` plugin (e.g. `pmix`) for an MPI step, else None.
         whole_node: give the single task every CPU of the node (it spawns its own ranks).
         gpus_per_node: GPUs the step asks for (0: none).
+        rendezvous: the ranks meet on a TCP port (torch.distributed): the script draws one on
+            the batch host, the step's first node, right before the step (BV_BENCH_PORT).
     """
 
     argv: tuple[str, ...]
@@ -56,6 +61,7 @@ class BenchStep:
     mpi: str | None = None
     whole_node: bool = False
     gpus_per_node: int = 0
+    rendezvous: bool = False
 
     def validate(self) -> None:
         if not self.argv:
@@ -69,7 +75,7 @@ class BenchStep:
             raise LaunchError(f"--mpi {self.mpi!r} is not a plain name")
 
     def srun_words(self) -> list[str]:
-        """The step's command line as shell words (quoted; one fixed template)."""
+        """The step's command line as shell words (quoted; fixed templates only)."""
         opts = [f"--nodes={self.nodes}", f"--ntasks-per-node={self.ntasks_per_node}",
                 "--kill-on-bad-exit=1", "--export=ALL"]
         if self.mpi:
@@ -77,6 +83,10 @@ class BenchStep:
         if self.gpus_per_node:
             opts.append(f"--gpus-per-node={self.gpus_per_node}")
         words = [shlex.quote(w) for w in ("srun", *opts)]
+        if self.rendezvous:
+            # A fixed template: the step's own interpreter prints a port free on this node.
+            draw = " ".join(shlex.quote(w) for w in (self.argv[0], "-P", "-m", "bluevela.bench.dist"))
+            words.insert(0, f'{PORT_ENV}="$({draw})"')
         if self.whole_node:
             words.append('--cpus-per-task="$SLURM_CPUS_ON_NODE"')
         return words + [shlex.quote(w) for w in self.argv]

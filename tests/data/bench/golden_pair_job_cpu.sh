@@ -17,6 +17,6 @@ export NCCL_DEBUG=WARN
 export OMP_NUM_THREADS=1
 echo "bv: bench job $SLURM_JOB_ID on $SLURM_JOB_NODELIST" >&2
 rc=0
-srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL /opt/bluevela/bin/python3 -m bluevela.bench.worker allreduce --scope pair --size-bytes 4194304 --budget-s 0.5 --out /var/lib/bluevela/archive/nightly/runs/2026-11-20/010000-4242/node1+node3.r2.allreduce.json || rc=$?
+BV_BENCH_PORT="$(/opt/bluevela/bin/python3 -P -m bluevela.bench.dist)" srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL /opt/bluevela/bin/python3 -m bluevela.bench.worker allreduce --scope pair --size-bytes 4194304 --budget-s 0.5 --out /var/lib/bluevela/archive/nightly/runs/2026-11-20/010000-4242/node1+node3.r2.allreduce.json || rc=$?
 srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL --mpi=pmix /opt/bluevela/bin/python3 -m bluevela.bench.worker mpi --size-bytes 262144 --budget-s 0.5 --out /var/lib/bluevela/archive/nightly/runs/2026-11-20/010000-4242/node1+node3.r2.mpi.json || rc=$?
 exit $rc
