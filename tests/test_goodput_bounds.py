@@ -103,3 +103,58 @@ def test_bound_record_by_hand() -> None:
     # A record the archive has no time for is not used.
     with pytest.raises(ValueError, match="no prolog/epilog time"):
         GB.bound_record(rec, GB.Allocation(2, frozenset(), None, None), None, None)
+
+
+def test_the_queue_wait_starts_at_slurms_submit_time_not_the_records(tmp_path: Path) -> None:
+    """Issue 33 section 4: a 1-hour job whose events claim it was submitted 7 days before it
+    started (clamped to MAX_QUEUE_S: 168 h of queue in its ledger). The epilog that carried
+    the events also read Slurm's record (`slurm_job`, bluevela/slurm/job_record.py): Slurm
+    says 10 s, and both the job's ledger and the fleet report take Slurm's."""
+    from bluevela.archive.ingest import ingest
+    from bluevela.archive.sample import sample_report
+    from bluevela.archive.spool import write_report
+    from bluevela.report.fleet import fleet_report
+
+    start, end = T + 100, T + 3700
+    lines = [{"e": "job", "t": start, "host": "node1", "job": 9, "restart": 0,
+              "submit": start - 7 * 86400 - 5, "start": start, "time_limit_s": 7200},
+             {"e": "launch", "t": start + 2, "attempt": 1, "launch": 1, "n_nodes": 2,
+              "nodes": ["node1", "node2"], "spares": 0},
+             {"e": "progress", "t": start + 10, "launch": 1},
+             {"e": "end", "launch": 1, "kind": "ok", "cause": "exit 0", "nodes": [],
+              "failed": None, "detected": None, "gone": end - 5}]
+    rec = E.read_events_file(b"".join(json.dumps(x).encode() + b"\n" for x in lines))
+
+    def archive_with(slurm_job: dict[str, object] | None, name: str) -> Path:
+        spool, archive = tmp_path / f"spool-{name}", tmp_path / f"archive-{name}"
+        spool.mkdir()
+        archive.mkdir()
+        for node in ("node1", "node2"):
+            write_report(spool, sample_report(9, node, "prolog", nodelist=["node1", "node2"],
+                                              time=start))
+            epi = sample_report(9, node, "epilog", nodelist=["node1", "node2"], time=end)
+            if node == "node1":
+                epi["goodput_events"] = rec
+                if slurm_job is not None:
+                    epi["slurm_job"] = slurm_job
+            write_report(spool, epi)
+        ingest(spool, archive, timeout_s=0.0, prolog_only_timeout_s=0.0, now=end + 100)
+        return archive
+
+    # Without Slurm's word (an older report): the record's, clamped, as before.
+    owners = G.job_goodput(archive_with(None, "old"), 9, gpus_per_node=8)
+    assert owners.phases["queue_hold"] >= GB.MAX_QUEUE_S - GB.CLOCK_SLACK_S
+    # With it: Slurm's 10 s.
+    slurms = {"state": "COMPLETING", "restarts": 0, "requeued": False, "submit": start - 10,
+              "start": start, "end": end}
+    archive = archive_with(slurms, "new")
+    led = G.job_goodput(archive, 9, gpus_per_node=8)
+    assert led.start == start - 10 and led.phases["queue_hold"] == pytest.approx(10.0)
+    rep = fleet_report(archive, since=T, now=end + 100)
+    (row,) = rep["ledger"]["per_job"]
+    assert row["phases_h"]["queue_hold"] == pytest.approx(round(10 / 3600, 4))
+    assert row["wall_h"] < 1.01
+    # What is not a unix time in `slurm_job` is not Slurm's word: the record's, clamped.
+    for bad in ("soon", True, float("nan"), 5.0, None):
+        assert GB.slurm_submit({"slurm_job": {"submit": bad}}) is None
+    assert GB.slurm_submit({"slurm_job": "x"}) is None and GB.slurm_submit({}) is None

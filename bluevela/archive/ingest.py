@@ -3,8 +3,10 @@
 Order of work, and why it survives kill -9 at any point:
   1. take the writer lock; remove what a killed writer left (temp files, unlisted segments);
   2. scan the spool; quarantine refused and malformed entries (ingest goes on);
-  3. look up the archived state of the jobs seen; reports already archived (same job, node,
-     phase and restart) are duplicates;
+  3. look up the archived state of the jobs seen; a report already archived (same job, node,
+     phase and restart, and the same time stamp: the same hook run) is a duplicate; one whose
+     key is archived with another time stamp is a conflict: quarantined with both times in
+     its reason, counted (`conflicts`) and logged, never dropped as a duplicate;
   4. decide which jobs are ready, by the job's latest attempt (restart count) in the spool:
      every expected node has sent its epilog report, or `timeout_s` passed since the job's
      first epilog report (missing nodes recorded), or the job is already archived (a late
@@ -70,6 +72,9 @@ class IngestResult:
     jobs_archived: list[int] = field(default_factory=list)
     jobs_timed_out: list[int] = field(default_factory=list)
     duplicates: int = 0
+    #: spool names (or "" without a spool) and why: a report whose key (job, node, phase,
+    #: restart) is archived from another hook run; quarantined, never archived over the first
+    conflicts: list[tuple[str, str]] = field(default_factory=list)
     waiting_reports: int = 0
     waiting_jobs: list[int] = field(default_factory=list)
     quarantined: list[tuple[str, str]] = field(default_factory=list)
@@ -80,17 +85,18 @@ class IngestResult:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["quarantined"] = [{"name": n, "reason": r} for n, r in self.quarantined]
+        d["conflicts"] = [{"name": n, "reason": r} for n, r in self.conflicts]
         return d
 
 
 @dataclass
 class _Archived:
     """A job's newest archived revision: its row and its job_nodes rows; with `keys` asked
-    for, the (node, phase, restart) of every report of the job in the archive."""
+    for, the (node, phase, restart) of every report of the job in the archive and its time."""
 
     row: Any
     nodes: np.ndarray
-    keys: set[tuple[str, str, int]] = field(default_factory=set)
+    keys: dict[tuple[str, str, int], float] = field(default_factory=dict)
 
     @property
     def restarts(self) -> int:
@@ -158,6 +164,7 @@ def ingest(
         for name, reason in scan.refused:
             quarantine(sd, name, reason)
             result.quarantined.append((name, reason))
+        conflicts_before = len(result.conflicts)
         by_job: dict[int, list[tuple[Any, dict[str, Any]]]] = defaultdict(list)
         for entry in scan.entries:
             try:
@@ -173,6 +180,9 @@ def ingest(
                      spool)
         done_names = _archive(w, by_job, result, now=now, timeout_s=timeout_s,
                               prolog_only_timeout_s=prolog_only_timeout_s, spool=spool)
+        for name, reason in result.conflicts[conflicts_before:]:
+            if name and quarantine(sd, name, reason) is not None:
+                result.quarantined.append((name, reason))
         if scan.series:  # the epilogs' sampler windows -> <archive>/series/<job>.h5
             from bluevela.archive.series_checks import SeriesLimits
             from bluevela.archive.series_ingest import ingest_side_files
@@ -211,12 +221,15 @@ def _archive(w: Writer, by_job: dict[int, list[tuple[Any, dict[str, Any]]]],
         stored = _stored_keys(old)
         fresh = []
         for entry, report in by_job[jid]:
-            if (report["node"], report["phase"], _restart(report)) in stored:
+            key = (report["node"], report["phase"], _restart(report))
+            if key not in stored:
+                fresh.append((entry, report))
+            elif stored[key] == report["time"]:  # the same hook run's report, again
                 result.duplicates += 1
                 if entry is not None:
                     done_names.append(entry.name)
             else:
-                fresh.append((entry, report))
+                _conflict(result, jid, key, stored[key], report, entry)
         if not fresh:
             continue
         reports = [r for _, r in fresh]
@@ -246,6 +259,19 @@ def _archive(w: Writer, by_job: dict[int, list[tuple[Any, dict[str, Any]]]],
         logger.info("archived %d reports of %d jobs in %s", len(ready_reports), len(job_rows),
                     info.file)
     return done_names + written
+
+
+def _conflict(result: IngestResult, job_id: int, key: tuple[str, str, int], stored_time: float,
+              report: dict[str, Any], entry: Any) -> None:
+    """A report whose key is archived from another hook run: never written over the first (the
+    archive holds one report per key) nor dropped as a duplicate: said in the log and in the
+    result, and its spool file quarantined by `ingest` (kept for a person)."""
+    node, phase, restart = key
+    why = (f"conflict: job {job_id} already has a {phase} report of {node} for restart "
+           f"{restart} from another run (archived time {stored_time:.3f}, this one "
+           f"{report['time']:.3f}); not archived, kept here")
+    logger.warning("%s", why)
+    result.conflicts.append((entry.name if entry is not None else "", why))
 
 
 def store_reports(archive_dir: Path, reports: list[dict[str, Any]], *,
@@ -360,7 +386,7 @@ def find_jobs(segments: list[Any], job_ids: list[int], *, keys: bool = False
     import numpy as np
 
     found: dict[int, _Archived] = {}
-    got_keys: dict[int, set[tuple[str, str, int]]] = defaultdict(set)
+    got_keys: dict[int, dict[tuple[str, str, int], float]] = defaultdict(dict)
     if not job_ids:
         return found
     ids = np.array(sorted(set(job_ids)), dtype=np.uint64)
@@ -393,13 +419,15 @@ def find_jobs(segments: list[Any], job_ids: list[int], *, keys: bool = False
     return found
 
 
-def _report_keys(f: Any, jobs: Any, out: dict[int, set[tuple[str, str, int]]]) -> None:
-    """Add the (node, phase, restart) of the reports of `jobs` (rows of f's /jobs) to `out`."""
+def _report_keys(f: Any, jobs: Any, out: dict[int, dict[tuple[str, str, int], float]]) -> None:
+    """Add the (node, phase, restart) of the reports of `jobs` (rows of f's /jobs) to `out`,
+    each with its report's time."""
     import numpy as np
 
     idx = f[S.JOB_REPORTS_INDEX]
     ds = f["reports"]
-    cols = ["job_id", "node", "phase"] + (["restart"] if "restart" in ds.dtype.names else [])
+    cols = ["job_id", "node", "phase", "time_unix_s"] + (
+        ["restart"] if "restart" in ds.dtype.names else [])
     for row in jobs:
         first, count = int(row["report_first"]), int(row["report_count"])
         if not count:
@@ -412,13 +440,13 @@ def _report_keys(f: Any, jobs: Any, out: dict[int, set[tuple[str, str, int]]]) -
             rep = ds.fields(cols)[at]
         restarts = rep["restart"].tolist() if "restart" in cols else [0] * len(rep)
         keys = out[int(row["job_id"])]
-        for node, phase, k in zip(rep["node"].tolist(), rep["phase"].tolist(), restarts,
-                                  strict=True):
-            keys.add((node.rstrip(b"\0").decode(), S.PHASE_NAMES[int(phase)], int(k)))
+        for node, phase, k, t in zip(rep["node"].tolist(), rep["phase"].tolist(), restarts,
+                                     rep["time_unix_s"].tolist(), strict=True):
+            keys[(node.rstrip(b"\0").decode(), S.PHASE_NAMES[int(phase)], int(k))] = float(t)
 
 
-def _stored_keys(old: _Archived | None) -> set[tuple[str, str, int]]:
-    return set() if old is None else old.keys
+def _stored_keys(old: _Archived | None) -> dict[tuple[str, str, int], float]:
+    return {} if old is None else old.keys
 
 
 def _expected(reports: list[dict[str, Any]], old: _Archived | None) -> tuple[set[str], int]:

@@ -153,6 +153,9 @@ def _ingest_line(res: Any) -> str:
     if res.waiting_reports:
         parts.append(f"{res.waiting_reports} waiting for {len(res.waiting_jobs)} incomplete "
                      "job(s)")
+    if res.conflicts:
+        parts.append(f"{len(res.conflicts)} in conflict with an archived report of the same "
+                     "key (quarantined, see the log)")
     if res.quarantined:
         parts.append(f"{len(res.quarantined)} quarantined")
     if res.compactions:

@@ -209,7 +209,9 @@ def take_over(state_dir: Path, job_id: int, user: str, now: float | None = None
     of the same user and of a job submitted later than this one (a helper exists only while its
     job runs; a wrapped job id counts as unrelated: no window). The record is the hooks' own
     (root's state directory): nothing a user writes, neither the job's name nor its goodput
-    events, decides it. The reading has no "restart": the epilog's own count is used.
+    events, decides it. The reading has no "restart": the epilog asks Slurm which attempt ended
+    (hooks/phases.py `_grown_attempt`: after a requeue, SLURM_JOB_RESTART_COUNT is already the
+    next attempt's).
     """
     data = read_json(state_dir / HANDOVER)
     if not isinstance(data, dict):

@@ -11,7 +11,7 @@ the code enforces (pure arithmetic, no Slurm call):
 | `lock_wait_s` | 65 | 0 | waiting for another hook (`BV_HOOK_LOCK_WAIT_S`, hooks/lock.py); the healthcheck never waits |
 | `run_s` | prolog: the quick tier with nccl (full tier's bounds) when stale; epilog: quick | `healthcheck_cap_s(site)` | the run's cap plus the gpu check's deliberate recheck sleep `gpu.recheck_s` (health/runner.py) |
 | `jitter_s` | 2 | 2 | the random wait before a drain's first Slurm call (`HOOK_JITTER_S`) |
-| `rpc_s` | (2 reads + 3 creates per partition + 1 drain) x `drain_timeout_s` | the larger of the drain's and the resume's calls | fleet/nodestate.py: every Slurm call bounded, no retries |
+| `rpc_s` | (2 reads + 3 creates per partition + 1 drain) x `drain_timeout_s`; the epilog one more read (Slurm's record of the job: slurm/job_record.py) | the larger of the drain's and the resume's calls | fleet/nodestate.py, hooks/phases.py: every Slurm call bounded, no retries |
 | `spool_s` | prolog: 1 write (the report), epilog: 2 (the series side file, the report), x `SPOOL_WRITE_TIMEOUT_S` | 0 (no job, no report) | archive/spool.py `run_bounded`: a hung spool costs 10 s per write |
 
 With the repo's site.yaml (quick cap 5 s, full cap 180 s, recheck 1 s, drain_timeout_s 5 s)
@@ -120,6 +120,9 @@ def hook_budget(site: Site, phase: str = "prolog", *, partitions: int = 1,
         cap = plan_prolog(site, nccl_stale=True).cap_s
     elif phase == "epilog":
         cap = plan_tier(site, "quick").cap_s
+        # One read of Slurm's record of the job, on the node holding the goodput events or a
+        # node grown into the job (hooks/phases.py `_slurm_record`).
+        rpc += site.health.drain_timeout_s
     else:
         # What the hook runs with (hooks/phases.py): its cap assumes one partition.
         cap = min(plan_tier(site, "full").cap_s, healthcheck_cap_s(site))

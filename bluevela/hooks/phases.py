@@ -8,7 +8,10 @@
 - epilog: quick tier after the job, with its exit status and per-job telemetry, spooled.
   The sampler's window of the job goes to the spool beside it (bluevela.telemetry.window).
   A node grown into a running job had its prolog under the helper job `bv-grow-JOB`: its
-  window and telemetry start where the helper's epilog handed the node over (`_reading`).
+  window and telemetry start where the helper's epilog handed the node over (`_reading`),
+  and the attempt it ends is Slurm's word (`_grown_attempt`: no prolog of the job ran there).
+  The epilog that holds the goodput events keeps Slurm's record of the job beside them
+  (`slurm_job`: its submit time is where the ledger's queue wait starts).
   CRITICAL: drain with the precise reason; always exit 0 (a non-zero exit would drain with
   Slurm's vague "Epilog error").
 - healthcheck: full tier on an idle node; drain on CRITICAL; resume a node only when its drain
@@ -43,6 +46,7 @@ from bluevela.hooks.env import HookContext, fixture_warning, load_hook_env
 if TYPE_CHECKING:
     from bluevela.health.result import HealthReport
     from bluevela.site import Site
+    from bluevela.slurm.job_record import JobRecord
 
 logger = logging.getLogger(__name__)
 
@@ -337,21 +341,28 @@ def epilog(site: Site, hctx: HookContext) -> HookOutcome:
     report = _run(site, hctx, state, "quick")
     _record(site, state, report, "epilog")
     reading = _reading(state, hctx, started, report)
+    slurm = _grown_attempt(site, hctx, reading)
+    attempt = _attempt(hctx, reading)
     telemetry = job_telemetry(reading, report, time.time())
     if hctx.job_id is not None:  # the sampler's window of this job, before the report
         from bluevela.telemetry.window import spool_series
 
-        spool_series(site, hctx.job_id, hctx.node, reading, restart=_attempt(hctx, reading))
+        spool_series(site, hctx.job_id, hctx.node, reading, restart=attempt)
     drain = _drain_if_critical(site, hctx.node, report)
     extra: dict[str, Any] = {}
     events = None
     if hctx.job_id is not None:  # the supervisor's goodput events, when it ran on this node
         from bluevela.launch.events_epilog import collect_for_epilog
 
-        events = collect_for_epilog(hctx.job_id, _attempt(hctx, reading), hctx.node)
+        events = collect_for_epilog(hctx.job_id, attempt, hctx.node)
         if events is not None:
             extra["goodput_events"] = events.record
-    spooled = _spool(site, hctx, report, drain, telemetry, _attempt(hctx, reading), extra)
+            # Slurm's submit time beside the owner's record: the ledger's queue wait starts
+            # there, never at the record's own `submit` (docs/archive.md, `slurm_job`).
+            slurm = slurm or _slurm_record(site, hctx.job_id)
+    if slurm is not None:
+        extra["slurm_job"] = slurm.to_report()
+    spooled = _spool(site, hctx, report, drain, telemetry, attempt, extra)
     if events is not None and spooled is not None:  # removed only once they are spooled
         events.remove()
     return _finish(state, HookOutcome("epilog", hctx.node, hctx.job_id, report, drain,
@@ -380,10 +391,39 @@ def _reading(state: Path | None, hctx: HookContext, started: float,
     return reading
 
 
+def _slurm_record(site: Site, job_id: int) -> JobRecord | None:
+    """Slurm's record of the job (bluevela/slurm/job_record.py): one squeue, bounded by
+    `health.drain_timeout_s` (hooks/budget.py counts it in the epilog's worst case)."""
+    from bluevela.slurm import job_record
+
+    return job_record.read(job_id, site.health.drain_timeout_s)
+
+
+def _grown_attempt(site: Site, hctx: HookContext, reading: dict[str, Any] | None
+                   ) -> JobRecord | None:
+    """On a node grown into the job (its reading taken over from the helper's epilog), the
+    attempt it served, put in the reading as a prolog's would be: no prolog of the job ran
+    here to say it, and a requeue has already moved SLURM_JOB_RESTART_COUNT on. Slurm's
+    record says it: its restart count, less one when it requeued the job (no end time while
+    the epilogs run). Slurm's record, or None when no node was grown in here or Slurm did not
+    answer (then the environment's count is used, as before, with a warning)."""
+    if reading is None or "grown_via_job" not in reading or hctx.job_id is None:
+        return None
+    slurm = _slurm_record(site, hctx.job_id)
+    if slurm is None:
+        logger.warning("job %s: grown node, Slurm not answered: its epilog is filed under "
+                       "restart %d (SLURM_JOB_RESTART_COUNT; the next attempt's if Slurm "
+                       "requeued the job)", hctx.job_id, hctx.restart_count)
+        return None
+    reading["restart"] = slurm.ended_attempt(hctx.restart_count)
+    return slurm
+
+
 def _attempt(hctx: HookContext, reading: dict[str, Any] | None) -> int:
-    """The attempt an epilog ends: its prolog's restart count on this node. Slurm counts a
-    requeue before the ended attempt's epilog runs, so SLURM_JOB_RESTART_COUNT there is the
-    next attempt's (seen on 22.05); it is used only when the prolog left no reading."""
+    """The attempt an epilog ends: its prolog's restart count on this node (on a grown node,
+    Slurm's word: `_grown_attempt`). Slurm counts a requeue before the ended attempt's epilog
+    runs, so SLURM_JOB_RESTART_COUNT there is the next attempt's (seen on 22.05); it is used
+    only when neither left a reading."""
     k = reading.get("restart") if reading else None
     if isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= hctx.restart_count:
         return k

@@ -220,6 +220,7 @@ def _gather_goodput(out: dict[int, dict[int, dict[str, Any]]], f: Any, rep: np.n
 
     from bluevela.archive import schema as S
     from bluevela.launch.events import EventsError, merge_records, validate
+    from bluevela.report.goodput_bounds import slurm_submit, with_slurm_submit
 
     if "extra_json" not in (f["reports"].dtype.names or ()):
         return
@@ -232,8 +233,10 @@ def _gather_goodput(out: dict[int, dict[int, dict[str, Any]]], f: Any, rep: np.n
         if b"goodput_events" not in text:
             continue
         try:
-            rec = validate(json.loads(text)["goodput_events"])
-        except (ValueError, KeyError, TypeError, EventsError) as exc:
+            body = json.loads(text)
+            rec = validate(body["goodput_events"])
+            submit = slurm_submit(body)
+        except (ValueError, KeyError, TypeError, AttributeError, EventsError) as exc:
             logger.warning("job %s on %s: goodput events left out: %s",
                            int(rep[row]["job_id"]), names[node_of[row]], exc)
             continue
@@ -244,7 +247,10 @@ def _gather_goodput(out: dict[int, dict[int, dict[str, Any]]], f: Any, rep: np.n
             continue
         have = out[rec["job"]].get(rec["restart"])
         if have is None or have["host"] == rec["host"]:  # every event once
-            out[rec["job"]][rec["restart"]] = merge_records(have, rec)
+            # the queue wait from Slurm's submit time, as root's epilog read it (a record
+            # merged earlier keeps its own: merge_records prefers the first one's)
+            out[rec["job"]][rec["restart"]] = with_slurm_submit(merge_records(have, rec),
+                                                                submit)
 
 
 def _first_critical_check(f: Any, first: int, count: int) -> str:

@@ -432,10 +432,13 @@ def _ledger_of(job_id: int, b: _Build, origin: float, gpus_per_node: int) -> Led
 
 def records_of(job: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     """The validated event records in a `query.show_job` result, and a note per record that
-    failed the checks (left out, never fatal)."""
+    failed the checks (left out, never fatal). Each record's submit time is Slurm's where the
+    epilog that carried it read Slurm's record (`slurm_job`), never the owner's then."""
     from bluevela.launch.events import EventsError, merge_records, validate
+    from bluevela.report.goodput_bounds import slurm_submit, with_slurm_submit
 
     out: dict[int, dict[str, Any]] = {}
+    submits: dict[int, float] = {}
     bad: list[str] = []
     names = {str(n.get("node")) for n in job.get("nodes") or []}
     for n in job.get("nodes") or []:
@@ -443,6 +446,7 @@ def records_of(job: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
         for rep in reports:
             if not rep or "goodput_events" not in rep:
                 continue
+            submit = slurm_submit(rep)
             try:
                 rec = validate(rep["goodput_events"])
             except EventsError as exc:
@@ -460,7 +464,9 @@ def records_of(job: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
                 continue
             # the batch node's own file and the copies: every event once
             out[rec["restart"]] = merge_records(have, rec)
-    return list(out.values()), bad
+            if submit is not None:  # Slurm's, as root's epilog read it
+                submits[rec["restart"]] = min(submit, submits.get(rec["restart"], submit))
+    return [with_slurm_submit(r, submits.get(k)) for k, r in out.items()], bad
 
 
 def lost_nodes(job: dict[str, Any]) -> dict[int, set[str]]:

@@ -7,16 +7,40 @@ saw of the job, and a note says what was changed (docs/resilience.md, "The goodp
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from bluevela.launch.events import T_MAX, T_MIN
 from bluevela.launch.outcome import LossKind
+
+
+def slurm_submit(report: Mapping[str, Any]) -> float | None:
+    """Slurm's submit time of the attempt a node report ends, as root's epilog read it
+    (`slurm_job.submit`: bluevela/slurm/job_record.py), or None when the report has none
+    (an older report, Slurm not answered) or it is not a unix time."""
+    sj = report.get("slurm_job")
+    t = sj.get("submit") if isinstance(sj, Mapping) else None
+    if isinstance(t, bool) or not isinstance(t, int | float):
+        return None
+    t = float(t)
+    return t if math.isfinite(t) and T_MIN <= t <= T_MAX else None
+
+
+def with_slurm_submit(rec: dict[str, Any], submit: float | None) -> dict[str, Any]:
+    """`rec` with Slurm's submit time (`slurm_submit`) in place of its own, when there is one:
+    the queue wait starts where Slurm says, never where the job's owner wrote (issue 33)."""
+    if submit is None:
+        return rec
+    return {**rec, "slurm": {**rec["slurm"], "submit": submit}}
+
 
 # The slack covers the prolog's run before its report's time stamp and the epilog's after
 # the job, and clock skew.
 CLOCK_SLACK_S = 120.0
-# The one time the archive cannot check: the submission. The queue wait a record claims is
-# at most this long before the attempt's first prolog.
+# The submission: Slurm's, as the epilog read it, replaces the record's (`with_slurm_submit`);
+# a record's own (no report has Slurm's) is at most this long before the attempt's first
+# prolog.
 MAX_QUEUE_S = 7 * 86400.0
 
 
