@@ -61,10 +61,15 @@ class Framework:
     script: str
     dir_opt: str  # its directory option
     operator_requeue: bool = False  # one interruption through `bv requeue` besides Slurm's
+    # The script's own periodic checkpoint (steps), which its resume also finds: after the
+    # crash it resumes from the newer of that and the last signal's.
+    every: int = 0
 
 
 FRAMEWORKS = {
-    "lightning": Framework("lightning", "lightning_ddp.py", "--root"),
+    # Lightning's documented resume: ModelCheckpoint(save_last=True, every_n_train_steps=25)
+    # and fit(ckpt_path="last") (issue 33: "last" was the callback's older last.ckpt).
+    "lightning": Framework("lightning", "lightning_ddp.py", "--root", every=25),
     "hf": Framework("transformers", "hf_trainer.py", "--out"),
     "accelerate": Framework("accelerate", "accelerate_loop.py", "--dir",
                             operator_requeue=True),
@@ -226,19 +231,33 @@ def test_framework_job_checkpoints_at_the_time_limit_and_resumes_on_the_spare(
             n + 2, stopped, _starts(parts[n + 1]), timeline)
     # The relaunch on the spare: same allocation, within 10 s of the crash (node timeout),
     # from the framework's own checkpoint (the last signal's: where the crashed attempt
-    # started), then to the end.
+    # started; or the script's own periodic one, if the crashed attempt got that far), then
+    # to the end.
     after = banners[crash.attempt][3]
     assert f"{crash.node} lost" in after and "(spare " in after, after
     assert crash.relaunched_at - crash.at <= 12, crash.relaunched_at - crash.at
-    resumed = {s["start_step"] for s in _starts(parts[crash.attempt]).values()}
-    crashed = {s["start_step"] for s in _starts(parts[crash.attempt - 1]).values()}
-    assert len(resumed) == 1 and resumed == crashed, (resumed, crashed, timeline)
+    resumed = {int(s["start_step"]) for s in _starts(parts[crash.attempt]).values()}
+    crashed = {int(s["start_step"]) for s in _starts(parts[crash.attempt - 1]).values()}
+    assert len(resumed) == 1 and len(crashed) == 1, (resumed, crashed, timeline)
+    assert resumed <= _saved_by_then(crashed.pop(), _steps(parts[crash.attempt - 1]), fw.every), (
+        resumed, timeline)
     assert _steps(parts[-1])[-1] == STEPS and f"done step={STEPS}" in parts[-1], detail
     # No traceback in any attempt but the one that lost the node, torchrun's end-of-step race
     # included.
     for n, part in enumerate(parts):
         assert n == crash.attempt - 1 or not tracebacks(part), (n + 1, tracebacks(part))
     _check_world(framework, parts, banners)
+
+
+def _saved_by_then(start: int, trained: list[int], every: int) -> set[int]:
+    """Where the attempt after a crash may resume: the crashed attempt's start (the last
+    signal's checkpoint), or its own periodic save at the last multiple of `every` it trained
+    past; or the next one, when the crash came between that save and the step's line."""
+    if not every:
+        return {start}
+    top = max(trained, default=start)
+    newest = max(start, top // every * every)
+    return {newest} | ({top + 1} if (top + 1) % every == 0 else set())
 
 
 @dataclasses.dataclass

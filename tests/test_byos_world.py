@@ -245,3 +245,31 @@ def test_supervisor_end_line_names_the_sigterm_stop() -> None:
     waited = signal_result(signal.SIGUSR1, {"node1": 1}, 1, termed=2, waited=15)
     assert "had no handler for it after 15 s" in waited.cause  # the agents' wait, said
     assert "stopped with SIGTERM through torchrun" in result.cause
+
+
+def test_point_last_names_the_hpc_checkpoint_in_one_rename(tmp_path: Path) -> None:
+    """bv's `last.ckpt` for Lightning's "last": a relative link to the HPC file in place of the
+    callback's older file (a sharded strategy's folder too); the link's target keeps the data
+    when the callback later writes its own file over the name, as Lightning's atomic save
+    does (a rename)."""
+    from bluevela.integrations.lightning import point_last
+
+    root = tmp_path / "root"
+    (root / "checkpoints").mkdir(parents=True)
+    hpc, last = root / "hpc_ckpt_1.ckpt", root / "checkpoints" / "last.ckpt"
+    hpc.write_bytes(b"step 3")
+    last.write_bytes(b"step 2")
+    point_last(str(hpc), str(last))
+    assert last.is_symlink() and os.readlink(last) == "../hpc_ckpt_1.ckpt"
+    assert last.read_bytes() == b"step 3" and sorted(os.listdir(last.parent)) == ["last.ckpt"]
+    (last.parent / "tmp").write_bytes(b"step 6")
+    os.replace(last.parent / "tmp", last)
+    assert hpc.read_bytes() == b"step 3" and last.read_bytes() == b"step 6"
+    shard = root / "hpc_ckpt_2.ckpt"
+    shard.mkdir()
+    (shard / "0.distcp").write_bytes(b"rank 0")
+    last.unlink()
+    last.mkdir()
+    (last / "0.distcp").write_bytes(b"old")
+    point_last(str(shard), str(last))
+    assert last.is_symlink() and (last / "0.distcp").read_bytes() == b"rank 0"

@@ -3,9 +3,12 @@
     bv submit -N 2 --spare-nodes 1 --procs-per-node 2 examples/byos/lightning_ddp.py --root DIR
 
 The Trainer's `num_nodes` and `devices` come from Slurm's variables (under bv they describe the
-training step, not the allocation with its spare: docs/byos.md). `fit()` gets no `ckpt_path`:
-under Slurm, Lightning resumes from the newest `hpc_ckpt_*.ckpt` in `default_root_dir` by
-itself. Rank 0 prints `step=<global step>` after each step; every rank prints, at the start of
+training step, not the allocation with its spare: docs/byos.md). It checkpoints and resumes as
+Lightning's docs show: a `ModelCheckpoint(dirpath=..., save_last=True, every_n_train_steps=25)`
+and `fit(ckpt_path="last")`, which loads the newest of that callback's `last.ckpt` (bv points it
+at the checkpoint of its signal). `--ckpt-path none`: `fit()` gets no `ckpt_path`, and under
+Slurm Lightning resumes from the newest `hpc_ckpt_*.ckpt` in `default_root_dir` by itself.
+Rank 0 prints `step=<global step>` after each step; every rank prints, at the start of
 training, `rank=<R> start_step=<S> world_size=<W> nodes=<N> slurm=<the Slurm names it sees>`.
 """
 
@@ -56,6 +59,10 @@ def main() -> None:
     parser.add_argument("--root", required=True, help="default_root_dir (shared by all nodes)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--step-s", type=float, default=0.0)
+    parser.add_argument("--ckpt-path", default="last",
+                        help='fit()\'s ckpt_path: "last" (default), "none", or a path')
+    parser.add_argument("--every", type=int, default=25,
+                        help="ModelCheckpoint's every_n_train_steps")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4096, 16, generator=gen)
@@ -69,12 +76,13 @@ def main() -> None:
         max_steps=args.steps,
         default_root_dir=args.root,
         callbacks=[ModelCheckpoint(dirpath=os.path.join(args.root, "checkpoints"),
-                                   every_n_train_steps=1000)],
+                                   save_last=True, every_n_train_steps=args.every)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Regression(args.step_s), loader)
+    trainer.fit(Regression(args.step_s), loader,
+                ckpt_path=None if args.ckpt_path == "none" else args.ckpt_path)
     if trainer.is_global_zero:
         print(f"done step={trainer.global_step}", flush=True)
 
