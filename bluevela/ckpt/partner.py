@@ -326,9 +326,10 @@ def send_shard(addr: tuple[str, int], key: bytes, dir_fd: int, name: str, step: 
 
 
 def fetch_shard(addr: tuple[str, int], key: bytes, step: int, rank: int, dst_dir_fd: int,
-                name: str) -> ShardInfo:
+                name: str, keep: bytearray | None = None) -> ShardInfo:
     """Fetch rank `rank`'s shard of `step` from a node's server into `dst_dir_fd`/`name`,
-    verified (its digest, and the one the server MACed) before it is renamed into place.
+    verified (its digest, and the one the server MACed) before it is renamed into place;
+    with `keep`, its payload is kept there too (no second read).
 
     Raises:
         TransferError: the server does not have it, refused, or the connection failed.
@@ -350,7 +351,8 @@ def fetch_shard(addr: tuple[str, int], key: bytes, step: int, rank: int, dst_dir
         size = int(reply["size"])
         dl.end = time.monotonic() + deadline_for(size)
         return copy_stream(r, size, dst_dir_fd, name,  # type: ignore[arg-type]
-                           expect={"step": step, "rank": rank}, digest=str(reply["digest"]))
+                           expect={"step": step, "rank": rank}, digest=str(reply["digest"]),
+                           keep=keep)
     except (OSError, ValueError, KeyError) as exc:
         raise TransferError(f"{addr[0]}:{addr[1]}: {exc}") from None
     finally:

@@ -25,7 +25,7 @@ import json
 import os
 import stat
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -77,14 +77,16 @@ def file_size(header: dict[str, Any]) -> int:
 class _Hashing:
     """Writes to a fd and hashes what it wrote."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, hashing: bool = True) -> None:
         self.fd = fd
         self.sha = hashlib.sha256()
+        self.hashing = hashing
         self.count = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
-        self.sha.update(view)
+        if self.hashing:
+            self.sha.update(view)
         while view:
             n = os.write(self.fd, view)
             view = view[n:]
@@ -92,7 +94,8 @@ class _Hashing:
 
 
 def write_shard(dir_fd: int, name: str, header: dict[str, Any],
-                chunks: Iterable[bytes | bytearray | memoryview]) -> ShardInfo:
+                chunks: Iterable[bytes | bytearray | memoryview],
+                digest_of: Callable[[], bytes] | None = None) -> ShardInfo:
     """Write one shard atomically under `dir_fd`/`name`.
 
     Args:
@@ -100,6 +103,8 @@ def write_shard(dir_fd: int, name: str, header: dict[str, Any],
         name: the file name (no separator).
         header: what the file says about itself; `payload` must be the chunks' total length.
         chunks: the payload, in order.
+        digest_of: the file's digest once the chunks are consumed, when the caller computed
+            it already (a verified copy: not hashed twice).
 
     Raises:
         OSError: any I/O failure (ENOSPC included): the temporary file is removed and `name`
@@ -114,7 +119,7 @@ def write_shard(dir_fd: int, name: str, header: dict[str, Any],
         pass
     fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
     try:
-        out = _Hashing(fd)
+        out = _Hashing(fd, hashing=digest_of is None)
         out.write(encode_header(header))
         start = out.count
         for chunk in chunks:
@@ -122,7 +127,7 @@ def write_shard(dir_fd: int, name: str, header: dict[str, Any],
         if out.count - start != int(header["payload"]):
             raise ValueError(f"payload of {out.count - start} bytes, header says "
                              f"{header['payload']}")
-        digest = out.sha.digest()
+        digest = out.sha.digest() if digest_of is None else digest_of()
         _write_all(fd, END + digest)
         os.fsync(fd)
     except BaseException:
@@ -282,7 +287,8 @@ def copy_verified(src_fd: int, dst_dir_fd: int, name: str,
 
 
 def copy_stream(f: IO[bytes], size: int, dst_dir_fd: int, name: str,
-                expect: dict[str, Any] | None = None, digest: str | None = None) -> ShardInfo:
+                expect: dict[str, Any] | None = None, digest: str | None = None,
+                keep: bytearray | None = None) -> ShardInfo:
     """Write the shard file of `size` bytes that `f` reads out (a file, a socket) to
     `dst_dir_fd`/`name` atomically, verifying its shape and digest on the way; nothing is
     renamed into place unless the whole file verified.
@@ -309,6 +315,8 @@ def copy_stream(f: IO[bytes], size: int, dst_dir_fd: int, name: str,
                 raise ShardError(f"torn: payload ends after {n - left} of {n} bytes")
             sha.update(chunk)
             left -= len(chunk)
+            if keep is not None:
+                keep.extend(chunk)
             yield chunk
         trailer = _read_exact(f, TRAILER)
         if trailer != END + sha.digest():
@@ -316,7 +324,7 @@ def copy_stream(f: IO[bytes], size: int, dst_dir_fd: int, name: str,
         if digest is not None and sha.hexdigest() != digest:
             raise ShardError("not the file the sender vouched for (digest differs)")
 
-    return write_shard(dst_dir_fd, name, header, chunks())
+    return write_shard(dst_dir_fd, name, header, chunks(), digest_of=sha.digest)
 
 
 def _read_exact(f: IO[bytes], n: int) -> bytes:

@@ -602,8 +602,11 @@ class CheckpointStore:
                         raise TransferError("no node-local tier to fetch into")
                     fd = self._step_fd("own" if rank == self.rank else "held", step)
                     try:
-                        fetch_shard(place.addr, self.key, step, rank, fd, name)
-                        info, payload = load_at(fd, name, expect)
+                        payload = bytearray()
+                        info = fetch_shard(place.addr, self.key, step, rank, fd, name, payload)
+                        if info.header.get("name") != self.cfg.name:
+                            raise ShardError(f"name {info.header.get('name')!r} where "
+                                             f"{self.cfg.name!r} was expected")
                     finally:
                         os.close(fd)
                 else:
