@@ -449,3 +449,84 @@ def test_fleet_account_leaves_what_bv_did_not_create(account: Account) -> None:
     with pytest.raises(InstallError, match="is not a directory .a symlink is never followed"):
         fleet_account(Path("/"), None, Result("/", "x", False), dry_run=False, account=account)
     assert stat.S_IMODE(target.stat().st_mode) == 0o755
+
+
+# --------------------------------------------------------------------------------------------
+# What `current` will name runs as root (issue 33 §3): the venv, and where bluevela comes from
+
+def _refused(p: subprocess.CompletedProcess[str], why: str) -> None:
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert p.stderr.startswith("bv: error: ") and len(p.stderr.strip().splitlines()) == 1
+    assert why in p.stderr and "refused (--force" in p.stderr, p.stderr
+
+
+def test_a_venv_others_can_change_is_refused_and_force_warns(
+        built: tuple[Path, Path], tmp_path: Path) -> None:
+    """Before, bv install pointed `current` (what every root hook runs, `python3 -I`, which
+    still reads .pth files) at a 0777 venv owned by nobody without a word. Now each way to
+    change what root runs is refused with one line, nothing laid out; --force installs and
+    says it on stderr."""
+    wheel, _ = built
+    venv = make_venv(tmp_path / "venv", wheel)
+    root = tmp_path / "root"
+    root.mkdir()
+    sp = next((venv / "lib").glob("python3*/site-packages"))
+    for path, mode, why in [
+            (venv, 0o777, f"the venv {venv} is group/other-writable (mode 0777)"),
+            (venv / "bin", 0o775, "the venv's bin/"),
+            (sp, 0o757, f"the venv's site-packages {sp} is group/other-writable"),
+            (tmp_path, 0o777, f"the directory above the venv {tmp_path} is group/other")]:
+        old = stat.S_IMODE(path.stat().st_mode)
+        path.chmod(mode)
+        try:
+            _refused(bv(venv, "install", "--root", str(root), check=False), why)
+        finally:
+            path.chmod(old)
+        assert not (root / "opt").exists()
+    # A .pth file the hooks' Python reads, naming a directory anyone may write.
+    planted = tmp_path / "planted"
+    planted.mkdir(mode=0o777)
+    planted.chmod(0o777)
+    (sp / "zz-planted.pth").write_text(f"{planted}\n")
+    _refused(bv(venv, "install", "--root", str(root), check=False),
+             f"a directory zz-planted.pth adds {planted} is group/other-writable")
+    (sp / "zz-planted.pth").unlink()
+    # Owned by another user (a deploy user, an NFS export): refused, and with --force done.
+    nobody = pwd.getpwnam("nobody").pw_uid
+    for path in [venv, *venv.rglob("*")]:
+        os.lchown(path, nobody, -1)
+    _refused(bv(venv, "install", "--root", str(root), check=False),
+             f"the venv {venv} is owned by uid {nobody}, not root")
+    forced = bv(venv, "install", "--root", str(root), "--force")
+    assert "bv install: WARNING: --force: the venv" in forced.stderr, forced.stderr
+    assert f"owned by uid {nobody}" in forced.stderr
+    assert os.readlink(root / "opt/bluevela/current") == str(venv)
+    js = json.loads(bv(venv, "install", "--root", str(root), "--force", "--json").stdout)
+    assert any(f"owned by uid {nobody}" in w for w in js["warnings"])
+
+
+def test_an_editable_install_is_refused(built: tuple[Path, Path], tmp_path: Path) -> None:
+    """bluevela installed with `pip install -e` from a source tree: root's hooks would import
+    whatever that tree holds (a developer's checkout). Refused; --force (a dev machine)
+    warns. This machine's own bluevela is such an install (from the repo)."""
+    wheel, _ = built
+    src = wheel.parent.parent / "src"
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    purelib = next((venv / "lib").glob("python3*/site-packages"))
+    (purelib / "bv-test-deps.pth").write_text(
+        "".join(f"{d}\n" for d in site.getsitepackages() if Path(d).is_dir()))
+    p = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python3"),
+                        "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(src)],
+                       capture_output=True, text=True, timeout=300, check=False,
+                       env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    assert p.returncode == 0, p.stderr
+    root = tmp_path / "root"
+    root.mkdir()
+    p = bv(venv, "install", "--root", str(root), check=False)
+    assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "editable install" in p.stderr or "runs from a checkout" in p.stderr, p.stderr
+    assert not (root / "opt").exists()
+    forced = bv(venv, "install", "--root", str(root), "--force")
+    assert "bv install: WARNING: --force: bluevela" in forced.stderr, forced.stderr

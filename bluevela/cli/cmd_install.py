@@ -14,7 +14,9 @@ from bluevela.cli.output import emit_json
 @click.option("--uninstall", is_flag=True,
               help="Remove exactly what bv install laid out (its manifest); data is kept.")
 @click.option("--force", is_flag=True,
-              help="With --uninstall: even while slurm.conf still names the hooks.")
+              help="Install even when someone but root can change the venv, or bluevela is an "
+                   "editable/checkout install (a developer's machine: warned on stderr); with "
+                   "--uninstall: even while slurm.conf still names the hooks.")
 @click.option("--json", "as_json", is_flag=True)
 def command(root: str, dry_run: bool, uninstall: bool, force: bool, as_json: bool) -> None:
     """Install the hook shims, systemd units, Prometheus files, slurm.conf additions and
@@ -24,7 +26,9 @@ def command(root: str, dry_run: bool, uninstall: bool, force: bool, as_json: boo
     from bluevela.deploy.install import uninstall as remove
 
     result = (remove(root, dry_run=dry_run, force=force) if uninstall
-              else install(root, dry_run=dry_run))
+              else install(root, dry_run=dry_run, force=force))
+    for warning in result.warnings:  # loud, and on stderr even with --json
+        click.echo(f"bv install: WARNING: {warning}", err=True)
     if as_json:
         emit_json(result.to_dict())
         return

@@ -22,6 +22,12 @@ records whether bv created the user and the directory (or the mode and group it 
 Every file is written to a temporary name in its directory, fsynced, then renamed over the
 old one: a hook starting meanwhile runs the old shim or the new one, never half of one.
 Nothing outside the manifest is touched: site.yaml, hook.env, slurm.conf, enabled units.
+
+Before anything is written, what `current` will name is checked (`trust_problems`): every root
+hook runs its `python3 -I`, which still runs the .pth files of its site-packages, so a venv
+(or a directory above it, its bin/, its site-packages, a directory a .pth adds) that anyone
+but root can change, and a bluevela that is an editable or checkout install, are refused
+(`--force`: installed, each said as a warning).
 """
 
 from __future__ import annotations
@@ -101,6 +107,8 @@ class Result:
     dry_run: bool
     changes: list[Change] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Refusals overridden with --force (trust_problems): said loudly, on stderr.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
@@ -111,7 +119,7 @@ class Result:
                 "changed": self.changed,
                 "changes": [{"action": c.action, "path": c.path, "detail": c.detail}
                             for c in self.changes],
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "warnings": list(self.warnings)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,6 +286,125 @@ def _check_dir(path: Path) -> None:
     if os.geteuid() == 0 and st.st_uid != 0:
         raise InstallError(f"{path} is owned by uid {st.st_uid}, not root: the hooks run as "
                            "root from it; chown root it first")
+
+
+# --------------------------------------------------------------------------------------------
+# What `current` names runs as root: the venv and the package it copies from (issue 33)
+
+
+def _owners() -> set[int]:
+    """Who may own what root will run: root, and (a staging tree built by a user, never run
+    from there) the user running bv install."""
+    return {0, os.geteuid()}
+
+
+def _unsafe(path: Path, what: str) -> str | None:
+    """Why `path` (not followed when a symlink: its target is checked by the caller) lets
+    someone other than its owner change what root runs, or None."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"{what} {path} does not exist"
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid not in _owners():
+        return (f"{what} {path} is owned by uid {st.st_uid}, not root: whoever owns it runs "
+                "code as root on every node (chown -R root it)")
+    if stat.S_ISLNK(st.st_mode):
+        return None
+    sticky_root_dir = stat.S_ISDIR(st.st_mode) and mode & stat.S_ISVTX and st.st_uid == 0
+    if mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky_root_dir:
+        return (f"{what} {path} is group/other-writable (mode {mode:04o}): anyone in it runs "
+                "code as root on every node (chmod -R go-w it)")
+    return None
+
+
+def _site_packages(venv: Path) -> list[Path]:
+    return sorted(p for pattern in ("lib/python3*/site-packages", "lib64/python3*/site-packages")
+                  for p in venv.glob(pattern) if p.is_dir() and not p.is_symlink())
+
+
+def _package_install() -> str | None:
+    """Why the running bluevela is an editable or checkout install (root would import code
+    from a tree that is the developers', not the venv's), or None for a wheel's copy."""
+    from importlib import metadata
+
+    if data.root() == data.CHECKOUT:
+        return (f"bluevela runs from a checkout ({data.CHECKOUT}: no package data of a wheel); "
+                "install the built wheel into the venv (docs/install.md 1.1)")
+    try:
+        direct = metadata.distribution("bluevela").read_text("direct_url.json")
+    except metadata.PackageNotFoundError:
+        direct = None
+    if direct:
+        try:
+            editable = json.loads(direct).get("dir_info", {}).get("editable") is True
+        except (ValueError, AttributeError):
+            editable = False
+        if editable:
+            return ("bluevela is an editable install (pip install -e): root would import the "
+                    f"source tree {data.PACKAGE.parent}; install the built wheel instead")
+    return None
+
+
+def trust_problems(venv: Path) -> list[str]:
+    """What lets anyone but root change the code root's hooks run through `current`: the
+    venv, every directory above it, its bin/ and bin/python3 (and the interpreter it links
+    to, with that one's directory), its site-packages (the hooks' `python3 -I` still runs
+    their .pth files) and any directory a .pth file there adds, and a bluevela that is an
+    editable or checkout install, or is not the venv's own. One line each; [] when none."""
+    problems: list[str] = []
+    seen: set[Path] = set()
+
+    def check(path: Path, what: str) -> None:
+        if path in seen:
+            return
+        seen.add(path)
+        why = _unsafe(path, what)
+        if why:
+            problems.append(why)
+
+    venv = Path(os.path.abspath(venv))
+    for parent in reversed(venv.parents):
+        check(parent, "the directory above the venv")
+    check(venv, "the venv")
+    check(venv / "bin", "the venv's bin/")
+    python = venv / "bin" / "python3"
+    check(python, "the venv's python3")
+    real = Path(os.path.realpath(python))
+    if real != python:
+        check(real, "the interpreter the venv's python3 runs")
+        check(real.parent, "the interpreter's directory")
+    packages = _site_packages(venv)
+    if not packages:
+        problems.append(f"the venv {venv} has no lib/python3*/site-packages")
+    for sp in packages:
+        check(sp, "the venv's site-packages")
+        for pth in sorted(sp.glob("*.pth")):
+            check(pth, "the .pth file")
+            try:
+                lines = pth.read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                entry = line.strip()
+                if entry and not entry.startswith(("#", "import ", "import\t")):
+                    added = Path(entry if os.path.isabs(entry) else sp / entry)
+                    if added.is_dir():
+                        check(Path(os.path.abspath(added)), f"a directory {pth.name} adds")
+    why = _package_install()
+    if why:
+        problems.append(why)
+    elif not any(_within(data.PACKAGE, sp) for sp in packages):
+        problems.append(f"the bluevela this bv install copies from ({data.PACKAGE}) is not the "
+                        f"venv's own ({venv}): run the bv of the venv `current` will name")
+    return problems
+
+
+def _within(path: Path, parent: Path) -> bool:
+    try:
+        return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(parent))
+    except OSError:
+        return False
 
 
 def _makedirs(root: Path, path: str, created: list[str], dry_run: bool) -> None:
@@ -584,13 +711,17 @@ def remove_fleet_account(root: Path, record: object, result: Result, *, dry_run:
 
 
 def install(root: str | os.PathLike[str] = "/", *, dry_run: bool = False,
-            venv: Path | None = None, account: Account = Account()) -> Result:
+            venv: Path | None = None, account: Account = Account(),
+            force: bool = False) -> Result:
     """Lay out the node under `root` from the installed package (see the module docstring).
 
     Args:
         root: `/` on a node; a staging directory for an image or a test.
         dry_run: report what would change, write nothing.
         venv: the venv `current` names (default: the one this interpreter runs in).
+        force: install even when someone but root can change what the venv runs, or the
+            package is an editable/checkout install (`trust_problems`): each said as a
+            warning (a developer's machine; never a production node).
 
     Raises:
         InstallError: a refusal, or a file system error (one line: the path and why). Files
@@ -598,14 +729,14 @@ def install(root: str | os.PathLike[str] = "/", *, dry_run: bool = False,
             last: run bv install again once the cause is fixed.
     """
     try:
-        return _install(root, dry_run=dry_run, venv=venv, account=account)
+        return _install(root, dry_run=dry_run, venv=venv, account=account, force=force)
     except OSError as exc:
         where = exc.filename or root
         raise InstallError(f"{where}: {exc.strerror or exc}") from exc
 
 
 def _install(root: str | os.PathLike[str], *, dry_run: bool, venv: Path | None,
-             account: Account) -> Result:
+             account: Account, force: bool = False) -> Result:
     base = Path(root)
     if not base.is_absolute() or not base.is_dir():
         raise InstallError(f"--root {root}: not an existing absolute directory")
@@ -613,6 +744,12 @@ def _install(root: str | os.PathLike[str], *, dry_run: bool, venv: Path | None,
     result = Result(str(base), __version__, dry_run)
     for d in GUARDED_DIRS:
         _check_dir(_under(base, d))
+    problems = trust_problems(venv)
+    if problems and not force:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise InstallError(f"{problems[0]}{more}: the hooks run this venv as root; refused "
+                           "(--force for a developer's machine)")
+    result.warnings.extend(f"--force: {p}" for p in problems)
     items = plan(venv, base)
     old = _read_manifest(base)
     old_entries = _entries(old)
