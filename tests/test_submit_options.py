@@ -170,7 +170,7 @@ def test_sbatch_arg_passthrough_rendered_and_quoted() -> None:
 
 
 @pytest.mark.parametrize(("arg", "msg"), [
-    ("--output=/etc/x", "bv sets it; use site.yaml launch.output"),
+    ("--output=/etc/x", "bv sets it; use --output (default: site.yaml launch.output)"),
     ("--signal=USR2@30", "bv sets it; use --signal-before"),
     ("--open-mode=truncate", "bv sets it"),
     ("--array=0-9", "job arrays are not supported"),

@@ -9,6 +9,7 @@ import click
 
 from bluevela.cli import State
 from bluevela.cli.output import emit_json
+from bluevela.errors import LaunchError
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
@@ -17,8 +18,21 @@ from bluevela.cli.output import emit_json
 @click.option("-N", "--nodes", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--gpus-per-node", type=click.IntRange(min=0), default=None,
               help="GPUs to request per node (default: the --class's GPUs, else 0).")
-@click.option("--procs-per-node", type=click.IntRange(min=1), default=None,
-              help="torchrun --nproc-per-node (default: GPUs per node, or 1 without GPUs).")
+@click.option("--procs-per-node", default=None, metavar="N|gpu|auto",
+              help="torchrun --nproc-per-node: a number, gpu (one per GPU torch sees) or auto "
+                   "(default: GPUs per node, or 1 without GPUs).")
+@click.option("-m", "--module", "module", is_flag=True,
+              help="SCRIPT is a module, run as python -m would (torchrun -m): "
+                   "bv submit -m pkg.train ARGS. The job is named after it.")
+@click.option("-o", "--output", default=None, metavar="PATTERN",
+              help="The job's output file (sbatch --output; %j: the job id). Every attempt "
+                   "appends to it. Default: site.yaml launch.output, bv-%j.out.")
+@click.option("--local-ranks-filter", default=None, metavar="RANKS",
+              help="Only these local ranks' output reaches the output file, e.g. 0 "
+                   "(torchrun --local-ranks-filter).")
+@click.option("--rank-log-dir", default=None, metavar="DIR",
+              help="Also keep every rank's stdout/stderr in a file of its own under DIR "
+                   "(torchrun --log-dir DIR --tee 3: DIR/<run>/attempt_<n>/<local rank>/).")
 @click.option("--class", "node_class", default=None, help="Node class from site.yaml.")
 @click.option("-p", "--partition", default=None)
 @click.option("-t", "--time", "time_limit", default=None, help="Slurm time limit, e.g. 1:00:00.")
@@ -71,7 +85,7 @@ from bluevela.cli.output import emit_json
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
 def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
-            gpus_per_node: int | None, procs_per_node: int | None, node_class: str | None,
+            gpus_per_node: int | None, procs_per_node: str | None, node_class: str | None,
             partition: str | None, time_limit: str | None, job_name: str | None,
             comment: str | None, account: str | None, qos: str | None, env: tuple[str, ...],
             max_restarts: int | None, requeue: bool | None, site_path: str | None,
@@ -80,9 +94,10 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
             hang_timeout: float | None, cpus_per_task: int | None, mem: str | None,
             exclusive: bool, constraint: str | None, exclude: str | None,
             dependency: str | None, sbatch_args: tuple[str, ...], python: str | None,
-            no_python_check: bool) -> None:
+            no_python_check: bool, module: bool, output: str | None,
+            local_ranks_filter: str | None, rank_log_dir: str | None) -> None:
     """Submit SCRIPT [ARGS]... as a torchrun job: one srun task per node, c10d rendezvous on
-    the first node of the allocation."""
+    the first node of the allocation. With -m, SCRIPT is a module (bv submit -m pkg.train)."""
     from bluevela.launch.submit import build_request, exit_status_for, follow, submit
     from bluevela.site_file import choose_site
 
@@ -99,7 +114,8 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
         signal_before=signal_before, spare_nodes=spare_nodes, min_nodes=min_nodes,
         hang_timeout=hang_timeout, cpus_per_task=cpus_per_task, mem=mem, exclusive=exclusive,
         constraint=constraint, exclude=exclude, dependency=dependency, sbatch_args=sbatch_args,
-        python=python, notes=notes,
+        python=python, module=module, output=output, local_ranks_filter=local_ranks_filter,
+        rank_log_dir=rank_log_dir, notes=notes,
     )
     for line in choice.lines():
         if not (as_json and line.startswith("site file:")):  # --json: in the document
@@ -113,6 +129,11 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
         else:
             click.echo(request.materialize(), nl=False)
         return
+    from bluevela.launch.request import output_dir_problem
+
+    problem = output_dir_problem(request.output, os.getcwd())
+    if problem:
+        raise LaunchError(problem)
     if not no_python_check:
         from bluevela.launch.jobpython import check_job_python
 

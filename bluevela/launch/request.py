@@ -29,6 +29,11 @@ _DEP_TYPE = re.compile(
     r"|^(singleton|expand:\d+)$"
 )
 _OPT_NAME = re.compile(r"^[a-z][a-z0-9-]*$")
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_RANK_LIST = re.compile(r"^\d{1,4}(,\d{1,4}){0,1023}$")
+# torchrun's --nproc-per-node words besides a number: one per GPU of the node, or per GPU
+# else per CPU core.
+PROCS_WORDS = ("gpu", "auto")
 # Slurm may deliver a time-limit signal up to this much earlier than asked (its time-limit
 # check runs periodically): the margin is checked with this slack on top.
 SIGNAL_EARLY_S = 60
@@ -88,7 +93,8 @@ class SubmitRequest:
     args: tuple[str, ...] = ()
     nodes: int = 1
     gpus_per_node: int = 0
-    procs_per_node: int | None = None
+    procs_per_node: int | str | None = None  # a number, or torchrun's `gpu` / `auto`
+    module: bool = False  # `script` is a module: torchrun -m (python -m)
     partition: str | None = None
     time: str | None = None
     job_name: str | None = None
@@ -121,13 +127,18 @@ class SubmitRequest:
     no_kill: bool = False
     # `--sbatch-arg=--NAME[=VALUE]` pass-through, validated against sbatch's option list.
     sbatch_args: tuple[tuple[str, str | None], ...] = field(default=())
+    # torchrun's console filter (local ranks whose output reaches the job's output file) and
+    # per-rank log files (torchrun --log-dir DIR --tee 3: every rank's stdout/stderr in a file).
+    local_ranks_filter: str | None = None
+    rank_log_dir: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
 
     @property
-    def nproc_per_node(self) -> int:
-        """torchrun's --nproc-per-node: explicit, else one per GPU, else 1."""
+    def nproc_per_node(self) -> int | str:
+        """torchrun's --nproc-per-node: explicit (a number, `gpu`, `auto`), else one per GPU,
+        else 1."""
         if self.procs_per_node is not None:
             return self.procs_per_node
         return self.gpus_per_node or 1
@@ -138,8 +149,20 @@ class SubmitRequest:
             raise LaunchError(f"--nodes must be at least 1, not {self.nodes}")
         if self.gpus_per_node < 0:
             raise LaunchError("--gpus-per-node must be >= 0")
-        if self.procs_per_node is not None and self.procs_per_node < 1:
+        if isinstance(self.procs_per_node, str):
+            if self.procs_per_node not in PROCS_WORDS:
+                raise LaunchError(f"--procs-per-node {self.procs_per_node!r} is not a number, "
+                                  f"{' or '.join(PROCS_WORDS)}")
+            if self.procs_per_node == "gpu" and not self.gpus_per_node:
+                raise LaunchError("--procs-per-node gpu needs GPUs: give --gpus-per-node or "
+                                  "--class (the job asks for none)")
+        elif self.procs_per_node is not None and self.procs_per_node < 1:
             raise LaunchError("--procs-per-node must be at least 1")
+        if self.module and not _MODULE.match(self.script):
+            raise LaunchError(f"-m {self.script!r} is not a module name (e.g. pkg.train)")
+        if self.local_ranks_filter is not None and not _RANK_LIST.match(self.local_ranks_filter):
+            raise LaunchError(f"--local-ranks-filter {self.local_ranks_filter!r} is not a list "
+                              "of local ranks (e.g. 0 or 0,1)")
         if self.max_restarts < 0:
             raise LaunchError("--max-restarts must be >= 0")
         if not self.script:
@@ -153,6 +176,7 @@ class SubmitRequest:
         for name, value in (
             ("script", self.script), ("job name", self.job_name), ("comment", self.comment),
             ("output", self.output), ("chdir", self.chdir),
+            ("rank log dir", self.rank_log_dir),
             *(("argument", a) for a in self.args), *(("torchrun", t) for t in self.torchrun),
         ):
             if value is not None:
@@ -189,8 +213,13 @@ class SubmitRequest:
             raise LaunchError("--spare-nodes must be >= 0")
         if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nodes:
             raise LaunchError(f"--min-nodes must be between 1 and --nodes ({self.nodes})")
-        if self.hang_timeout < 0:
-            raise LaunchError("--hang-timeout must be >= 0 (0: off)")
+        # `not (0 <= x < inf)`: nan fails every comparison, so a plain `x < 0` let it through
+        # to the job, whose supervisor then refused to start (issue 33).
+        if not 0 <= self.hang_timeout < float("inf"):
+            raise LaunchError("--hang-timeout must be >= 0 and finite (0: off)")
+        if not 0 <= self.grow_deadline <= 3600:
+            raise LaunchError("the grow deadline (site.yaml launch.grow_deadline_s) must be "
+                              "between 0 and 3600 s")
         if self.signal_before < 0:
             raise LaunchError("--signal-before must be >= 0 (0: no checkpoint signal)")
         if self.signal_before > 65535:
@@ -272,13 +301,18 @@ class SubmitRequest:
     def torchrun_argv(self) -> list[str]:
         """torchrun's argv as the supervisor receives it; it adds --nnodes and the c10d
         rendezvous flags per step (first node of the step, which may be a spare)."""
-        return [
+        argv = [
             *self.torchrun,
             f"--nproc-per-node={self.nproc_per_node}",
             f"--max-restarts={self.max_restarts}",
-            self.script,
-            *self.args,
         ]
+        if self.local_ranks_filter is not None:
+            argv.append(f"--local-ranks-filter={self.local_ranks_filter}")
+        if self.rank_log_dir is not None:
+            argv += [f"--log-dir={self.rank_log_dir}", "--tee=3"]
+        if self.module:
+            argv.append("-m")
+        return [*argv, self.script, *self.args]
 
     def supervisor_argv(self) -> list[str]:
         """The in-job supervisor (bluevela/launch/supervisor.py) the batch shell execs: it runs
@@ -348,6 +382,19 @@ def signal_margin_problem(signal_before: int, limit_s: int) -> str | None:
             f"{limit_s} s time limit, and Slurm may signal up to {SIGNAL_EARLY_S} s early: "
             f"no work time is sure per attempt; use at most "
             f"{max(0, limit_s - SIGNAL_EARLY_S - MIN_WORK_S)} s or a longer --time")
+
+
+def output_dir_problem(output: str, cwd: str) -> str | None:
+    """Why the job's output file cannot be created (its directory is missing: sbatch does not
+    make it, and the job then fails with no output at all), or None."""
+    parent = os.path.dirname(output)
+    if not parent or "%" in parent:
+        return None
+    where = parent if os.path.isabs(parent) else os.path.join(cwd, parent)
+    if os.path.isdir(where):
+        return None
+    return (f"--output {output}: the directory {parent} does not exist (Slurm does not create "
+            "it, and the job would fail with no output); create it first")
 
 
 def check_sbatch_arg(key: str, value: str | None) -> None:

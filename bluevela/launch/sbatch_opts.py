@@ -33,7 +33,7 @@ MANAGED: dict[str, str] = {
     "nodes": "--nodes / --spare-nodes",
     "ntasks-per-node": "the launch model (one srun task per node)",
     "open-mode": "the launch model (append: every attempt's output is kept)",
-    "output": "site.yaml launch.output",
+    "output": "--output (default: site.yaml launch.output)",
     "partition": "--partition",
     "qos": "--qos",
     "requeue": "--requeue",

@@ -41,7 +41,11 @@ def build_request(
     *,
     nodes: int = 1,
     gpus_per_node: int | None = None,
-    procs_per_node: int | None = None,
+    procs_per_node: int | str | None = None,
+    module: bool = False,
+    output: str | None = None,
+    local_ranks_filter: str | None = None,
+    rank_log_dir: str | None = None,
     partition: str | None = None,
     time_limit: str | None = None,
     job_name: str | None = None,
@@ -84,7 +88,13 @@ def build_request(
     user_env = parse_env(env)
     merged = dict(site_env)
     merged.update(dict(user_env))
-    name = job_name if job_name is not None else Path(script).stem or "bv"
+    if script in ("-m", "--module") and args:  # `bv submit -- -m pkg.train`, torchrun's way
+        module, script, args = True, args[0], tuple(args[1:])
+    if isinstance(procs_per_node, str) and procs_per_node.isdigit():
+        procs_per_node = int(procs_per_node)
+    # a module's job is named after the module (`pkg.train`), a file's after its stem
+    default_name = script if module else Path(script).stem
+    name = job_name if job_name is not None else default_name or "bv"
     if signal_before is None:
         signal_before = launch.signal_before_s if launch else 0
         limit = time_limit_seconds(time_limit) if time_limit else None
@@ -100,6 +110,9 @@ def build_request(
         nodes=nodes,
         gpus_per_node=gpus_per_node,
         procs_per_node=procs_per_node,
+        module=module,
+        local_ranks_filter=local_ranks_filter,
+        rank_log_dir=rank_log_dir,
         partition=partition or (launch.default_partition if launch else None),
         time=time_limit,
         job_name=name,
@@ -111,7 +124,7 @@ def build_request(
         requeue=requeue if requeue is not None else (launch.requeue if launch else True),
         torchrun=tuple(launch.torchrun) if launch else ("torchrun",),
         python=python or (launch.python if launch else "python3"),
-        output=launch.output if launch else "bv-%j.out",
+        output=output or (launch.output if launch else "bv-%j.out"),
         hold=hold,
         signal_before=signal_before,
         spare_nodes=spare_nodes if spare_nodes is not None else (launch.spare_nodes if launch else 0),
