@@ -169,23 +169,38 @@ def remove_step(base: Path, parts: list[str], step: int, rank: int | None = None
     return freed
 
 
-def clear_job(local: Path, job: str, uid: int) -> int:
+def clear_job(local: Path, job: str, uid: int) -> bool:
     """Remove what `job` left under `local` for user `uid` (the epilog, as root): the job's
-    directory, never through a link. Returns the bytes removed (0 when there was nothing)."""
+    directory `bv-<uid>/job-<job>`, opened one component at a time without following a link
+    (the user owns `bv-<uid>`: a symlink planted there is refused, not followed), removed by
+    an fd-based rmtree that follows no link inside it. True when something was removed.
+
+    Raises:
+        OSError, UnsafeValueError: `local` or `bv-<uid>` cannot be opened safely (a link, not
+            a directory, not owned by `uid`).
+    """
+    from bluevela.errors import UnsafeValueError
+
     root = job_root(local, job, uid)
+    base = open_dir(local)
     try:
-        st = os.lstat(root)
-    except FileNotFoundError:
-        return 0
-    if not stat.S_ISDIR(st.st_mode):
-        return 0
-    total = 0
-    for dirpath, _dirs, files in os.walk(root, followlinks=False):
-        for f in files:
+        try:
+            ufd = open_dir(root.parent.name, base)
+        except FileNotFoundError:
+            return False
+        try:
+            if os.fstat(ufd).st_uid != uid:
+                raise UnsafeValueError(f"{local / root.parent.name} is not owned by uid {uid}")
             try:
-                total += os.lstat(os.path.join(dirpath, f)).st_size
-            except OSError:
-                pass
-    # rmtree's own guard (fd-based on Linux) never follows a link inside the tree.
-    shutil.rmtree(root, ignore_errors=True)
-    return total
+                st = os.stat(root.name, dir_fd=ufd, follow_symlinks=False)
+            except FileNotFoundError:
+                return False
+            if not stat.S_ISDIR(st.st_mode):
+                os.unlink(root.name, dir_fd=ufd)  # a link or a file in its place: only that
+                return True
+            shutil.rmtree(root.name, dir_fd=ufd)
+            return True
+        finally:
+            os.close(ufd)
+    finally:
+        os.close(base)

@@ -365,6 +365,10 @@ def epilog(site: Site, hctx: HookContext) -> HookOutcome:
     spooled = _spool(site, hctx, report, drain, telemetry, attempt, extra)
     if events is not None and spooled is not None:  # removed only once they are spooled
         events.remove()
+    if hctx.job_id is not None:  # what the job left on the node-local checkpoint tier
+        from bluevela.ckpt.epilog import clear_for_epilog
+
+        clear_for_epilog(site, hctx.job_id, hctx.node)
     return _finish(state, HookOutcome("epilog", hctx.node, hctx.job_id, report, drain,
                                       spooled=spooled, exit_code=0))
 
