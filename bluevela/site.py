@@ -122,6 +122,15 @@ class Paths:
     metrics: AbsPath = Path("/var/lib/node_exporter/textfile")
 
 
+def _option_names(v: list[str]) -> list[str]:
+    """Long option names without their dashes (`container-image`)."""
+    for name in v:
+        if not re.fullmatch(r"[a-z][a-z0-9-]{0,63}", name):
+            raise ValueError(f"{name!r} is not a long option name without dashes "
+                             "(e.g. container-image)")
+    return v
+
+
 def _python_command(v: str) -> str:
     """A command name or an absolute path, without control characters."""
     plain = not any(ord(c) < 0x20 or ord(c) == 0x7F for c in v)
@@ -161,6 +170,13 @@ class Launch:
     # The job's Python (the batch script's `exec` line; `bv submit --python`): a command on
     # the job's PATH or an absolute path, >= 3.11 with this bluevela (checked at submit).
     python: Annotated[str, _Checked(_python_command)] = "python3"
+    # The node class a job gets when it gives neither --class nor --gpus-per-node (its GPUs
+    # become the job's --gpus-per-node); None: no GPUs unless asked.
+    default_class: str | None = None
+    # sbatch options the site's SPANK plugins add (pyxis: container-image, container-mounts,
+    # ...): `bv submit --sbatch-arg=--container-image=...` accepts them. Names only; one that
+    # bv sets itself or refuses stays refused.
+    spank_options: Annotated[list[str], _Checked(_option_names)] = field(default_factory=list)
 
 
 def _check_names(v: list[str]) -> list[str]:
@@ -534,6 +550,10 @@ class Site:
     checkpoint: Checkpoints = field(default_factory=Checkpoints)
 
     def __post_init__(self) -> None:
+        if self.launch.default_class is not None and \
+                self.launch.default_class not in self.node_classes:
+            raise ValueError(f"launch.default_class {self.launch.default_class!r} is not a "
+                             f"node class (known: {', '.join(sorted(self.node_classes))})")
         seen: dict[str, str] = {}
         for name, cls in self.node_classes.items():
             for host in cls.hostnames:

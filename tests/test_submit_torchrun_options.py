@@ -100,3 +100,59 @@ def test_a_module_job_with_output_and_rank_logs(devcluster: DevCluster, tmp_path
     ranks = sorted(int(m[1]) for f in logs for m in re.finditer(r"^rank=(\d+) ", f.read_text(),
                                                                  re.M))
     assert ranks == [0, 1, 2, 3]
+
+
+def test_a_site_default_class_and_the_no_gpu_note(tmp_path: Path) -> None:
+    """The README's `bv submit -N 2 lightning_train.py` asked for no GPU: site.yaml
+    launch.default_class gives such a job its class's GPUs; on a site where every class has
+    GPUs, a job that still asks for none gets a note."""
+    from bluevela.site_file import parse_site
+
+    text = (REPO / "site.yaml").read_text()
+    with_default = parse_site(text.replace("launch:\n", "launch:\n  default_class: h100\n", 1),
+                              tmp_path / "a.yaml")
+    req = build_request(with_default, "train.py", nodes=2)
+    assert req.gpus_per_node == 8 and req.nproc_per_node == 8
+    assert build_request(with_default, "train.py", gpus_per_node=0).gpus_per_node == 0
+    assert build_request(with_default, "train.py", node_class="cpu").gpus_per_node == 0
+    gpu_only = text[:text.index("  cpu:\n")] + text[text.index("  h100:\n"):]
+    notes: list[str] = []
+    build_request(parse_site(gpu_only, tmp_path / "b.yaml"), "train.py", notes=notes)
+    assert notes == ["the job asks for no GPUs (one process per node): give --class or "
+                     "--gpus-per-node (site.yaml launch.default_class sets a default)"]
+    notes.clear()
+    build_request(SITE, "train.py", notes=notes)  # the dev site has a CPU class: no note
+    assert notes == []
+    from bluevela.errors import SiteConfigError
+
+    with pytest.raises(SiteConfigError, match="launch.default_class 'h200' is not a node class"):
+        parse_site(text.replace("launch:\n", "launch:\n  default_class: h200\n", 1),
+                   tmp_path / "c.yaml")
+
+
+def test_site_declared_spank_options_pass_through(tmp_path: Path) -> None:
+    """pyxis' --container-image was refused as "not an sbatch option"; a site that lists its
+    SPANK plugins' options (launch.spank_options) lets them through --sbatch-arg, quoted for
+    sbatch's parser; an option bv sets itself stays refused even when listed."""
+    from bluevela.site_file import parse_site
+
+    text = (REPO / "site.yaml").read_text().replace(
+        "launch:\n", "launch:\n  spank_options: [container-image, container-mounts, output]\n", 1)
+    site = parse_site(text, tmp_path / "site.yaml")
+    req = build_request(site, "t.py", sbatch_args=(
+        "--container-image=nvcr.io#nvidia/pytorch:24.01-py3",
+        "--container-mounts=/shared:/shared"))
+    lines = req.materialize().splitlines()
+    assert "#SBATCH --container-image='nvcr.io#nvidia/pytorch:24.01-py3'" in lines
+    assert "#SBATCH --container-mounts=/shared:/shared" in lines
+    with pytest.raises(LaunchError, match="bv sets it"):
+        build_request(site, "t.py", sbatch_args=("--output=/etc/x",))
+    with pytest.raises(LaunchError, match="must be listed in site.yaml launch.spank_options"):
+        build_request(SITE, "t.py", sbatch_args=("--container-image=x",))
+    with pytest.raises(LaunchError, match="control character"):
+        build_request(site, "t.py", sbatch_args=("--container-image=x\n#SBATCH --uid=0",))
+    from bluevela.errors import SiteConfigError
+
+    with pytest.raises(SiteConfigError, match="not a long option name"):
+        parse_site(text.replace("[container-image,", "['--container-image',", 1),
+                   tmp_path / "bad.yaml")

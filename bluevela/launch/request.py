@@ -131,6 +131,9 @@ class SubmitRequest:
     # per-rank log files (torchrun --log-dir DIR --tee 3: every rank's stdout/stderr in a file).
     local_ranks_filter: str | None = None
     rank_log_dir: str | None = None
+    # Options the site's SPANK plugins add to sbatch (site.yaml launch.spank_options, e.g.
+    # pyxis' container-image): accepted by `--sbatch-arg` besides sbatch's own.
+    spank_options: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -206,7 +209,7 @@ class SubmitRequest:
         self._validate_resilience()
         self._validate_resources()
         for key, value in self.sbatch_args:
-            check_sbatch_arg(key, value)
+            check_sbatch_arg(key, value, self.spank_options)
 
     def _validate_resilience(self) -> None:
         if self.spare_nodes < 0:
@@ -397,9 +400,10 @@ def output_dir_problem(output: str, cwd: str) -> str | None:
             "it, and the job would fail with no output); create it first")
 
 
-def check_sbatch_arg(key: str, value: str | None) -> None:
-    """Refuse a pass-through option that is not sbatch's, that bv sets itself, or that does not
-    fit a bv job; refuse control characters in its value."""
+def check_sbatch_arg(key: str, value: str | None, spank: tuple[str, ...] = ()) -> None:
+    """Refuse a pass-through option that is not sbatch's (nor one of the site's SPANK plugins'
+    options, `spank`), that bv sets itself, or that does not fit a bv job; refuse control
+    characters in its value."""
     from bluevela.launch.sbatch_opts import MANAGED, PASSTHROUGH, REFUSED
 
     if not _OPT_NAME.match(key):
@@ -408,19 +412,23 @@ def check_sbatch_arg(key: str, value: str | None) -> None:
         raise LaunchError(f"--sbatch-arg --{key}: bv sets it; use {MANAGED[key]}")
     if key in REFUSED:
         raise LaunchError(f"--sbatch-arg --{key}: {REFUSED[key]}")
-    if key not in PASSTHROUGH:
+    if key not in PASSTHROUGH and key not in spank:
+        site = (f"; the site's plugin options: {', '.join(spank)}" if spank else
+                "; a SPANK plugin's option (pyxis' container-image) must be listed in "
+                "site.yaml launch.spank_options")
         raise LaunchError(f"--sbatch-arg --{key}: not an sbatch option; valid: "
-                          f"{', '.join(sorted(PASSTHROUGH))}")
+                          f"{', '.join(sorted(PASSTHROUGH))}{site}")
     if value is not None:
         _plain(f"--sbatch-arg --{key}", value)
 
 
-def parse_sbatch_arg(text: str) -> tuple[str, str | None]:
-    """`--name=value` or `--name` (as given to `--sbatch-arg`) to (name, value), validated."""
+def parse_sbatch_arg(text: str, spank: tuple[str, ...] = ()) -> tuple[str, str | None]:
+    """`--name=value` or `--name` (as given to `--sbatch-arg`) to (name, value), validated
+    (`spank`: the site's SPANK plugin options, allowed too)."""
     _plain("--sbatch-arg", text)
     if not text.startswith("--") or text == "--":
         raise LaunchError(f"--sbatch-arg {text!r}: give a long option, e.g. --sbatch-arg=--nice=10")
     name, sep, value = text[2:].partition("=")
     result = (name, value if sep else None)
-    check_sbatch_arg(*result)
+    check_sbatch_arg(*result, spank)
     return result

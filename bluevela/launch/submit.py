@@ -80,10 +80,19 @@ def build_request(
     site's default that does not fit a short `--time` is dropped, with a line in `notes`.
     """
     launch = site.launch if site else None
+    spank = tuple(launch.spank_options) if launch else ()
     if node_class is not None and site is None:
-        raise LaunchError(f"--class {node_class} needs a site file (--site, $BV_SITE, /etc/bluevela/site.yaml, ./site.yaml)")
+        raise LaunchError(f"--class {node_class} needs a site file (--site, $BV_SITE, "
+                          "/etc/bluevela/site.yaml, ./site.yaml)")
+    if node_class is None and gpus_per_node is None and launch is not None:
+        node_class = launch.default_class
     if gpus_per_node is None:
         gpus_per_node = site.node_class(name=node_class).gpus if (site and node_class) else 0
+    if (not gpus_per_node and site is not None and notes is not None
+            and all(c.gpus for c in site.node_classes.values())):
+        # every node of this site has GPUs: a job that asks for none is almost surely a slip
+        notes.append("the job asks for no GPUs (one process per node): give --class or "
+                     "--gpus-per-node (site.yaml launch.default_class sets a default)")
     site_env = tuple(launch.env.items()) if launch else ()
     user_env = parse_env(env)
     merged = dict(site_env)
@@ -139,7 +148,8 @@ def build_request(
         constraint=constraint,
         exclude=exclude,
         dependency=dependency,
-        sbatch_args=tuple(parse_sbatch_arg(a) for a in sbatch_args),
+        sbatch_args=tuple(parse_sbatch_arg(a, spank) for a in sbatch_args),
+        spank_options=spank,
     )
 
 
