@@ -42,6 +42,23 @@ def _worker_cluster() -> None:
 
 _worker_cluster()
 
+
+def _slurm_release() -> None:
+    """`BV_SLURM=24.11` (tests/run passes it on): the dev cluster runs that built release
+    (slurm/devcluster reads the same variable) and the Slurm commands the tests and bv run in
+    this process come from its prefix, first on PATH: a distribution's client may not speak a
+    newer controller's protocol. Unset or "distro": the distribution's Slurm."""
+    release = os.environ.get("BV_SLURM", "").strip()
+    if release in ("", "distro"):
+        return
+    prefix = Path(os.environ.get("BV_SLURM_ROOT") or "/opt/bluevela-ci") / f"slurm-{release}"
+    dirs = [str(prefix / "bin"), str(prefix / "sbin")]
+    rest = [d for d in os.environ.get("PATH", "").split(":") if d and d not in dirs]
+    os.environ["PATH"] = ":".join([*dirs, *rest])
+
+
+_slurm_release()
+
 # Hostile values: quotes, ;, $(), backticks, newlines, spaces (submitit's weird_tmp_path idea).
 HOSTILE = [
     "it's",
