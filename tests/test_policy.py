@@ -12,11 +12,13 @@ from bluevela.launch.outcome import Loss, StepEnd, StepResult
 from bluevela.launch.policy import (
     GROWTH_OFF,
     NOTHING_TO_GROW_FROM,
+    STOP_RC,
     Action,
     Allocation,
     Exit,
     Grow,
     Grown,
+    JobSignal,
     PolicyOptions,
     Relaunch,
     Requeue,
@@ -40,8 +42,9 @@ def res(kind: StepEnd, cause: str = "x", rc: int = 1, lost: Mapping[str, Loss] |
 
 
 def at(nodes: tuple[str, ...] = N, step: tuple[str, ...] = STEP, launch: int = 1,
-       excluded: Mapping[str, Loss] | None = None, grown: Grown | None = None) -> Allocation:
-    return Allocation(nodes, dict(excluded or {}), step, launch, grown)
+       excluded: Mapping[str, Loss] | None = None, grown: Grown | None = None,
+       signal: JobSignal | None = None) -> Allocation:
+    return Allocation(nodes, dict(excluded or {}), step, launch, grown, signal)
 
 
 CASES: list[tuple[str, StepResult, Allocation, PolicyOptions, Action]] = [
@@ -182,3 +185,37 @@ def test_the_policy_keeps_no_state() -> None:
     result = res(StepEnd.HANG, HANG, hang_node="node2")
     assert next_action(result, alloc, FIXED) == next_action(result, alloc, FIXED)
     assert alloc.excluded == {} and result.lost == {}
+
+
+# -- the job's signal, whenever it came (issue 33): Allocation.signal ---------------------------
+
+SIGNAL_CASES: list[tuple[str, StepResult, Allocation, PolicyOptions, Action]] = [
+    ("a node lost in the checkpoint window is let go of at the requeue",
+     res(StepEnd.SIGNAL, "checkpoint signal", 0, lost={"node2": CLOSED}), at(), FIXED,
+     Requeue("checkpoint signal", ("node2",), {"node2": CLOSED})),
+    ("SIGTERM during a grow (or any time after the step): exit, never requeue",
+     res(StepEnd.LOST, LOST2, lost={"node2": CLOSED}),
+     at(nodes=STEP, grown=Grown(why="the job is ending (SIGTERM): grow stopped"),
+        signal=JobSignal.STOP), GROWS,
+     Exit(STOP_RC, f"{LOST2}; SIGTERM from Slurm while the step ended: the job ends here (not "
+          "relaunched, not requeued by bv)")),
+    ("SIGTERM after a hang: exit, not a relaunch in place",
+     res(StepEnd.HANG, HANG, hang_node="node2"), at(signal=JobSignal.STOP), FIXED,
+     Exit(STOP_RC, f"{HANG}; SIGTERM from Slurm while the step ended: the job ends here (not "
+          "relaunched, not requeued by bv)")),
+    ("SIGUSR1 while the step ended: requeue (letting go of the lost node), not a relaunch",
+     res(StepEnd.LOST, LOST2, lost={"node2": CLOSED}), at(signal=JobSignal.CHECKPOINT), FIXED,
+     Requeue(f"{LOST2}; the checkpoint signal came while the step ended: requeued by bv",
+             ("node2",), {"node2": CLOSED})),
+    ("a finished step is never requeued, whatever signal followed",
+     res(StepEnd.OK, "exit 0", 0), at(signal=JobSignal.CHECKPOINT), FIXED, Exit(0, "exit 0")),
+    ("a rank failure keeps its status after SIGTERM",
+     res(StepEnd.FAILED, "exit 3", 3), at(signal=JobSignal.STOP), FIXED, Exit(3, "exit 3")),
+]
+
+
+@pytest.mark.parametrize(("result", "alloc", "opts", "want"), [c[1:] for c in SIGNAL_CASES],
+                         ids=[c[0] for c in SIGNAL_CASES])
+def test_next_action_after_a_signal(result: StepResult, alloc: Allocation,
+                                    opts: PolicyOptions, want: Action) -> None:
+    assert next_action(result, alloc, opts) == want

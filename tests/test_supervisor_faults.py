@@ -103,7 +103,9 @@ def test_a_missing_torchrun_is_the_steps_failure(tmp_path: Path, jobs: list[Job]
     rc = job.wait(30)
     out, err = job.stdout(), job.stderr()
     assert rc == 127, f"rc {rc}: {out}{err}"
-    assert out.count("==== bv attempt") == 2, out  # one banner, one end line
+    # one banner, one end line, and the attempt's typed record (what came next: the exit)
+    assert out.count("==== bv attempt") == 3, out
+    assert '==== bv attempt 1 record: {"next":"exit",' in out, out
     (last,) = job.end_lines()
     assert "exit 127" in last and "no-such-torchrun" in last, last
     assert "No such file or directory" in last and "no relaunch" in last, last

@@ -48,7 +48,14 @@ import time
 from collections.abc import Mapping, Sequence
 
 from bluevela.launch.events_copy import CopyWriter
-from bluevela.launch.proctree import catches, kill_group, kill_tree, signal_pid, worker_pids
+from bluevela.launch.proctree import (
+    catches,
+    kill_group,
+    kill_tree,
+    signal_pid,
+    wait_killed,
+    worker_pids,
+)
 from bluevela.launch.rdzv_guard import GuardUnavailable, torchrun_start
 from bluevela.launch.usr1_wait import USR1_WAIT_ENV, explicit_wait, handler_wait, request_left
 from bluevela.protocol.channel import Channel, ChannelError, read_challenge
@@ -207,6 +214,11 @@ class Aggregator:
         # once, and kept for that send even when the rank's process is already gone (it
         # tells the supervisor whether a late checkpoint signal is a reason to requeue).
         self.news: set[int] = set()
+        # (rank, pid) of ranks whose process went away before their training ended: torchrun
+        # restarted them (--max-restarts). The supervisor is told (a `gone` line) so that its
+        # hang watchdog forgets their last beat: a restart and a checkpoint load longer than
+        # the hang timeout is not a hang (issue 33).
+        self.restarted: set[tuple[int, int]] = set()
         self.send_error = ""  # the first failed send's reason (said once on stderr)
 
     def addr(self) -> str:
@@ -253,7 +265,9 @@ class Aggregator:
                    for b, at in (self.ranks[r] for r in sorted(self.ranks))
                    if b.rank not in gone or b.rank in self.news]
         for rank in gone:
-            del self.ranks[rank]
+            beat = self.ranks.pop(rank)[0]
+            if not beat.finished:
+                self.restarted.add((rank, beat.pid))
         self.news.clear()
         out = []
         for i in range(0, len(entries), AGG_MAX_RANKS):
@@ -376,6 +390,9 @@ class Agent:
             if self.beats.ranks and (self.beats.news
                                      or now - self.beats.last_sent >= self.beat_every):
                 self.beats.send(now)
+            if self.beats.restarted:
+                self.chan.send({"t": "gone", "ranks": sorted(map(list, self.beats.restarted))})
+                self.beats.restarted.clear()
         self.chan.flush()  # lines a slow reader left pending: whole lines only (Channel.send)
         if self.chan.broken is not None:
             _log(f"agent on {safe_name(self.node)}: the channel to the supervisor broke "
@@ -534,7 +551,7 @@ class Agent:
         self.copy.gone()
         if self.proc is not None:
             kill_tree(self.proc)
-            self.proc.wait()
+            wait_killed(self.proc)  # bounded: a torchrun stuck in the kernel is Slurm's
         self.code = 1
         self.phase = Phase.DONE
 

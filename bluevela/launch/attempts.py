@@ -13,6 +13,7 @@ attempt 1. Pure functions over text: no Slurm, no files.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -23,11 +24,17 @@ BANNER = re.compile(
     re.M,
 )
 END = re.compile(r"^==== bv attempt (?P<n>\d+) ended: (?P<cause>.*) ====$", re.M)
+# What came after an attempt, typed (issue 33): `bv status` reads these fields, never the
+# end line's words. Written by the supervisor after the end line (`record_line`).
+RECORD = re.compile(r"^==== bv attempt (?P<n>\d+) record: (?P<json>\{.*\}) ====$", re.M)
+NEXT_KINDS = ("exit", "relaunch", "requeue")  # the job ended here / a step in this allocation
+# / bv asked Slurm to requeue it
 # The same without `^`: a pattern that starts with its literal lets `re` skip to each
 # "==== bv attempt " at C speed (8x faster on a 20 MB output of 8,192 ranks, docs/scale.md);
 # `_lines` keeps the matches that start a line.
 _BANNER_ANY = re.compile(BANNER.pattern[1:], re.M)
 _END_ANY = re.compile(END.pattern[1:], re.M)
+_RECORD_ANY = re.compile(RECORD.pattern[1:], re.M)
 
 
 def _lines(pattern: re.Pattern[str], text: str) -> list[re.Match[str]]:
@@ -62,6 +69,37 @@ def banner(attempt: int, job: str, nodes: Sequence[str], previous: str) -> str:
 
 def end_line(attempt: int, cause: str) -> str:
     return f"{PREFIX}{attempt} ended: {one_line(cause)} ===="
+
+
+def record_line(attempt: int, nxt: str, grown: Sequence[str] = (),
+                grow_s: float | None = None) -> str:
+    """The attempt's typed record: what came next (`NEXT_KINDS`), and the node(s) grown for
+    the next attempt with the seconds the grow took."""
+    if nxt not in NEXT_KINDS:
+        raise ValueError(f"next must be one of {', '.join(NEXT_KINDS)}, not {nxt!r}")
+    rec = {"next": nxt, "grown": compress(grown) if grown else None,
+           "grow_s": round(grow_s, 1) if grown and grow_s is not None else None}
+    return f"{PREFIX}{attempt} record: {json.dumps(rec, separators=(',', ':'))} ===="
+
+
+def parse_record(text: str) -> dict[str, object] | None:
+    """The fields of a record line's JSON when they are well formed, else None (an old output
+    without records, or a line that is not bv's: then the end line's words are read)."""
+    try:
+        rec = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(rec, dict) or rec.get("next") not in NEXT_KINDS:
+        return None
+    grown, grow_s = rec.get("grown"), rec.get("grow_s")
+    if not (grown is None or (isinstance(grown, str) and grown)):
+        return None
+    if grown is None:
+        grow_s = None
+    elif isinstance(grow_s, bool) or not isinstance(grow_s, (int, float)) or grow_s < 0:
+        return None
+    return {"next": rec["next"], "grown": grown,
+            "grow_s": float(grow_s) if grow_s is not None else None}
 
 
 @dataclass(frozen=True)
@@ -143,15 +181,31 @@ GROWN = re.compile(r"\(grown (?P<node>\S+) in (?P<s>\d+(?:\.\d+)?) s, same job, 
 REQUEUED = re.compile(r"requeued by bv|requeued by Slurm")
 
 
+def _record(chunk: str) -> dict[str, object] | None:
+    found = _lines(_RECORD_ANY, chunk)
+    return parse_record(found[-1].group("json")) if found else None
+
+
 def bv_attempts(text: str) -> list[dict[str, object]]:
     """Each bv attempt of the output (banners: Slurm restarts AND relaunches inside the
     allocation) as plain data for `bv status`: its nodes, why it ended, whether the next one
     came through a Slurm requeue, and the node grown for the next one with the time the grow
-    took (issue 19)."""
+    took (issue 19). From the attempt's typed record (`record_line`); an attempt without one
+    (an output of an older bv, or a supervisor that died) is read from its end line's words."""
     out: list[dict[str, object]] = []
     causes = attempt_causes(text)
-    for part in split_attempts(text):
+    parts = split_attempts(text)
+    for part in parts:
         cause = causes.get(part.attempt, "")
+        rec = _record(part.text)
+        if rec is not None:
+            # After an exit, a later attempt can only be Slurm's own restart of the job.
+            later = part.attempt < len(parts)
+            out.append({"attempt": part.attempt, "nodes": part.nodes, "ended": cause,
+                        "slurm_requeue": rec["next"] == "requeue"
+                        or (rec["next"] == "exit" and later),
+                        "grown": rec["grown"], "grow_s": rec["grow_s"]})
+            continue
         grown = GROWN.search(cause)
         out.append({"attempt": part.attempt, "nodes": part.nodes, "ended": cause,
                     "slurm_requeue": bool(REQUEUED.search(cause)),

@@ -4,7 +4,7 @@
 job holds (`Allocation`) and what it allows (`PolicyOptions`), and answers one of
 
 - `Exit`: the job ends here with this status (it finished, a rank failed on nodes that all
-  answered, or Slurm is ending it);
+  answered, or Slurm is ending it: SIGTERM, whenever it came, `Allocation.signal`);
 - `Requeue`: through Slurm, after letting go of lost nodes (the checkpoint signal; nothing
   left in this allocation to run on; too many relaunches);
 - `Relaunch`: a new step in this allocation (in place after a hang, on a spare, on fewer
@@ -19,6 +19,7 @@ No sockets, no processes, no Slurm: the supervisor does what the answer says
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +28,16 @@ from bluevela.launch.outcome import Loss, StepEnd, StepResult
 
 GROWTH_OFF = "job growth is off in site.yaml (launch.grow_deadline_s: 0)"
 NOTHING_TO_GROW_FROM = "no node of the job is left to grow from"
+
+
+class JobSignal(enum.Enum):
+    """A signal the job got, as the policy reads it (the supervisor maps the numbers)."""
+
+    CHECKPOINT = "checkpoint"  # SIGUSR1: Slurm's --signal before the time limit, or an operator
+    STOP = "stop"  # SIGTERM/SIGINT: Slurm is ending the job (scancel, requeue, preemption)
+
+
+STOP_RC = 143  # 128 + SIGTERM: the job's status when Slurm's SIGTERM ends it
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,10 @@ class Allocation:
     step: tuple[str, ...]  # the nodes of the step that ended
     launch: int  # launches so far in this allocation, this one included (1-based)
     grown: Grown | None = None  # the outcome of the grow a `Grow` answer asked for
+    # The job's signal so far (`step.Signals.seen`), whenever it came (in the step, during
+    # a grow, between steps): SIGTERM ends the job, SIGUSR1 (the checkpoint signal) requeues
+    # it; neither relaunches nor grows.
+    signal: JobSignal | None = None
 
 
 @dataclass(frozen=True)
@@ -117,8 +132,22 @@ def next_action(result: StepResult, alloc: Allocation, opts: PolicyOptions) -> A
         return Exit(result.rc or 1, result.cause)
     if result.kind is StepEnd.TERMINATED:
         return Exit(result.rc, result.cause)
+    lost = tuple(sorted(result.lost))
+    released = alloc.grown.released if alloc.grown is not None else ()
+    if alloc.signal is JobSignal.STOP:
+        # Slurm is ending the job (scancel, its own requeue, preemption): never requeue or
+        # relaunch it; the lost nodes are named in the goodput end.
+        return Exit(STOP_RC, f"{result.cause}; SIGTERM from Slurm while the "
+                    "step ended: the job ends here (not relaunched, not requeued by bv)")
     if result.kind is StepEnd.SIGNAL:
-        return Requeue(result.cause)
+        # Nodes lost in the checkpoint window are let go of first: else the requeued job
+        # waits in COMPLETING for SlurmdTimeout.
+        return Requeue(result.cause, tuple(n for n in lost if n not in released),
+                       dict(result.lost))
+    if alloc.signal is JobSignal.CHECKPOINT:
+        return Requeue(f"{result.cause}; the checkpoint signal came while the step ended: "
+                       "requeued by bv", tuple(n for n in lost if n not in released),
+                       dict(result.lost))
     if result.kind is StepEnd.HANG and not result.lost:
         return _after_hang(result, alloc, opts)
     return _after_loss(result, alloc, opts)

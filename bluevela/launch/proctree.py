@@ -8,10 +8,18 @@ only (``/proc/PID/stat``, ``/proc/PID/environ``, ``/proc/PID/status``); standard
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import subprocess
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# After SIGKILL, how long to wait for a process to be gone. One stuck in the kernel (D state:
+# a hung NFS or GPU driver call) may never go: it is left to Slurm's own kill (proctrack,
+# UnkillableStepTimeout) rather than hold the agent or the supervisor forever.
+KILLED_WAIT_S = 10.0
 
 
 def _children(pid: int) -> list[int]:
@@ -75,10 +83,11 @@ def worker_pids(torchrun_pid: int) -> list[int]:
 
 
 def signal_pid(pid: int, sig: int) -> bool:
-    """Send `sig` to `pid`; False when it is already gone."""
+    """Send `sig` to `pid`; False when it is already gone, or is no longer ours (EPERM: the
+    pid was reused by another user's process since it was read)."""
     try:
         os.kill(pid, sig)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         return False
     return True
 
@@ -103,9 +112,21 @@ def kill_tree(proc: subprocess.Popen[bytes]) -> None:
 
 
 def reap(proc: subprocess.Popen[bytes], wait_s: float) -> None:
-    """Wait up to `wait_s` for `proc` to end, then SIGKILL it and wait."""
+    """Wait up to `wait_s` for `proc` to end, then SIGKILL it and wait (`wait_killed`)."""
     try:
         proc.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()
+        wait_killed(proc)
+
+
+def wait_killed(proc: subprocess.Popen[bytes], wait_s: float = KILLED_WAIT_S) -> bool:
+    """Wait up to `wait_s` for a process sent SIGKILL; False (and a warning) when it is still
+    there: stuck in the kernel, it is left to Slurm rather than waited for without end."""
+    try:
+        proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        logger.warning("pid %d still there %.0f s after SIGKILL (stuck in the kernel?): "
+                       "left to Slurm", proc.pid, wait_s)
+        return False
+    return True

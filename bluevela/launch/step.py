@@ -23,6 +23,7 @@ never the supervisor. Standard library only.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import secrets
@@ -32,14 +33,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from bluevela.launch.events import failure_time
 from bluevela.launch.events_copy import keeper_of
 from bluevela.launch.events_log import EventLog
 from bluevela.launch.outcome import Loss, StepEnd, StepResult, lost_text
-from bluevela.launch.proctree import reap
+from bluevela.launch.proctree import reap, wait_killed
 from bluevela.launch.usr1_wait import USR1_UNCAUGHT_S, USR1_WAIT_MAX_S, LimitClock, usr1_request
 from bluevela.launch.watchdog import Hang, RankBeat, find_hang
 from bluevela.protocol.channel import Channel, ChannelError, challenge_line
@@ -68,6 +70,7 @@ DEADLINE_CHECK_S = 0.1  # the look over every node's last ping and pending hello
 MAX_DROP_LOGS = 3  # per step; the rest are counted
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 INF = float("inf")
+E = TypeVar("E", bound=enum.Enum)
 
 
 _AGG_HEAD = AGG_MAGIC.encode() + b" "
@@ -132,16 +135,28 @@ class Signals:
         for fd in (self.wake_r, self.wake_w):
             os.close(fd)
 
+    def take(self) -> list[int]:
+        """The signals that came since the last look, each taken into `seen`: the one way a
+        signal reaches a decision, whatever the supervisor is doing (a step's pump, a grow,
+        a requeue's wait)."""
+        sigs = self.drain()
+        for sig in sigs:
+            self.note(sig)
+        return sigs
+
+    def stopping(self) -> bool:
+        """SIGTERM (or SIGINT) seen: Slurm is ending the job."""
+        return self.seen == signal.SIGTERM
+
     def wait_stop(self, seconds: float) -> bool:
-        """Wait `seconds`; True as soon as SIGTERM (or SIGINT) arrives."""
+        """Wait `seconds`; True as soon as SIGTERM (or SIGINT) arrives (or had arrived)."""
         end = time.monotonic() + seconds
         with selectors.DefaultSelector() as wait:
             wait.register(self.wake_r, selectors.EVENT_READ)
-            while (left := end - time.monotonic()) > 0:
+            while not self.stopping() and (left := end - time.monotonic()) > 0:
                 wait.select(left)
-                if any(sig in STOP_SIGNALS for sig in self.drain()):
-                    return True
-        return False
+                self.take()
+        return self.stopping()
 
 
 class Endpoints:
@@ -151,19 +166,31 @@ class Endpoints:
     def __init__(self, alloc: Sequence[str], host: str, signals: Signals) -> None:
         addr = bind_address(alloc, host)
         self.advertised = "127.0.0.1" if addr == "127.0.0.1" else host
-        self.listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listen.bind((addr, 0))
-        # Every agent of the allocation connects at once at a step's start: a backlog of them
-        # all (the kernel caps it at net.core.somaxconn), else the rest wait out SYN retries.
-        self.listen.listen(max(256, 2 * len(alloc)))
-        self.listen.setblocking(False)
-        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        # A save of all ranks is 8 x nodes checkpoint datagrams within milliseconds: a receive
-        # buffer for them (the kernel caps it at net.core.rmem_max; docs/scale.md).
-        self.udp.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UDP_RCVBUF)
-        self.udp.bind((addr, 0))
-        self.udp.setblocking(False)
+        # Bound in order; whatever was opened is closed again when a later bind fails (a
+        # supervisor that cannot start must not leave a listening port behind).
+        opened: list[socket.socket] = []
+        try:
+            listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            opened.append(listen)
+            listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listen.bind((addr, 0))
+            # Every agent of the allocation connects at once at a step's start: a backlog of
+            # them all (the kernel caps it at net.core.somaxconn), else the rest wait out SYN
+            # retries.
+            listen.listen(max(256, 2 * len(alloc)))
+            listen.setblocking(False)
+            udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            opened.append(udp)
+            # A save of all ranks is 8 x nodes checkpoint datagrams within milliseconds: a
+            # receive buffer for them (the kernel caps it at net.core.rmem_max; docs/scale.md).
+            udp.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UDP_RCVBUF)
+            udp.bind((addr, 0))
+            udp.setblocking(False)
+        except OSError:
+            for sock in opened:
+                sock.close()
+            raise
+        self.listen, self.udp = listen, udp
         # selectors (epoll): no FD_SETSIZE limit, whatever the number of connections.
         self.sel = selectors.DefaultSelector()
         for fileobj in (self.listen, self.udp, signals.wake_r):
@@ -201,6 +228,7 @@ class Conn:
         self.waited = USR1_UNCAUGHT_S  # how long the agent held the signal for them
         self.why = ""  # the agent's own reason with a failed exit (e.g. no torchrun)
         self.go_sent = False
+        self.aborted = False  # told to abort: no go follows
         self.closed = False
 
     def send(self, msg: dict[str, object]) -> None:
@@ -253,6 +281,8 @@ class StepState:
     seqs: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, pid) -> last seq
     agg_seqs: dict[tuple[int, int], int] = field(default_factory=dict)  # (node #, pid) -> seq
     refused_aggs: int = 0  # aggregates refused (unsigned, stale, replayed, wrong node or rank)
+    gone: set[tuple[int, int]] = field(default_factory=set)  # (rank, pid) restarted: refused
+    restarts_logged: int = 0
     lost: dict[str, Loss] = field(default_factory=dict)
     first_failure: tuple[str, int] | None = None  # (node, rc) of the first non-zero exit
     failure_why: str = ""  # what the first failed node's agent said about it, if anything
@@ -304,8 +334,53 @@ class StepState:
         self.progress[rank] = INF if beat.finished else beat.last_progress
 
 
+class StepPhase(enum.Enum):
+    """Where a step is. A phase changes only as `STEP_TRANSITIONS` allows (`Step._to`)."""
+
+    STARTING = "starting"  # srun started; some node's agent has not said hello yet
+    RUNNING = "running"  # every node's agent said hello and was told to go
+    SIGNALLED = "signalled"  # SIGUSR1/SIGTERM: workers asked to checkpoint; waits for the end
+    ENDING = "ending"  # aborted (a lost node, a failed rank, a hang): waits for the answers
+    DONE = "done"  # `Step.result` says how it ended
+
+
+STEP_TRANSITIONS: dict[StepPhase, frozenset[StepPhase]] = {
+    StepPhase.STARTING: frozenset({StepPhase.RUNNING, StepPhase.SIGNALLED, StepPhase.ENDING,
+                                   StepPhase.DONE}),
+    StepPhase.RUNNING: frozenset({StepPhase.SIGNALLED, StepPhase.ENDING, StepPhase.DONE}),
+    StepPhase.SIGNALLED: frozenset({StepPhase.DONE}),
+    StepPhase.ENDING: frozenset({StepPhase.DONE}),
+    StepPhase.DONE: frozenset(),
+}
+
+# What an agent's hello is answered with in each phase: told to start torchrun (`go`, once
+# the rendezvous port is known; in SIGNALLED followed by the checkpoint request), or told to
+# stop at once (`abort`: the step is ending; a torchrun started now would be killed at the
+# deadline as a node that did not answer). A hello in DONE is never read (the step is closed).
+HELLO_ANSWER: dict[StepPhase, str] = {
+    StepPhase.STARTING: "go",
+    StepPhase.RUNNING: "go",
+    StepPhase.SIGNALLED: "go",
+    StepPhase.ENDING: "abort",
+}
+
+
+class TransitionError(RuntimeError):
+    """A phase change its table does not allow: a bug of the supervisor, never the job's."""
+
+
+def check_transition(table: Mapping[E, frozenset[E]], old: E, new: E) -> None:
+    """Raise TransitionError unless `table` lets `old` become `new`."""
+    if new not in table[old]:
+        raise TransitionError(f"{old.name} -> {new.name} is not a transition of this table")
+
+
 class Step:
-    """One srun step, from its start to how it ended."""
+    """One srun step, from its start to how it ended: a state machine over `StepPhase`.
+
+    `pump()` does the I/O and hands each event to its handler (`on_message`, `on_closed`,
+    `on_signal`); `advance(now)` moves the phase on. Both read the clock only through the
+    `now` they are given: a test drives them with scripted events (tests/step_script.py)."""
 
     def __init__(self, st: StepState, srun: subprocess.Popen[bytes], ends: Endpoints,
                  signals: Signals, events: EventLog, host: str, cfg: StepConfig,
@@ -322,43 +397,204 @@ class Step:
         self.backlog = False  # the last turn left datagrams unread (its cap): no wait
         self.hang_checked = 0.0
         self.deadlines_checked = 0.0
+        self.phase = StepPhase.STARTING
+        self.result: StepResult | None = None  # set on DONE
+        # ENDING: the abort's deadline, the hang that caused it, and when the failure happened
+        self.end_deadline = INF
+        self.hang: Hang | None = None
+        self.failed_at: float | None = None
+        self.detected_at: float | None = None
+        if signals.seen is not None:  # a signal came before this step (between two steps)
+            self._to(StepPhase.SIGNALLED)
+
+    def _to(self, phase: StepPhase) -> None:
+        check_transition(STEP_TRANSITIONS, self.phase, phase)
+        self.phase = phase
 
     def run(self) -> StepResult:
         try:
-            while True:
+            while self.result is None:
                 self.pump()
-                result = self._verdict(time.monotonic())
-                if result is not None:
-                    return result
+                self.advance(time.monotonic())
+            return self.result
         finally:
             self._close_all()
 
-    def _verdict(self, now: float) -> StepResult | None:
-        """How the step ended, or None while it runs."""
+    def _done(self, result: StepResult) -> None:
+        self._to(StepPhase.DONE)
+        self.result = result
+
+    def advance(self, now: float) -> None:
+        """Move the phase on at `now` (after a pump): the step's end once it is known."""
+        if self.phase is StepPhase.SIGNALLED:
+            self._advance_signalled(now)
+        elif self.phase is StepPhase.ENDING:
+            self._advance_ending(now)
+        elif self.phase is not StepPhase.DONE:
+            self._advance_running(now)
+
+    def _settled(self, now: float) -> bool:
         st = self.st
-        settled = st.srun_exit_at is not None and now - st.srun_exit_at >= self.cfg.settle_s
-        if self.signals.seen is not None:
-            # Checkpoint requested: wait for the step to end (Slurm's time limit and KillWait
-            # bound this).
-            return self._after_signal() if settled or st.all_accounted() else None
+        return st.srun_exit_at is not None and now - st.srun_exit_at >= self.cfg.settle_s
+
+    def _advance_signalled(self, now: float) -> None:
+        # Checkpoint requested: wait for the step to end (Slurm's time limit and KillWait bound
+        # this). A node lost meanwhile is not waited for, and goes into the result.
+        st = self.st
+        if st.lost:
+            # An agent still waiting for `go` has no worker to checkpoint, and once a node is
+            # lost (the rendezvous node above all) it may never get one: told to stop now, it
+            # answers at once instead of holding the step until Slurm's kill.
+            for conn in st.agents.values():
+                if not conn.go_sent and not conn.aborted and not conn.closed \
+                        and conn.exit_rc is None:
+                    self._abort(conn)
+        if self._settled(now) or st.all_accounted():
+            self._done(self._after_signal(now))
+
+    def _advance_running(self, now: float) -> None:
+        """STARTING or RUNNING."""
+        st = self.st
         if st.lost or st.first_failure is not None:
-            return self.end(None)
+            self.begin_end(now, None)
+            return
         if st.all_accounted():
             reap(self.srun, 10.0)
-            return StepResult(StepEnd.OK, 0, "exit 0")
-        if settled:
+            self._done(StepResult(StepEnd.OK, 0, "exit 0"))
+            return
+        if self._settled(now):
             if st.srun_rc == 0 and not st.by_node():
-                return StepResult(StepEnd.OK, 0, "exit 0")
-            return StepResult(StepEnd.FAILED, st.srun_rc or 1,
-                              f"srun exited {st.srun_rc} before every node agent reported")
+                self._done(StepResult(StepEnd.OK, 0, "exit 0"))
+            else:
+                self._done(StepResult(StepEnd.FAILED, st.srun_rc or 1,
+                                      f"srun exited {st.srun_rc} before every node agent "
+                                      "reported"))
+            return
         if now - self.hang_checked < HANG_CHECK_S:
-            return None
+            return
         self.hang_checked = now
         # Most looks end here: the oldest progress of a watched rank, over plain floats in C.
         if now - min(st.progress.values(), default=now) < self.cfg.hang_timeout:
-            return None
+            return
         hang = find_hang(st.beats, now, self.cfg.hang_timeout)
-        return self.end(hang) if hang is not None else None
+        if hang is not None:
+            self.begin_end(now, hang)
+
+    # -- events ----------------------------------------------------------------------------
+    def on_signal(self, sig: int, now: float) -> None:
+        """SIGUSR1/SIGTERM/SIGINT. STARTING or RUNNING: every agent is asked to checkpoint
+        (SIGNALLED). ENDING: only noted (the step is aborted; the supervisor's decision reads
+        `Signals.seen`). SIGNALLED: noted (a SIGTERM after SIGUSR1 makes the end TERMINATED)."""
+        first = self.signals.note(sig)
+        if self.signals.seen is None:
+            return  # not a signal of ours
+        if first:
+            self.events.signal(now)
+        if self.phase not in (StepPhase.STARTING, StepPhase.RUNNING):
+            return
+        self._to(StepPhase.SIGNALLED)
+        request = self._usr1_request()
+        near = (f" (the time limit in {request['left_s']} s)" if "left_s" in request else "")
+        log(f"{signal.Signals(sig).name} received: asking every worker to checkpoint{near}")
+        for conn in self.st.conns:
+            if not conn.closed and conn.node is not None:
+                conn.send(request)
+
+    def on_message(self, conn: Conn, msg: dict[str, object], now: float) -> str | None:
+        """Act on one signed message; a reason to drop the connection, or None."""
+        del now  # the connection's last_seen is set by its read
+        st = self.st
+        if conn.node is None:
+            return self._on_hello(conn, msg)
+        if msg.get("t") == "gone":
+            self._forget(conn.node, msg.get("ranks"))
+        elif msg.get("t") == "exit":
+            conn.took_exit(msg)
+            # A non-zero exit is the step's failure unless the step was already ending (then
+            # it is the answer to the abort).
+            if (conn.exit_rc not in (None, 0) and st.first_failure is None
+                    and self.phase in (StepPhase.STARTING, StepPhase.RUNNING)):
+                st.first_failure = (conn.node, conn.exit_rc or 1)
+                st.failure_why = conn.why
+        return None
+
+    def on_closed(self, conn: Conn) -> None:
+        """The agent's connection closed (EOF): a node of the step that did not report its
+        exit is lost, in any phase; a connection without a hello is forgotten."""
+        self._close(conn)
+        if conn.node is None:
+            self.st.conns.remove(conn)
+        elif conn.exit_rc is None:
+            self.st.lost.setdefault(conn.node, Loss.closed())
+
+    def _forget(self, node: str, ranks: object) -> None:
+        """A node's agent says these ranks' processes went away before their training ended
+        (torchrun restarted its workers): the hang watchdog forgets their last beats, as at
+        the step's start it has none, until the new processes beat. Only the node's own ranks,
+        only while the step runs; their old processes' beats are refused from now on."""
+        st = self.st
+        if self.phase not in (StepPhase.STARTING, StepPhase.RUNNING) or not isinstance(
+                ranks, list):
+            return
+        forgot = []
+        for item in ranks[:st.per_node()]:
+            if not (isinstance(item, list) and len(item) == 2
+                    and all(type(x) is int and x >= 0 for x in item)):
+                continue
+            rank, pid = item
+            beat = st.beats.get(rank)
+            if beat is None or beat.node != node or beat.finished:
+                continue
+            if len(st.gone) >= 4 * st.max_ranks:
+                st.gone.clear()  # a bound; an old process's late beat is then only a beat
+            st.gone.add((rank, pid))
+            del st.beats[rank]
+            st.progress.pop(rank, None)
+            forgot.append(rank)
+        if forgot and st.restarts_logged < MAX_DROP_LOGS:
+            st.restarts_logged += 1
+            log(f"rank(s) {','.join(map(str, forgot))} on {node} restarted: the hang watchdog "
+                "waits for their first beat again")
+
+    # -- the end ---------------------------------------------------------------------------
+    def begin_end(self, now: float, hang: Hang | None) -> None:
+        """ENDING: agents kill their torchrun. Every connected agent must answer by the
+        deadline or is lost; a node whose agent has not connected yet is told `abort` at its
+        hello and is lost only past --connect-timeout (never for its slowness alone)."""
+        st = self.st
+        self._to(StepPhase.ENDING)
+        self.hang = hang
+        self.detected_at = now
+        self.failed_at = failure_time(st.lost, {c.node: c.last_seen for c in st.conns if c.node},
+                                      st.started, now,
+                                      hang.beat.last_progress if hang is not None else None)
+        for conn in st.conns:
+            if not conn.closed and conn.node is not None and conn.exit_rc is None:
+                self._abort(conn)
+        self.end_deadline = now + self.cfg.node_timeout + self.cfg.abort_grace_s
+
+    def _abort(self, conn: Conn) -> None:
+        conn.aborted = True
+        conn.send({"t": "abort"})
+
+    def _awaited(self) -> list[str]:
+        """ENDING: the nodes whose agent was told to abort and has neither answered nor is
+        lost."""
+        st = self.st
+        return [n for n, c in st.agents.items() if n not in st.lost and c.exit_rc is None]
+
+    def _advance_ending(self, now: float) -> None:
+        st = self.st
+        awaited = self._awaited()
+        if awaited and now < self.end_deadline:
+            return
+        for node in awaited:
+            st.lost[node] = Loss.no_abort_answer()
+        reap(self.srun, 0.5)
+        hang = self.hang
+        kind, rc, cause = self._ended_how(hang)
+        self._done(StepResult(kind, rc, cause, dict(st.lost), hang.beat.node if hang else None,
+                              self.failed_at, self.detected_at, hang.rank if hang else None))
 
     def _close_all(self) -> None:
         if self.st.dropped > MAX_DROP_LOGS:
@@ -367,7 +603,7 @@ class Step:
             self._close(conn)
         if self.srun.poll() is None:
             self.srun.kill()
-            self.srun.wait()
+            wait_killed(self.srun)
 
     # -- the pump --------------------------------------------------------------------------
     def pump(self) -> None:
@@ -380,7 +616,7 @@ class Step:
             time.sleep(max(0.0, self.last_turn + turn - time.monotonic()))
         now = self.last_turn = time.monotonic()
         for sig in self.signals.drain():
-            self._on_signal(sig)
+            self.on_signal(sig, now)
         if self.ends.udp in ready:
             self._read_beats(now)
         # Reads before accepts: hellos already sent are taken before new connections can push
@@ -418,39 +654,19 @@ class Step:
                 st.lost[node] = Loss.silent(now - agent.last_seen)
 
     def _read_agent(self, conn: Conn, now: float) -> None:
-        st = self.st
         try:
             msgs = conn.read(now)
         except ChannelError as exc:
             self._drop(conn, str(exc))
             return
         if msgs is None:
-            self._close(conn)
-            if conn.node is None:
-                st.conns.remove(conn)
-            elif conn.exit_rc is None:
-                st.lost.setdefault(conn.node, Loss.closed())
+            self.on_closed(conn)
             return
         for msg in msgs:
-            why = self._on_msg(conn, msg)
+            why = self.on_message(conn, msg, now)
             if why is not None:
                 self._drop(conn, why)
                 return
-            if (msg.get("t") == "exit" and conn.exit_rc not in (None, 0)
-                    and st.first_failure is None and conn.node is not None):
-                st.first_failure = (conn.node, conn.exit_rc or 1)
-                st.failure_why = conn.why
-
-    def _on_signal(self, sig: int) -> None:
-        if not self.signals.note(sig):
-            return
-        self.events.signal(time.monotonic())
-        request = self._usr1_request()
-        near = (f" (the time limit in {request['left_s']} s)" if "left_s" in request else "")
-        log(f"{signal.Signals(sig).name} received: asking every worker to checkpoint{near}")
-        for conn in self.st.conns:
-            if not conn.closed and conn.node is not None:
-                conn.send(request)
 
     def _usr1_request(self) -> dict[str, object]:
         """The checkpoint request: at SIGUSR1 with the job's time left when its limit is near
@@ -545,6 +761,8 @@ class Step:
                 continue
             if not fresh_seq(st.seqs, (beat.rank, beat.pid), beat.seq, 4 * st.max_ranks):
                 continue  # a replayed or reordered beat
+            if st.gone and (beat.rank, beat.pid) in st.gone:
+                continue  # a restarted rank's old process
             self.events.progress(now - beat.age_s)
             st.record(beat.rank, RankBeat(safe_name(beat.node), beat.step, now - beat.age_s,
                                           beat.in_collective, safe_name(beat.where, 200),
@@ -566,18 +784,11 @@ class Step:
             return False
         self.events.progress(now - min(r.age_s for r in agg.ranks))
         for r in agg.ranks:
+            if st.gone and (r.rank, r.pid) in st.gone:
+                continue  # a restarted rank's old process (a datagram sent before its end)
             st.record(r.rank, RankBeat(agg.node, r.step, now - r.age_s, r.in_collective,
                                        r.where, r.finished, r.at_request))
         return True
-
-    def _on_msg(self, conn: Conn, msg: dict[str, object]) -> str | None:
-        """Act on one signed message; a reason to drop the connection, or None."""
-        kind = msg.get("t")
-        if conn.node is None:
-            return self._on_hello(conn, msg)
-        if kind == "exit":
-            conn.took_exit(msg)
-        return None
 
     def _on_hello(self, conn: Conn, msg: dict[str, object]) -> str | None:
         st = self.st
@@ -599,40 +810,26 @@ class Step:
             # a copy of the goodput events on a second node (events_copy.CopyWriter): the
             # record of this attempt outlives this (the batch) node
             self.events.attach(conn.chan)
-        if st.rdzv_port is not None:
-            # Once the port is known, each later hello gets its own go: no walk over every
-            # agent per hello (1,024 hellos x 1,024 agents at each step start).
-            for c in st.conns if node == st.nodes[0] else [conn]:
-                if c.node is not None and not c.go_sent and not c.closed:
-                    c.send({"t": "go", "port": st.rdzv_port})
-                    c.go_sent = True
-        if self.signals.seen is not None:
-            conn.send(self._usr1_request())
+        if HELLO_ANSWER.get(self.phase, "abort") == "abort":
+            # The step is ending: this agent must not start a torchrun (it would be killed at
+            # the deadline as a node that did not answer, and its healthy node excluded).
+            self._abort(conn)
+        else:
+            if st.rdzv_port is not None:
+                # Once the port is known, each later hello gets its own go: no walk over
+                # every agent per hello (1,024 hellos x 1,024 agents at each step start).
+                for c in st.conns if node == st.nodes[0] else [conn]:
+                    if c.node is not None and not c.go_sent and not c.aborted \
+                            and not c.closed:
+                        c.send({"t": "go", "port": st.rdzv_port})
+                        c.go_sent = True
+            if self.phase is StepPhase.SIGNALLED:
+                conn.send(self._usr1_request())
+        if self.phase is StepPhase.STARTING and len(st.agents) == len(st.nodes):
+            self._to(StepPhase.RUNNING)
         return None
 
     # -- how it ended ----------------------------------------------------------------------
-    def end(self, hang: Hang | None) -> StepResult:
-        """End the step now: agents kill their torchrun; then every node has either answered
-        (it is alive) or is lost (connection closed, or silent for --node-timeout); the hung
-        srun (it would wait for a dead node until SlurmdTimeout) is killed here."""
-        st = self.st
-        detected = time.monotonic()
-        failed = failure_time(st.lost, {c.node: c.last_seen for c in st.conns if c.node},
-                              st.started, detected,
-                              hang.beat.last_progress if hang is not None else None)
-        for conn in st.conns:
-            if not conn.closed and conn.node is not None and conn.exit_rc is None:
-                conn.send({"t": "abort"})
-        deadline = time.monotonic() + self.cfg.node_timeout + self.cfg.abort_grace_s
-        while st.unaccounted() and time.monotonic() < deadline:
-            self.pump()
-        for node in st.unaccounted():
-            st.lost[node] = Loss.no_abort_answer()
-        reap(self.srun, 0.5)
-        kind, rc, cause = self._ended_how(hang)
-        return StepResult(kind, rc, cause, dict(st.lost), hang.beat.node if hang else None,
-                          failed, detected, hang.rank if hang else None)
-
     def _ended_how(self, hang: Hang | None) -> tuple[StepEnd, int, str]:
         st = self.st
         lost = lost_text(st.lost)
@@ -647,10 +844,10 @@ class Step:
         return StepEnd.FAILED, rc, (f"exit {rc} (rank failure on {node}; every node answered, "
                                     "so no relaunch: torchrun --max-restarts retries in place)")
 
-    def _after_signal(self) -> StepResult:
+    def _after_signal(self, now: float) -> StepResult:
         st = self.st
         reap(self.srun, 2.0)
-        self._read_beats(time.monotonic())  # the ranks' last word on how their training ended
+        self._read_beats(now)  # the ranks' last word on how their training ended
         exits = st.exits()
         if (exits and not st.lost and set(exits.values()) == {0}
                 and not any(c.signalled for c in st.conns)):
@@ -659,15 +856,30 @@ class Step:
             return StepResult(StepEnd.OK, 0, "exit 0 (the training ended before the checkpoint "
                               "signal could be acted on: nothing to requeue for)")
         termed = [c for c in st.conns if c.termed]
+        # A node lost in the checkpoint window goes into the result: the requeue lets go of
+        # it (else the job waits in COMPLETING for SlurmdTimeout) and the goodput end names it.
         return signal_result(self.signals.seen, exits, st.srun_rc,
                              sum(c.termed for c in termed),
-                             max((c.waited for c in termed), default=USR1_UNCAUGHT_S))
+                             max((c.waited for c in termed), default=USR1_UNCAUGHT_S),
+                             lost=dict(st.lost))
 
 
 def signal_result(seen: int | None, exits: dict[str, int], srun_rc: int | None,
-                  termed: int, waited: float = USR1_UNCAUGHT_S) -> StepResult:
+                  termed: int, waited: float = USR1_UNCAUGHT_S,
+                  lost: Mapping[str, Loss] | None = None) -> StepResult:
     """A step that ended after the checkpoint signal (SIGNAL: requeue) or Slurm's SIGTERM
-    (TERMINATED). `waited`: how long the agents held the signal for the `termed` workers."""
+    (TERMINATED). `waited`: how long the agents held the signal for the `termed` workers;
+    `lost`: nodes lost meanwhile (in the result: let go of at the requeue, named in the
+    goodput end)."""
+    lost = dict(lost or {})
+    if not lost:
+        return _signal_result(seen, exits, srun_rc, termed, waited)
+    res = _signal_result(seen, exits, srun_rc, termed, waited)
+    return StepResult(res.kind, res.rc, f"{res.cause}; {lost_text(lost)}", lost)
+
+
+def _signal_result(seen: int | None, exits: dict[str, int], srun_rc: int | None,
+                   termed: int, waited: float) -> StepResult:
     codes = ",".join(map(str, sorted(set(exits.values()))
                          or [srun_rc if srun_rc is not None else -1]))
     name = signal.Signals(seen or signal.SIGUSR1).name

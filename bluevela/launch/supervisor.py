@@ -52,6 +52,7 @@ Standard library only (it must not import torch): it runs as the job's main proc
 from __future__ import annotations
 
 import argparse
+import enum
 import errno
 import logging
 import os
@@ -81,6 +82,7 @@ from bluevela.launch.attempts import (
     one_line,
     previous_cause,
     read_history,
+    record_line,
 )
 from bluevela.launch.events_log import EventLog
 from bluevela.launch.grow import grow as grow_job
@@ -91,13 +93,22 @@ from bluevela.launch.policy import (
     Exit,
     Grow,
     Grown,
+    JobSignal,
     PolicyOptions,
     Relaunch,
     Requeue,
     choose_nodes,
     next_action,
 )
-from bluevela.launch.step import Endpoints, Signals, Step, StepConfig, StepState, log
+from bluevela.launch.step import (
+    Endpoints,
+    Signals,
+    Step,
+    StepConfig,
+    StepState,
+    check_transition,
+    log,
+)
 from bluevela.launch.usr1_wait import LimitClock
 from bluevela.protocol.keys import SECRET_ENV, agg_key, beat_key, derive, new_secret
 from bluevela.runtime.heartbeat import ENV_ADDR as HEARTBEAT_ENV
@@ -245,6 +256,29 @@ def _say(line: str) -> None:
     sys.stdout.flush()
 
 
+class Phase(enum.Enum):
+    """Where the supervisor is. A phase changes only as `TRANSITIONS` allows (`_to`). In each
+    one a signal reaches the decision the same way: its number lands in the wakeup pipe, and
+    `Signals.take` (a step's pump, after a grow, a requeue's wait) puts it in `Signals.seen`,
+    which the policy reads (`Allocation.signal`)."""
+
+    LAUNCHING = "launching"  # choosing the step's nodes, starting srun
+    STEPPING = "stepping"  # a step runs (its own phases: step.StepPhase), then the policy
+    GROWING = "growing"  # asking Slurm for a node (grow.py); SIGTERM stops it
+    REQUEUEING = "requeueing"  # letting go of lost nodes, scontrol requeue, waiting for Slurm
+    EXITING = "exiting"  # the one way out: endpoints, signals' pipe and event log closed
+
+
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.LAUNCHING: frozenset({Phase.STEPPING, Phase.EXITING}),
+    Phase.STEPPING: frozenset({Phase.LAUNCHING, Phase.GROWING, Phase.REQUEUEING,
+                               Phase.EXITING}),
+    Phase.GROWING: frozenset({Phase.LAUNCHING, Phase.REQUEUEING, Phase.EXITING}),
+    Phase.REQUEUEING: frozenset({Phase.EXITING}),
+    Phase.EXITING: frozenset(),
+}
+
+
 class Supervisor:
     """The job's attempts: one step per launch, then what `policy.next_action` says.
 
@@ -271,6 +305,12 @@ class Supervisor:
         # The job's time limit, read once at the first SIGUSR1 (the agents' wait for a
         # handler follows the time left: bluevela/launch/usr1_wait.py).
         self.clock = LimitClock(self.slurm.time_left)
+        self.phase = Phase.LAUNCHING
+        self.grown: Grown | None = None  # the last grow's outcome (the attempt's record)
+
+    def _to(self, phase: Phase) -> None:
+        check_transition(TRANSITIONS, self.phase, phase)
+        self.phase = phase
 
     def start(self) -> tuple[Signals, Endpoints]:
         """The signals' pipe, and the ports the step's agents and ranks reach."""
@@ -296,6 +336,17 @@ class Supervisor:
 
     # -- attempts --------------------------------------------------------------------------
     def run(self) -> int:
+        """The job's attempts; whatever ends them (a return, an exception) goes through
+        EXITING: the endpoints, the signals' pipe and the event log are closed."""
+        try:
+            return self._attempts()
+        finally:
+            if self.phase is not Phase.EXITING:
+                self._to(Phase.EXITING)
+            self.events.close()
+            self.close()
+
+    def _attempts(self) -> int:
         signals, _ = self.start()
         signals.install()
         self.events = EventLog.open(self.env, self.host)
@@ -315,15 +366,23 @@ class Supervisor:
             launch += 1
             attempt += 1
             _say(banner(attempt, self.job, nodes, cause))
+            self._to(Phase.STEPPING)
             result = self.run_step(attempt, launch, nodes)
             self.events.step_ended(result.kind, result.cause, result.lost, result.failed_at,
                                    result.detected_at, time.monotonic(), hung=result.hang_node)
+            self.grown = None
             action = self.decide(result, nodes, launch)
             if isinstance(action, Requeue):
                 return self.requeue(attempt, action.cause, action.release)
             _say(end_line(attempt, action.cause))
             if isinstance(action, Exit):
+                _say(record_line(attempt, "exit"))
+                self._to(Phase.EXITING)
                 return action.rc
+            grown = self.grown if self.grown is not None and self.grown.ok else None
+            _say(record_line(attempt, "relaunch", grown.added if grown else (),
+                             grown.seconds if grown else None))
+            self._to(Phase.LAUNCHING)
             nodes, cause = list(action.nodes), action.cause
 
     def _history(self) -> tuple[int, str]:
@@ -338,8 +397,16 @@ class Supervisor:
                launch: int) -> Exit | Requeue | Relaunch:
         """`policy.next_action`, with the grow it may ask for done here."""
         def ask(grown: Grown | None) -> Exit | Requeue | Relaunch | Grow:
+            # Signals that came since the step's last pump (during the grow above all): the
+            # policy's answer follows them (SIGTERM: exit; SIGUSR1: requeue).
+            seen = None
+            if self.signals is not None:
+                self.signals.take()
+                if self.signals.seen is not None:
+                    seen = (JobSignal.STOP if self.signals.stopping()
+                            else JobSignal.CHECKPOINT)
             alloc = Allocation(tuple(self.alloc), dict(self.excluded), tuple(nodes), launch,
-                               grown)
+                               grown, seen)
             action = next_action(result, alloc, self.opts.policy())
             if not isinstance(action, Exit):
                 self.excluded.update(action.exclude)
@@ -347,7 +414,9 @@ class Supervisor:
 
         action = ask(None)
         if isinstance(action, Grow):
-            action = ask(self.grow(action))
+            self._to(Phase.GROWING)
+            self.grown = self.grow(action)
+            action = ask(self.grown)
         assert not isinstance(action, Grow)  # the policy asks for one grow at most
         return action
 
@@ -381,7 +450,9 @@ class Supervisor:
         COMPLETING until Slurm declares the dead node DOWN (SlurmdTimeout). The node let go
         stays COMPLETING (its epilog never ends) until it is DOWN, so the next attempt is not
         placed on it meanwhile."""
+        self._to(Phase.REQUEUEING)
         _say(end_line(attempt, cause))
+        _say(record_line(attempt, "requeue"))
         self.events.requeue()
         keep = [n for n in self.alloc if n not in self.excluded]
         if release and keep:
@@ -399,6 +470,7 @@ class Supervisor:
                    "here, not requeued")
             log(why)
             _say(end_line(attempt, why))
+            _say(record_line(attempt, "exit"))
             return 1
         # Slurm now ends this allocation (SIGTERM, then SIGKILL): wait for it rather than exit
         # first (an early exit could end the job before the requeue takes effect).
