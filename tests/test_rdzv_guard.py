@@ -96,7 +96,7 @@ def test_install_names_rendezvous_events_without_inspect_stack(
     torchs = dr.get_method_name
 
     def record(name_of: object) -> str:  # as torch's _record(): get_method_name()
-        return name_of()  # type: ignore[operator,no-any-return]
+        return name_of()  # type: ignore[operator]
 
     def join_op(name_of: object) -> str:  # the function whose name the event carries
         return record(name_of)
@@ -535,3 +535,29 @@ def test_a_squatted_rendezvous_port_fails_the_host_instead_of_being_joined(
     assert named.returncode != 0 and "WORKER RAN" not in named.stdout
     assert (f"bv rdzv_guard: cannot host the rendezvous store at 127.0.0.1:{port}: the port "
             "is taken") in named.stderr
+
+
+def test_the_site_decides_and_the_batch_script_says_it_last(tmp_path: Path) -> None:
+    """site.yaml launch.rdzv_guard: required (default) or optional, validated; the batch
+    script exports it after the job's own environment, so a job's --env cannot opt out."""
+    import yaml
+
+    from bluevela.errors import SiteConfigError
+    from bluevela.launch.submit import build_request
+    from bluevela.site_file import parse_site
+    from tests.conftest import REPO
+
+    doc = yaml.safe_load((REPO / "site.yaml").read_text())
+    default = parse_site(yaml.safe_dump(doc), tmp_path / "site.yaml")
+    assert default.launch.rdzv_guard == "required"
+    doc.setdefault("launch", {})["rdzv_guard"] = "optional"
+    site = parse_site(yaml.safe_dump(doc), tmp_path / "site.yaml")
+    text = build_request(site, "train.py", env=("BV_RDZV_GUARD=required",)).materialize()
+    lines = text.splitlines()
+    assert lines.index("export BV_RDZV_GUARD=optional") > lines.index(
+        "export BV_RDZV_GUARD=required")
+    text = build_request(default, "train.py", env=("BV_RDZV_GUARD=optional",)).materialize()
+    assert text.splitlines()[-2] == "export BV_RDZV_GUARD=required"
+    doc["launch"]["rdzv_guard"] = "off"
+    with pytest.raises(SiteConfigError, match="rdzv_guard"):
+        parse_site(yaml.safe_dump(doc), tmp_path / "site.yaml")
