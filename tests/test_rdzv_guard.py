@@ -561,3 +561,25 @@ def test_the_site_decides_and_the_batch_script_says_it_last(tmp_path: Path) -> N
     doc["launch"]["rdzv_guard"] = "off"
     with pytest.raises(SiteConfigError, match="rdzv_guard"):
         parse_site(yaml.safe_dump(doc), tmp_path / "site.yaml")
+
+
+@pytest.mark.timeout(180)
+def test_the_real_supervisor_ends_the_step_with_the_reason_not_a_requeue(tmp_path: Path) -> None:
+    """Two nodes, the real supervisor and agents (tests/supervisor_standins.py), a torchrun
+    that is not torch's and no opt-out: the job ends with 126 and an end line that says why
+    (not a lost node: no relaunch, no requeue), and the job's output says it once, not once
+    a node."""
+    from tests.supervisor_standins import Job
+
+    job = Job(tmp_path, ("n1", "n2"), extra_env={"BV_RDZV_GUARD": "required"}).start()
+    try:
+        assert job.wait(120) == 126
+    finally:
+        job.kill()
+    err = (tmp_path / "err.txt").read_text()
+    out = (tmp_path / "out.txt").read_text()
+    assert err.count("cannot run through bv's rendezvous guard") == 1, err
+    assert "==== bv attempt 1 ended: exit 126 (torchrun cannot run through bv's rendezvous " \
+           "guard" in out and "not a lost node, so no relaunch or requeue" in out, out
+    assert "attempt 2" not in out
+    assert not list(tmp_path.glob("rdzv-id.*"))  # no torchrun ran on any node

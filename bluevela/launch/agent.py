@@ -452,7 +452,8 @@ class Agent:
             # allow-list (the store has no authentication), this node named its host or not.
             start = torchrun_start(self.torchrun, host=self.node == self.rdzv_node, env=self.env)
         except GuardUnavailable as exc:  # the step's failure, as a torchrun that cannot start
-            _log(f"agent on {safe_name(self.node)}: {exc}")
+            if self.node == self.rdzv_node:  # once a step (the end line carries it too)
+                _log(f"agent on {safe_name(self.node)}: {exc}")
             self._finish(126, str(exc))
             return
         if start.note and self.node == self.rdzv_node:  # said once a step, not once a node
