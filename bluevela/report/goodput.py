@@ -107,6 +107,9 @@ class Ledger:
     #: node-seconds of hot spares allocated and idle (not in `phases`: its own line)
     spare_node_s: float = 0.0
     spares: int = 0  # the most spares any launch had
+    #: False when no launch reported a step (a plain script: no bluevela.runtime.progress, no
+    #: integration): start-up and training cannot be told apart, the ETTR is unknown
+    steps_reported: bool = True
 
     @property
     def wall_s(self) -> float:
@@ -114,6 +117,8 @@ class Ledger:
 
     @property
     def ettr(self) -> float | None:
+        if not self.steps_reported:
+            return None
         return self.phases["productive"] / self.wall_s if self.wall_s > 0 else None
 
     def node_hours(self) -> dict[str, float]:
@@ -144,6 +149,7 @@ class Ledger:
             "interruptions": [asdict(i) for i in self.interruptions],
             "pieces": [{**asdict(p), "seconds": p.seconds} for p in self.pieces],
             "notes": list(self.notes), "advice": dict(self.advice),
+            "steps_reported": self.steps_reported,
         }
 
 
@@ -292,7 +298,19 @@ def build_ledger(job_id: int, records: Sequence[dict[str, Any]],
     if end is not None:
         b.to("unattributed", end, restarts[-1])
     _charge_interruptions(b)
-    return _ledger_of(job_id, b, origin, gpus_per_node)
+    ledger = _ledger_of(job_id, b, origin, gpus_per_node)
+    launches = [la for rec in att.records.values() for la in rec["launches"]]
+    if launches and all(la["first_progress"] is None for la in launches):
+        ledger.steps_reported = False
+        ledger.notes.append(NO_STEPS_NOTE)
+    return ledger
+
+
+NO_STEPS_NOTE = (
+    "no step was reported (the script calls no bluevela.runtime.progress and runs under no "
+    "framework integration): bv cannot tell start-up from training, so 'start-up to first "
+    "step' holds both and the ETTR is unknown, not 0 %. Report steps with `from bluevela "
+    "import runtime` and `runtime.progress(step)` in the loop (docs/resilience.md)")
 
 
 def _bounded(records: Sequence[dict[str, Any]], times: Mapping[int, Mapping[str, Any]],
@@ -580,8 +598,10 @@ def fmt_s(s: float | None) -> str:
 
 
 def summary_lines(ledger: Ledger) -> list[str]:
+    ettr = ("unknown (no step reported)" if not ledger.steps_reported
+            else f"{100 * (ledger.ettr or 0):.1f}%")
     out = [f"job {ledger.job_id}: wall {fmt_s(ledger.wall_s)}, {ledger.nodes} node(s) x "
-           f"{ledger.gpus_per_node} GPU(s), ETTR {100 * (ledger.ettr or 0):.1f}%"]
+           f"{ledger.gpus_per_node} GPU(s), ETTR {ettr}"]
     gh, nh = ledger.gpu_hours(), ledger.node_hours()
     total_nh = sum(nh.values())
     for k in PHASES:
