@@ -324,3 +324,22 @@ def test_runtime_gives_the_store_and_nothing_imports_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_ckpt_imports_nothing_of_launch_and_no_torch_at_module_top() -> None:
+    """docs/architecture.md: ckpt -> util, site, protocol.keys; torch only inside functions
+    (but dcp.py, which a training process loads for DCP)."""
+    import ast
+
+    from tests.test_architecture import PKG, imports
+
+    for path in sorted((PKG / "ckpt").glob("*.py")):
+        names = imports(path)
+        assert not [n for n in names if n.startswith("bluevela.launch")], path
+        if path.name == "dcp.py":
+            continue
+        top = [n for n in ast.parse(path.read_text()).body
+               if isinstance(n, (ast.Import, ast.ImportFrom))]
+        mods = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module or "" for n in top if isinstance(n, ast.ImportFrom)}
+        assert not [m for m in mods if m.split(".")[0] in ("torch", "numpy")], path
