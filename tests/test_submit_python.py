@@ -155,3 +155,10 @@ def test_dry_run_and_opt_out_do_not_run_the_python(tmp_path: Path) -> None:
     proc = _bv("submit", "--dry-run", "--env", f"PATH={tmp_path}", "t.py")
     assert proc.returncode == 0, proc.stderr
     assert f"export PATH={tmp_path}" in proc.stdout
+
+
+def test_bluevela_without_torch_is_refused(bare_venv: Path, tmp_path: Path) -> None:
+    """bv's own venv (no torch) as the job's Python: the agent runs torch's torchrun in it."""
+    env = {"PATH": f"{bare_venv.parent}:{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
+    with pytest.raises(LaunchError, match=rf"has bluevela {__version__} but no torch"):
+        check_job_python("python3", (), environ=env, cwd=str(tmp_path))

@@ -137,7 +137,8 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
     if not no_python_check:
         from bluevela.launch.jobpython import check_job_python
 
-        check_job_python(request.python, request.env, cwd=os.getcwd())
+        check_job_python(request.python, request.env, cwd=os.getcwd(),
+                         need_torch=site is None or site.launch.rdzv_guard == "required")
     if retry_s is None and site is not None:
         retry_s = site.launch.submit_retry_s
     client = obj.client(retry_s=retry_s)

@@ -6,8 +6,9 @@ own (bv refuses `--export`), then the script's `export` lines (site.yaml `launch
 `--env`). A Python older than 3.11 fails there with `Unknown option: -P`, one without bluevela
 with `No module named 'bluevela'`, both only once the job has its nodes. So `bv submit`
 resolves the interpreter the same way (the job's PATH), runs it once with the job's
-environment, and refuses the submit with one line when it is too old, imports no bluevela, or
-imports a bluevela of another release series.
+environment, and refuses the submit with one line when it is too old, imports no bluevela, has
+no torch (bv runs torch's torchrun in that interpreter), or imports a bluevela of another
+release series.
 
 What it cannot see: a PATH that the compute node changes (a TaskProlog, a module loaded by the
 job itself). `--no-python-check` skips the check for those sites (docs/byos.md).
@@ -47,10 +48,14 @@ except BaseException:
     sys.stdout.write("error %s: %s\n" % (type(e).__name__, str(e).replace("\n", " ")[:200]))
 else:
     sys.stdout.write("bluevela %s\n" % getattr(bluevela, "__version__", "?"))
+    import importlib.util
+    # found, not imported: importing torch costs seconds
+    sys.stdout.write("torch %s\n" % ("yes" if importlib.util.find_spec("torch") else "no"))
 """
 _PYTHON_LINE = re.compile(r"^python (\d+)\.(\d+)\.(\d+)$", re.M)
 _BV_LINE = re.compile(r"^bluevela (\S{1,64})$", re.M)
 _ERROR_LINE = re.compile(r"^error (.{1,300})$", re.M)
+_TORCH_LINE = re.compile(r"^torch (yes|no)$", re.M)
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,7 @@ def series(version: str) -> tuple[str, ...]:
 
 def check_job_python(python: str, exports: tuple[tuple[str, str], ...], *,
                      cwd: str | None = None, environ: Mapping[str, str] | None = None,
-                     timeout_s: float = PROBE_TIMEOUT_S) -> JobPython:
+                     timeout_s: float = PROBE_TIMEOUT_S, need_torch: bool = True) -> JobPython:
     """Run the job's Python once as the job will and return what it is.
 
     Args:
@@ -101,6 +106,8 @@ def check_job_python(python: str, exports: tuple[tuple[str, str], ...], *,
         cwd: the job's working directory (the submit directory).
         environ: the submitter's environment (default: this process's).
         timeout_s: bound on the probe.
+        need_torch: torch must be importable there (bv runs torch's torchrun in it through the
+            rendezvous guard; site.yaml `launch.rdzv_guard: optional` lets another torchrun run).
 
     Raises:
         LaunchError: one line saying what the job would have failed on, and how to fix it.
@@ -144,4 +151,9 @@ def check_job_python(python: str, exports: tuple[tuple[str, str], ...], *,
                           f"{__version__}: the job's bluevela must be the same release series "
                           f"({'.'.join(series(__version__))}.x) as the bv that writes its "
                           f"batch script; {fix}")
+    torch = _TORCH_LINE.search(proc.stdout)
+    if need_torch and torch is not None and torch[1] == "no":
+        raise LaunchError(f"the job's Python {path} has bluevela {theirs} but no torch: it also "
+                          f"runs torchrun and the ranks (bv starts torch's torchrun in it); "
+                          f"install bluevela into the training env that holds torch, or {fix}")
     return JobPython(path=path, version=version, bluevela=theirs)
