@@ -24,6 +24,7 @@ import pytest
 
 from tests.conftest import DEVCLUSTER, DevCluster
 from tests.test_install_wheel import build_wheel, bv, make_venv
+from tests.test_rdzv_guard import _shim_wheel
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -42,6 +43,13 @@ def installed(devcluster: DevCluster, tmp_path: Path) -> Iterator[tuple[DevClust
     """The dev cluster running the hooks of a wheel installed with `bv install --root`."""
     wheel = build_wheel(tmp_path)
     venv = make_venv(tmp_path / "venv", wheel)
+    # torch's torchrun script in the venv, as `pip install torch` writes it there: the job's
+    # torchrun must be the venv's own (the rendezvous guard refuses another environment's,
+    # e.g. the pyenv shim's, which the venv's torch reached through its .pth line lacks).
+    p = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python3"),
+                        "install", "-q", "--no-deps", "--no-index", str(_shim_wheel(tmp_path))],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr
     root = tmp_path / "root"
     root.mkdir()
     bv(venv, "install", "--root", str(root))

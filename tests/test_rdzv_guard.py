@@ -583,3 +583,17 @@ def test_the_real_supervisor_ends_the_step_with_the_reason_not_a_requeue(tmp_pat
            "guard" in out and "not a lost node, so no relaunch or requeue" in out, out
     assert "attempt 2" not in out
     assert not list(tmp_path.glob("rdzv-id.*"))  # no torchrun ran on any node
+
+
+def test_a_pyenv_shim_for_a_venv_without_torchrun_is_another_environment(tmp_path: Path) -> None:
+    """A venv whose torch comes from elsewhere has no torchrun of its own; the pyenv shim on
+    PATH would run the pyenv version's (before: run unguarded without a word)."""
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    _script(shims / "torchrun", '#!/usr/bin/env bash\nprogram="${0##*/}"\n'
+            'exec "/root/.pyenv/libexec/pyenv" exec "$program" "$@"\n')
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    with pytest.raises(GuardUnavailable, match="is a pyenv shim, and the job's Python .* has "
+                                               "no torchrun beside it"):
+        guard_plan(["torchrun", "t.py"], str(venv / "python3"), str(shims))

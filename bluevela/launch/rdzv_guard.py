@@ -13,8 +13,12 @@ the ``pickle`` that torch's dynamic rendezvous module sees replaced by one whose
 builds only the types the state is made of (``_RendezvousState``, ``_NodeDesc`` and three
 ``datetime`` types); anything else is an ``UnpicklingError``, which torchrun reports as a
 corrupt rendezvous state. A writer can still corrupt the state (the step fails: a denial of
-service), but no longer run code. The node agent starts torchrun through this when the torchrun
-command is torch's own ``torchrun`` script for this Python (`guarded_argv`).
+service), but no longer run code. The node agent starts torchrun through this (`torchrun_start`)
+when the torchrun command is torch's own ``torchrun`` script for this Python, in whatever form
+pip, uv or conda wrote it (`launcher_python`); when it is not, the step fails unless the site
+allows an unguarded torchrun (``BV_RDZV_GUARD=optional``, site.yaml ``launch.rdzv_guard``).
+Each node is told whether it hosts the store (``BV_RDZV_IS_HOST``, set as torch's ``is_host``):
+torch's own guess turns a host whose port someone else took into a client of theirs.
 
 The store outlives every node's shutdown. The c10d store is a server inside the first node's
 torchrun, and torch 2.13 ends a step with a race on it: each agent passes its exit barrier
@@ -300,7 +304,11 @@ def guard_plan(argv: Sequence[str], python: str, path: str | None) -> list[str]:
     head = _head(found)
     if PYENV_SHIM_MARK in head:
         # The shim would run this name from the current pyenv version: the one `python` is.
-        found = os.path.join(os.path.dirname(python), os.path.basename(found))
+        shim, found = found, os.path.join(os.path.dirname(python), os.path.basename(found))
+        if not os.path.isfile(found):
+            raise GuardUnavailable(f"{shim} is a pyenv shim, and the job's Python {python} has "
+                                   f"no {os.path.basename(found)} beside it: the shim would run "
+                                   "another environment's")
         head = _head(found)
     if TORCHRUN_MARK not in head:
         raise GuardUnavailable(f"{found} is not torch's torchrun script (a wrapper or another "
