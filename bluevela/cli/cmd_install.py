@@ -17,8 +17,12 @@ from bluevela.cli.output import emit_json
               help="Install even when someone but root can change the venv, or bluevela is an "
                    "editable/checkout install (a developer's machine: warned on stderr); with "
                    "--uninstall: even while slurm.conf still names the hooks.")
+@click.option("--fleet-host", is_flag=True,
+              help="This host runs bv-fleet-metrics: also make its system user (bvfleet) and "
+                   "textfile directory. Only there; never on every node.")
 @click.option("--json", "as_json", is_flag=True)
-def command(root: str, dry_run: bool, uninstall: bool, force: bool, as_json: bool) -> None:
+def command(root: str, dry_run: bool, uninstall: bool, force: bool, fleet_host: bool,
+            as_json: bool) -> None:
     """Install the hook shims, systemd units, Prometheus files, slurm.conf additions and
     logrotate file of this bluevela, point /opt/bluevela/current at its venv (one rename),
     and write /etc/bluevela/python. Idempotent; units are laid out, not enabled."""
@@ -26,7 +30,7 @@ def command(root: str, dry_run: bool, uninstall: bool, force: bool, as_json: boo
     from bluevela.deploy.install import uninstall as remove
 
     result = (remove(root, dry_run=dry_run, force=force) if uninstall
-              else install(root, dry_run=dry_run, force=force))
+              else install(root, dry_run=dry_run, force=force, fleet_host=fleet_host))
     for warning in result.warnings:  # loud, and on stderr even with --json
         click.echo(f"bv install: WARNING: {warning}", err=True)
     if as_json:

@@ -712,7 +712,7 @@ def remove_fleet_account(root: Path, record: object, result: Result, *, dry_run:
 
 def install(root: str | os.PathLike[str] = "/", *, dry_run: bool = False,
             venv: Path | None = None, account: Account = Account(),
-            force: bool = False) -> Result:
+            force: bool = False, fleet_host: bool = False) -> Result:
     """Lay out the node under `root` from the installed package (see the module docstring).
 
     Args:
@@ -722,6 +722,10 @@ def install(root: str | os.PathLike[str] = "/", *, dry_run: bool = False,
         force: install even when someone but root can change what the venv runs, or the
             package is an editable/checkout install (`trust_problems`): each said as a
             warning (a developer's machine; never a production node).
+        fleet_host: this host runs bv-fleet-metrics: make its user and textfile directory
+            (`fleet_account`). Off by default: one host of the cluster runs that unit, and a
+            local system user on every node (1,000 uids diverging under LDAP) serves none.
+            A host whose manifest says bv made them keeps them managed.
 
     Raises:
         InstallError: a refusal, or a file system error (one line: the path and why). Files
@@ -729,14 +733,15 @@ def install(root: str | os.PathLike[str] = "/", *, dry_run: bool = False,
             last: run bv install again once the cause is fixed.
     """
     try:
-        return _install(root, dry_run=dry_run, venv=venv, account=account, force=force)
+        return _install(root, dry_run=dry_run, venv=venv, account=account, force=force,
+                        fleet_host=fleet_host)
     except OSError as exc:
         where = exc.filename or root
         raise InstallError(f"{where}: {exc.strerror or exc}") from exc
 
 
 def _install(root: str | os.PathLike[str], *, dry_run: bool, venv: Path | None,
-             account: Account, force: bool = False) -> Result:
+             account: Account, force: bool = False, fleet_host: bool = False) -> Result:
     base = Path(root)
     if not base.is_absolute() or not base.is_dir():
         raise InstallError(f"--root {root}: not an existing absolute directory")
@@ -771,9 +776,17 @@ def _install(root: str | os.PathLike[str], *, dry_run: bool, venv: Path | None,
         if path not in wanted and path != MANIFEST:
             _remove(base, path, entry, result)  # shipped by the version installed before
     old_system = old.get("system") if old is not None else None
-    system = fleet_account(base, old_system if isinstance(old_system, Mapping) else None,
-                           result, dry_run=dry_run, account=account,
-                           announce=old is None)
+    made = old_system if isinstance(old_system, Mapping) else None
+    if fleet_host or made is not None or str(base) != "/":  # a staging root lists the commands
+        system = fleet_account(base, made,
+                               result, dry_run=dry_run, account=account,
+                               announce=old is None)
+    else:
+        system = None
+        if old is None:
+            result.notes.append(f"user {account.user} and {account.textfile} are not made on "
+                                "this host: only the host that runs bv-fleet-metrics needs "
+                                "them (bv install --fleet-host there; docs/install.md 4.5)")
     dirs = old_dirs + created
     if (result.changed or old is None or old.get("venv") != str(venv)
             or system != old_system):
