@@ -380,7 +380,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     install()
     held: list[HeldStore] = []
-    hold_store(held)
+    if not hold_store(held) and os.environ.get(HOST_ENV) in ("0", "1"):
+        sys.stderr.write("bv rdzv_guard: this torch makes its c10d store another way: the "
+                         "store's host is torch's guess, not bv's (a taken port is joined)\n")
     from torch.distributed.run import main as torchrun_main
 
     sys.argv = [args[0], *args[1:]]
