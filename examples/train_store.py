@@ -45,13 +45,19 @@ def main() -> int:
     parser.add_argument("--ckpt-every", type=int, default=2)
     parser.add_argument("--step-s", type=float, default=0.3)
     parser.add_argument("--mb", type=float, default=1.0, help="state size per rank, MB")
+    parser.add_argument("--drain-every", type=int, default=0)
+    parser.add_argument("--hold-at", type=int, default=-1,
+                        help="(tests) in attempt 1, after this step's save is written, print "
+                             "'holding at step N' and wait for --hold-file to exist")
+    parser.add_argument("--hold-file", type=Path, default=None)
     opts = parser.parse_args()
     dist.init_process_group("gloo")
     rank, host = dist.get_rank(), socket.gethostname()
     overrides: dict[str, Any] = {}
     if opts.local_base is not None:
         overrides["local_dir"] = opts.local_base / host
-    store = runtime.checkpoint_store(opts.shared, name="train", **overrides)
+    store = runtime.checkpoint_store(opts.shared, name="train", drain_every=opts.drain_every,
+                                     **overrides)
     n = max(1, int(opts.mb * 1e6 / 4))
     state: dict[str, Any] = {"w": torch.zeros(n), "step": -1}
     restored = store.load_latest()
@@ -77,6 +83,13 @@ def main() -> int:
                 _say(f"checkpoint step={step} stall_s={stats.stall_s:.4f}")
             if runtime.checkpoint_requested():
                 break
+        if step == opts.hold_at and runtime.attempt() == 1 and opts.hold_file is not None:
+            store.wait()
+            dist.barrier()
+            if rank == 0:
+                _say(f"holding at step {step}")
+            while not opts.hold_file.exists():
+                time.sleep(0.2)
         runtime.progress(step)
     done = store.finalize()
     if rank == 0:

@@ -105,3 +105,70 @@ def test_spare_resumes_from_the_partners_copy_without_shared_storage(
     summary = re.search(r"^bv ckpt: resumed step (\d+) .*$", part2, re.M)
     assert summary is not None and summary.group(0).endswith("nothing skipped"), part2
     assert re.search(r"^final tiers step=28 local,partner,shared$", part2, re.M), part2
+
+
+def _shard(local: Path, node: str, kind: str, step: int, rank: int) -> Path:
+    import os
+
+    return (local / node / f"bv-{os.getuid()}" / next(
+        p.name for p in (local / node / f"bv-{os.getuid()}").iterdir()) / "train" / kind
+        / f"step-{step:08d}" / f"rank-{rank:05d}.bvck")
+
+
+@pytest.mark.timeout(420)
+def test_planted_faults_are_skipped_and_named_end_to_end(devcluster: DevCluster,
+                                                         tmp_path: Path) -> None:
+    """The job holds after step 6 (drained: every 2nd save). Planted then: the surviving
+    node's own shard torn, its copy of the other node's shard with a flipped byte; the other
+    node crashed with its disk. The relaunched step must load no torn or corrupt copy: both
+    ranks resume step 6 from shared storage, and the summary names both faults."""
+    devcluster.resume_all()
+    devcluster.wait_idle(timeout=120)
+    shared, local, go = tmp_path / "shared", tmp_path / "local", tmp_path / "go"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bluevela", "submit", "--wait", "-N", "2", "--spare-nodes", "1",
+         "--procs-per-node", "1", str(REPO / "examples" / "train_store.py"),
+         "--shared", str(shared), "--local-base", str(local), "--steps", "12",
+         "--ckpt-every", "2", "--drain-every", "2", "--step-s", "0.2", "--hold-at", "6",
+         "--hold-file", str(go)],
+        cwd=tmp_path, env=devcluster.environ(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    crashed: str | None = None
+    try:
+        _wait("the hold", r"^holding at step 6$", tmp_path, proc, 200)
+        first = BANNER.search(_output(tmp_path))
+        assert first is not None
+        kept, crashed = hostlist.expand_hostlist(first.group(3))
+        rank_of = {m[2]: int(m[0]) for m in RESUMED.findall(_output(tmp_path))}
+        mine, other = rank_of[kept], rank_of[crashed]
+        torn = _shard(local, kept, "own", 6, mine)
+        with open(torn, "r+b") as f:
+            f.truncate(torn.stat().st_size - 7)
+        flipped = _shard(local, kept, "held", 6, other)
+        data = bytearray(flipped.read_bytes())
+        data[len(data) // 3] ^= 0x10
+        flipped.write_bytes(bytes(data))
+        devcluster.run([sys.executable, str(DEVCLUSTER), "crash", crashed])
+        shutil.rmtree(local / crashed)
+        _wait("attempt 2", r"^==== bv attempt 2 job", tmp_path, proc, 150)
+        devcluster.run([sys.executable, str(DEVCLUSTER), "revive", crashed], check=False)
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out + _output(tmp_path)
+    finally:
+        go.touch()
+        if proc.poll() is None:
+            proc.kill()
+        if crashed is not None:
+            devcluster.run([sys.executable, str(DEVCLUSTER), "revive", crashed], check=False)
+    part2 = _output(tmp_path)[_output(tmp_path).index("==== bv attempt 2 job"):]
+    rows = [m for m in RESUMED.findall(part2) if m[1] == "2"]
+    # Every rank resumed step 6 (the script checks each loaded value: no corrupt load) from
+    # shared storage, the one place left holding a good copy of both shards.
+    assert sorted((r[3], r[4]) for r in rows) == [("6", "shared"), ("6", "shared")], part2
+    summary = re.search(r"^bv ckpt: resumed step 6 .*$", part2, re.M)
+    assert summary is not None, part2
+    line = summary.group(0)
+    assert f"rank {mine} step 6 local (own copy on this node): torn" in line, line
+    assert f"rank {other} step 6 " in line and "corrupt: checksum mismatch" in line, line
+    assert line.count("torn") == 1 and line.count("checksum mismatch") == 1, line
+    assert re.search(r"^final tiers step=10 local,partner,shared$", part2, re.M), part2

@@ -122,6 +122,7 @@ def test_flipped_byte_in_partner_copy_and_torn_local_falls_back_to_shared(
     summary = restored[0].summary
     assert "rank 1 step 2 local (own copy on this node): torn" in summary
     assert "rank 1 step 2 partner (held copy on n1): corrupt: checksum mismatch" in summary
+    assert summary.count("checksum mismatch") == 1 and summary.count("torn") == 1, summary
 
 
 def test_missing_shared_copy_means_an_older_step(tmp_path: Path) -> None:
@@ -343,3 +344,13 @@ def test_ckpt_imports_nothing_of_launch_and_no_torch_at_module_top() -> None:
         mods = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
         mods |= {n.module or "" for n in top if isinstance(n, ast.ImportFrom)}
         assert not [m for m in mods if m.split(".")[0] in ("torch", "numpy")], path
+
+
+def test_a_node_local_directory_others_can_write_is_refused(tmp_path: Path) -> None:
+    from bluevela.errors import UnsafeValueError
+
+    mine = tmp_path / "local" / "n1" / f"bv-{os.getuid()}"
+    mine.mkdir(parents=True)
+    os.chmod(mine, 0o777)
+    with pytest.raises(UnsafeValueError, match="group/other-writable"):
+        run_ranks(1, lambda rank, coll: make_store(tmp_path, rank, coll))

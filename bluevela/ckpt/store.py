@@ -54,6 +54,8 @@ from bluevela.ckpt.shardfile import (
     write_shard,
 )
 from bluevela.ckpt.stage import Staged, StageError, Stager, decode
+from bluevela.errors import UnsafeValueError
+from bluevela.util.fs import owner_problem
 
 logger = logging.getLogger(__name__)
 
@@ -156,12 +158,22 @@ class CheckpointStore:
         self.server: ShardServer | None = None
         self._pending: _Job | None = None
         self._skips: list[str] = []
+        self._bad: set[tuple[int, int, Place]] = set()
         self.shared_reads = 0  # listings and loads of shared storage by this rank's resumes
         self._invs: list[NodeInv] = []
         self._shared: dict[int, frozenset[int]] = {}
         self.root = (layout.job_root(cfg.local_dir, cfg.job or "none")
                      if cfg.local_dir else None)
         if self.root is not None:
+            # bv-<uid> may sit in a directory others can write (/dev/shm): it must be ours and
+            # private, or another user could read or plant shards.
+            ufd = layout.open_chain(self.root.parent.parent, [self.root.parent.name],
+                                    create=True)
+            try:
+                if (why := owner_problem(os.fstat(ufd))) is not None:
+                    raise UnsafeValueError(f"{self.root.parent}: {why}")
+            finally:
+                os.close(ufd)
             os.close(layout.open_chain(self.root.parent.parent,
                                        [self.root.parent.name, self.root.name, cfg.name],
                                        create=True))
@@ -589,6 +601,8 @@ class CheckpointStore:
         expect = {"step": step, "rank": rank, "name": self.cfg.name}
         name = layout.shard_name(rank)
         for place in where:
+            if (step, rank, place) in self._bad:
+                continue  # failed in an earlier round of this resume: said once already
             try:
                 if place.tier == "local":
                     fd = self._step_fd(place.kind, step, create=False)
@@ -622,6 +636,7 @@ class CheckpointStore:
                 state, extra = decode(payload)
                 return state, extra, place.words()
             except (ShardError, TransferError, StageError, OSError, ValueError) as exc:
+                self._bad.add((step, rank, place))
                 self._skips.append(f"{place.words()}: {_words(exc)}")
         if not where:
             self._skips.append("no copy anywhere")
