@@ -86,6 +86,17 @@ def last_paths(trainer: Any) -> list[str]:
     return out
 
 
+def mark_saved(trainer: Any, path: str) -> None:
+    """Tell each ModelCheckpoint with ``save_last`` that this run saved `path`: Lightning
+    2.6's ``on_train_end`` writes ``last.ckpt`` once more when the callback saved nothing
+    itself in the run (an attempt stopped before its first ``every_n_train_steps``), a second
+    full write of the same step in the signal's window; and ``save_last="link"`` links to
+    this file. Only where the attribute exists (a private one, of the versions that do so)."""
+    for cb in trainer.callbacks:
+        if getattr(cb, "save_last", None) and hasattr(cb, "_last_checkpoint_saved"):
+            cb._last_checkpoint_saved = path
+
+
 def point_last(target: str, last: str) -> None:
     """Make `last` name the checkpoint at `target`, replacing what `last` was in one rename (a
     stop at any moment leaves the old or the new, never neither): a relative symbolic link, or
@@ -134,6 +145,7 @@ def _callback_class(base: type) -> type:
             path = trainer.strategy.broadcast(path)  # rank 0's name on every rank
             lasts = last_paths(trainer)
             trainer.save_checkpoint(path)
+            mark_saved(trainer, path)
             for last in lasts:
                 if _remote(path) or _remote(last):
                     trainer.save_checkpoint(last)  # every rank: a save may be collective
