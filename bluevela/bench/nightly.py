@@ -52,7 +52,7 @@ from bluevela.bench.store import (
     series,
     write_night,
 )
-from bluevela.errors import BenchError, SiteConfigError, SlurmError
+from bluevela.errors import BenchError, LaunchError, SiteConfigError, SlurmError
 from bluevela.fleet.nodestate import DrainOutcome, drain_node, release_stale_slots
 from bluevela.launch.bench_job import BenchJobRequest, BenchStep
 from bluevela.site import NodeClass, Site
@@ -82,6 +82,9 @@ class NightlyOptions:
         mpi: srun's `--mpi` plugin for the MPI step.
         drain: drain culprits (False: only report them).
         report: write `<night>.html` beside the record.
+        qos: the benchmark jobs' QOS (a high priority one keeps backfill off the nodes).
+        reservation: the benchmark jobs' reservation (its idle nodes, shown `reserved`, are
+            measured too).
     """
 
     partition: str | None = None
@@ -97,6 +100,15 @@ class NightlyOptions:
     mpi: str = "pmix"
     drain: bool = True
     report: bool = True
+    qos: str | None = None
+    reservation: str | None = None
+
+    def __post_init__(self) -> None:
+        from bluevela.launch.request import _WORD
+
+        for what, word in (("--qos", self.qos), ("--reservation", self.reservation)):
+            if word is not None and not _WORD.match(word):
+                raise LaunchError(f"{what} {word!r} is not a plain name")
 
 
 class Events(Protocol):
@@ -214,8 +226,11 @@ class NightlyOutcome:
 # -- selection ------------------------------------------------------------------------------
 
 def select_nodes(client: SlurmClient, site: Site, partition: str | None,
-                 nodes: Sequence[str] | None) -> tuple[list[str], dict[str, str], dict[str, str]]:
-    """(selected, skipped node -> why, node -> class): idle nodes in a node class."""
+                 nodes: Sequence[str] | None, *, reservation: str | None = None,
+                 ) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """(selected, skipped node -> why, node -> class): idle nodes in a node class (with a
+    `reservation`, `reserved` ones too: idle in a reservation, which the jobs then name)."""
+    free = {"IDLE", "RESERVED"} if reservation else {"IDLE"}
     known = client.nodes(list(nodes) if nodes else None)
     by_name = {n.name: n for n in known}
     skipped: dict[str, str] = {}
@@ -231,7 +246,7 @@ def select_nodes(client: SlurmClient, site: Site, partition: str | None,
             if nodes:
                 skipped[name] = f"not in partition {partition}"
             continue
-        if info.state.upper() != "IDLE":
+        if info.state.upper() not in free:
             skipped[name] = f"not idle ({info.state}{': ' + info.reason if info.reason else ''})"
             continue
         try:
@@ -343,7 +358,7 @@ def _request(site: Site, nodes: tuple[str, ...], steps: tuple[BenchStep, ...], c
         steps=steps, nodelist=nodes, partition=opts.partition, time=opts.time_limit,
         job_name=name, comment=f"bv bench nightly {opts.night}", gpus_per_node=cls.gpus,
         output=str(workdir / "bench-%j.out"), chdir=str(workdir),
-        env=tuple(site.launch.env.items()),
+        env=tuple(site.launch.env.items()), qos=opts.qos, reservation=opts.reservation,
     )
 
 
@@ -475,7 +490,8 @@ def run_nightly(client: SlurmClient, site: Site, opts: NightlyOptions,
     root = nightly_dir(site.path("archive"))
     stamp = dt.datetime.now().strftime("%H%M%S") + f"-{os.getpid()}"
     workdir = ensure_dir(root / "runs" / night / stamp)
-    selected, skipped, classes = select_nodes(client, site, opts.partition, opts.nodes)
+    selected, skipped, classes = select_nodes(client, site, opts.partition, opts.nodes,
+                                              reservation=opts.reservation)
     out = NightlyOutcome(night, selected, skipped, classes, started_utc=_utc_now())
     for node, why in skipped.items():
         events.note(f"skipping {node}: {why}")
@@ -694,6 +710,9 @@ def start_detached(site: Site, opts: NightlyOptions, *, site_path: str | None = 
         argv += ["--nodes", ",".join(opts.nodes)]
     if not opts.drain:
         argv.append("--no-drain")
+    for flag, word in (("--qos", opts.qos), ("--reservation", opts.reservation)):
+        if word:
+            argv += [flag, word]
     with open(log, "ab") as fh:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh,
                                 start_new_session=True)

@@ -74,10 +74,16 @@ def run_cmd(obj: State, names: tuple[str, ...], class_name: str | None, budget_s
 @click.option("--no-drain", is_flag=True, help="Report failing nodes without draining them.")
 @click.option("--budget-s", type=click.FloatRange(min=0.01), default=0.5, show_default=True,
               help="Rough time budget per sweep point inside the jobs.")
+@click.option("--qos", default=None,
+              help="The benchmark jobs' QOS (a high-priority one keeps backfill off the idle "
+                   "nodes; docs/install.md 4.3).")
+@click.option("--reservation", default=None,
+              help="The benchmark jobs' reservation (its idle nodes are measured too).")
 @click.option("--json", "as_json", is_flag=True, help="Print the night's outcome as JSON.")
 @click.pass_obj
 def nightly_cmd(obj: State, partition: str | None, node_list: str | None, wait: bool,
-                night: str | None, no_drain: bool, budget_s: float, as_json: bool) -> None:
+                night: str | None, no_drain: bool, budget_s: float, qos: str | None,
+                reservation: str | None, as_json: bool) -> None:
     """Measure every idle node, then node pairs; drain failures; archive and report.
 
     Without --wait the run goes on as a detached process logging to <archive>/nightly/."""
@@ -95,7 +101,8 @@ def nightly_cmd(obj: State, partition: str | None, node_list: str | None, wait: 
             raise click.BadParameter(str(exc), param_hint="--nodes") from exc
     opts = NightlyOptions(partition=partition, nodes=nodes,
                           night=check_night(night) if night else None,
-                          drain=not no_drain, budget_s=budget_s)
+                          drain=not no_drain, budget_s=budget_s, qos=qos,
+                          reservation=reservation)
     if not wait:
         pid, log = start_detached(site, opts, site_path=obj.site_path)
         if as_json:

@@ -36,7 +36,7 @@ PORT_ENV = "BV_BENCH_PORT"  # bluevela.bench.dist.PORT_ENV (that module imports 
 
 logger = logging.getLogger(__name__)
 
-BENCH_SBATCH_OPTIONS = tuple(sorted({*SBATCH_OPTIONS, "nodelist"}))
+BENCH_SBATCH_OPTIONS = tuple(sorted({*SBATCH_OPTIONS, "nodelist", "reservation"}))
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -107,6 +107,8 @@ class BenchJobRequest:
     chdir: str | None = None
     env: tuple[tuple[str, str], ...] = ()
     exclusive: bool = True
+    qos: str | None = None  # so backfill does not take the nodes first (docs/install.md 4.3)
+    reservation: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -132,8 +134,10 @@ class BenchJobRequest:
                             ("output", self.output), ("chdir", self.chdir)):
             if value is not None:
                 _plain(name, value)
-        if self.partition is not None and not _WORD.match(self.partition):
-            raise LaunchError(f"partition {self.partition!r} is not a plain name")
+        for what, word in (("partition", self.partition), ("qos", self.qos),
+                           ("reservation", self.reservation)):
+            if word is not None and not _WORD.match(word):
+                raise LaunchError(f"{what} {word!r} is not a plain name")
         if self.time is not None and not _TIME.match(self.time):
             raise LaunchError(f"--time {self.time!r} is not a Slurm time (MM, HH:MM:SS, D-HH, ...)")
         if self.gpus_per_node < 0:
@@ -158,7 +162,8 @@ class BenchJobRequest:
         if self.gpus_per_node:
             opts["gpus-per-node"] = str(self.gpus_per_node)
         for key, value in (("partition", self.partition), ("time", self.time),
-                           ("comment", self.comment), ("chdir", self.chdir)):
+                           ("comment", self.comment), ("chdir", self.chdir), ("qos", self.qos),
+                           ("reservation", self.reservation)):
             if value is not None:
                 opts[key] = value
         unknown = set(opts) - set(BENCH_SBATCH_OPTIONS)
