@@ -70,3 +70,21 @@ def test_a_reservations_idle_nodes_are_selected(devcluster: DevCluster) -> None:
         devcluster.run(["scontrol", "delete", f"ReservationName={name}"], check=False)
     assert without == ["node1"] and "RESERVED" in skipped["node3"]
     assert within == ["node1", "node3"]
+
+
+class _Nodes:
+    """A stand-in for the client's one call still_idle makes (states as sinfo reports them)."""
+
+    def nodes(self, names: list[str] | None = None) -> list[object]:
+        from bluevela.slurm.client import NodeInfo
+
+        return [NodeInfo("node1", "IDLE"), NodeInfo("node2", "RESERVED"),
+                NodeInfo("node3", "ALLOCATED")]
+
+
+def test_pairs_keep_a_reservations_nodes() -> None:
+    from bluevela.bench.nightly import still_idle
+
+    nodes = ["node1", "node2", "node3"]
+    assert still_idle(_Nodes(), nodes) == {"node1"}  # type: ignore[arg-type]
+    assert still_idle(_Nodes(), nodes, reservation="r") == {"node1", "node2"}  # type: ignore[arg-type]

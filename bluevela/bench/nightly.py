@@ -259,14 +259,17 @@ def select_nodes(client: SlurmClient, site: Site, partition: str | None,
 
 
 
-def still_idle(client: SlurmClient, nodes: Sequence[str]) -> set[str]:
-    """The subset of `nodes` that is idle and not drained right now."""
+def still_idle(client: SlurmClient, nodes: Sequence[str], *,
+               reservation: str | None = None) -> set[str]:
+    """The subset of `nodes` that is idle (or, with a `reservation`, RESERVED: idle in it) and
+    not drained right now."""
+    free = {"IDLE", "RESERVED"} if reservation else {"IDLE"}
     try:
         infos = client.nodes(sorted(set(nodes)))
     except SlurmError as exc:
         logger.warning("asking for node states: %s", exc)
         return set(nodes)
-    return {n.name for n in infos if n.state.upper() == "IDLE"}
+    return {n.name for n in infos if n.state.upper() in free}
 
 
 # -- job requests ---------------------------------------------------------------------------
@@ -536,7 +539,8 @@ def run_nightly(client: SlurmClient, site: Site, opts: NightlyOptions,
     while todo:
         for group in pairing.rounds(todo):
             round_no += 1
-            usable = still_idle(client, [n for p in group for n in p])
+            usable = still_idle(client, [n for p in group for n in p],
+                                reservation=opts.reservation)
             for p in [p for p in group if not (p[0] in usable and p[1] in usable)]:
                 why = "a node is no longer idle (drained or busy since phase 1)"
                 out.pairs.append(SubjectResult(p, [evaluate(get(m), Facts.failed(m, why, p),
