@@ -180,6 +180,47 @@ def check_slurm_conf(facts: SiteFacts) -> list[Finding]:
                     f"not in the running config: {'; '.join(missing)}")]
 
 
+# The Slurm releases bv's suite ran on (docs/install.md, "Slurm releases": what was measured).
+TESTED_SLURM = ("22.05", "24.11")
+EXPEDITE_SINCE = (25, 11)  # sbatch --requeue=expedite, SlurmctldParameters=enable_expedited_requeue
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    parts = version.split(".")
+    if len(parts) < 2 or not parts[0].isdigit() or not parts[1].isdigit():
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def check_slurm_release(config: Mapping[str, str] | None) -> list[Finding]:
+    """The running Slurm's release, whether bv was tested on it, and what bv can use there:
+    growing a job (permit_job_expansion) and, from 25.11, the expedited requeue."""
+    if config is None:
+        return []  # check_slurm_conf says why
+    version = config.get("SLURM_VERSION", "").strip()
+    release = _release(version)
+    if release is None:
+        return [Finding(Status.WARNING, "slurm release",
+                        f"cannot read the release from SLURM_VERSION {version!r}")]
+    name = f"{release[0]}.{release[1]:02d}"
+    params = {f.split("=", 1)[0].lower() for f in _flags(config.get("SchedulerParameters", ""))}
+    grow = ("grow: on (permit_job_expansion)" if "permit_job_expansion" in params
+            else "grow: off (no permit_job_expansion: a lost node without a spare is requeued)")
+    if release < EXPEDITE_SINCE:
+        expedite = "expedited requeue: not in this release (25.11 and later)"
+    elif "enable_expedited_requeue" in {
+            f.split("=", 1)[0].lower() for f in _flags(config.get("SlurmctldParameters", ""))}:
+        expedite = "expedited requeue: on (enable_expedited_requeue)"
+    else:
+        expedite = "expedited requeue: off (SlurmctldParameters lacks enable_expedited_requeue)"
+    if name in TESTED_SLURM:
+        return [Finding(Status.OK, "slurm release",
+                        f"Slurm {version}: bv is tested on {name}; {grow}; {expedite}")]
+    return [Finding(Status.WARNING, "slurm release",
+                    f"Slurm {version}: bv is not tested on {name} (tested: "
+                    f"{', '.join(TESTED_SLURM)}; docs/install.md); {grow}; {expedite}")]
+
+
 def check_node_classes(facts: SiteFacts) -> list[Finding]:
     """Every node `sinfo` lists must be in one node class of site.yaml."""
     if facts.sinfo_nodes is None:
@@ -440,6 +481,7 @@ def evaluate(facts: SiteFacts, *, drain_timeout_s: float = 5.0) -> Validation:
     for d in facts.dirs:
         findings += check_directory(d, facts.slurm_user_uid)
     findings += check_slurm_conf(facts)
+    findings += check_slurm_release(facts.config)
     return Validation(tuple(findings), tuple(merged_lines(facts.wanted, facts.config)))
 
 

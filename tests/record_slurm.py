@@ -8,7 +8,7 @@ submits a few jobs that end (or stand) in the states bv reads, then writes what 
 daemons print about them to ``tests/data/slurm/<major.minor>/``: ``squeue --json`` (what
 CliSlurmClient parses), ``sacct -c`` lines (the jobcomp record of a job slurmctld forgot),
 ``scontrol show config``, the grow path's ``squeue -o`` fields and ``scontrol show job -o``,
-``scontrol show reservation -o`` and ``sinfo`` of a drained node. ``jobs.json`` names each job
+``scontrol show reservation -o`` and ``sinfo`` of a drained node, then of it resumed. ``jobs.json`` names each job
 by its role and says what it is (the tests assert these facts). Overwrites the release's folder.
 """
 
@@ -99,6 +99,12 @@ def main() -> int:
     sh("scontrol", "update", f"NodeName={idle}", "State=DRAIN", "Reason=bv: recorded drain")
     files["sinfo-nodes.txt"] = sh("sinfo", "-h", "-N", "-o", "%N|%T|%P|%E")
     sh("scontrol", "update", f"NodeName={idle}", "State=RESUME")
+    deadline = time.monotonic() + 20
+    while "drain" in sh("sinfo", "-h", "-N", "-n", idle, "-o", "%T") and \
+            time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(2)  # the node registers again after a resume
+    files["sinfo-resumed.txt"] = sh("sinfo", "-h", "-N", "-o", "%N|%T|%P|%E")
     sh("scancel", *(str(j) for j in jobs.values()))
     manifest = {"_source": f"tests/record_slurm.py on the dev cluster, {version}, "
                 f"{time.strftime('%Y-%m-%d', time.gmtime())}; workdir {work}",

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from bluevela.slurm.cli_client import node_reason_current
 from tests.conftest import DevCluster
 from tests.fixture_trees import materialized
 
@@ -46,9 +47,12 @@ def point_at(cluster: DevCluster, node: str, fixture: str) -> None:
 
 
 def node_state(cluster: DevCluster, node: str) -> tuple[str, str]:
+    """sinfo's state and reason, the reason as bv reads it: none for a node in service (24.11
+    keeps a resumed node's old drain reason)."""
     out = cluster.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T|%E"]).stdout.strip()
     state, _, reason = out.splitlines()[0].partition("|")
-    return state.rstrip("*~#!%$@^-"), ("" if reason == "none" else reason)
+    current = reason != "none" and node_reason_current(state)
+    return state.rstrip("*~#!%$@^-"), (reason if current else "")
 
 
 def run_in_node(cluster: DevCluster, node: str, phase: str,

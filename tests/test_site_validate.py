@@ -231,3 +231,24 @@ def test_gather_reads_sinfo_and_the_recorded_config(monkeypatch: pytest.MonkeyPa
     assert facts.slurm_user_uid == 0
     assert [f.message.split(" = ")[0] for f in facts.budget] == [
         "prolog worst case 308 s", "epilog worst case 143 s", "healthcheck worst case 75 s"]
+
+
+def test_slurm_release_reported_with_what_bv_can_use_there() -> None:
+    """The release from `scontrol show config` (recorded 22.05.8), whether bv was tested on it,
+    grow's switch and the expedited requeue (25.11 and later only)."""
+    from bluevela.site_checks import check_slurm_release
+
+    [found] = check_slurm_release(CONFIG)
+    assert found.status is Status.OK and found.check == "slurm release", found
+    assert found.message.startswith("Slurm 22.05.8: bv is tested on 22.05; grow: on ")
+    assert "expedited requeue: not in this release (25.11 and later)" in found.message
+    newer = {**CONFIG, "SLURM_VERSION": "27.05.0", "SchedulerParameters": "bf_interval=5",
+             "SlurmctldParameters": "enable_expedited_requeue,idle_on_node_suspend"}
+    [warn] = check_slurm_release(newer)
+    assert warn.status is Status.WARNING and "bv is not tested on 27.05 (tested: 22.05" in warn.message
+    assert "grow: off (no permit_job_expansion" in warn.message
+    assert "expedited requeue: on (enable_expedited_requeue)" in warn.message
+    off = check_slurm_release({**newer, "SlurmctldParameters": "(null)"})[0].message
+    assert "expedited requeue: off (SlurmctldParameters lacks" in off
+    assert check_slurm_release({"SLURM_VERSION": "x"})[0].status is Status.WARNING
+    assert check_slurm_release(None) == []

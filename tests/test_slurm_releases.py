@@ -106,3 +106,16 @@ def test_reservation_and_drained_node(release: str, monkeypatch: pytest.MonkeyPa
     assert drained.drained and drained.reason == "bv: recorded drain"
     assert drained.partitions == ("debug",)
     assert not nodes[rec["running_node"]].drained
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_resumed_node_reads_without_its_old_reason(release: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`scontrol update State=RESUME` of a drained node: 22.05 clears its reason, 24.11 keeps
+    it on the idle node (sinfo %E still prints it). bv reads a reason only where the node is
+    drained, down or failing, so a resumed node shows none on every release."""
+    folder, rec = _load(release)
+    text = (folder / "sinfo-resumed.txt").read_text()
+    monkeypatch.setattr(CliSlurmClient, "_run", lambda self, argv, **kw: text)
+    node = {n.name: n for n in CliSlurmClient(retry_s=0).nodes()}[rec["drained_node"]]
+    assert (node.state, node.reason, node.drained) == ("IDLE", "", False)

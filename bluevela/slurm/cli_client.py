@@ -1,4 +1,5 @@
-"""`SlurmClient` over Slurm's command-line tools; works on Slurm 22.05 and 24.11.
+"""`SlurmClient` over Slurm's command-line tools; works on Slurm 22.05 and 24.11 (each release
+recorded under tests/data/slurm/).
 
 Differences handled here rather than assumed:
 - `squeue --json` ignores `-j` on 22.05, so jobs are filtered here.
@@ -7,6 +8,9 @@ Differences handled here rather than assumed:
   numbers as `{"set": true, "number": N}`).
 - 22.05's `sacct --json` reports a normal non-zero exit as 0, so the sacct fallback parses `-P`
   text (`ExitCode` is `code:signal`).
+- 24.11 keeps a resumed node's old drain reason (sinfo %E beside "idle"): a reason is read only
+  for a node that is drained, down or failing.
+Recorded outputs of each release tested: tests/data/slurm/<release>/ (tests/record_slurm.py).
 """
 
 from __future__ import annotations
@@ -353,7 +357,7 @@ class CliSlurmClient:
             merged[name] = NodeInfo(
                 name=name,
                 state=_long_state(state),
-                reason="" if reason == "none" else reason,
+                reason="" if reason == "none" or not node_reason_current(state) else reason,
                 partitions=parts_all,
             )
         return list(merged.values())
@@ -423,6 +427,19 @@ def parse_reservation_line(line: str) -> ReservationInfo | None:
         start = None
     flags = tuple(f for f in fields.get("Flags", "").split(",") if f and f != "(null)")
     return ReservationInfo(name, _expand_nodes(fields.get("Nodes", "")), start, flags)
+
+
+# sinfo %T words of a node that is neither drained nor down nor failing. 24.11 keeps the reason
+# of a drained node that was resumed (sinfo %E prints it beside "idle"; 22.05 clears it): a
+# reason there is history, not why the node is out, and is not read as one.
+_IN_SERVICE = frozenset({"idle", "mixed", "allocated", "completing", "reserved", "planned"})
+
+
+def node_reason_current(t: str) -> bool:
+    """Whether a node in sinfo %T state `t` is out of service, so that its reason is current."""
+    words = t.rstrip("*~#!%$@^-").lower().split("+")
+    return not (words[0] in _IN_SERVICE and not any(
+        w.startswith(("drain", "down", "fail", "maint")) for w in words))
 
 
 def _long_state(t: str) -> str:
