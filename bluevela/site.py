@@ -243,6 +243,10 @@ class Health:
     nccl_freshness_h: NonNegFloat = 6.0  # the prolog reruns nccl when older; 0 = never
     retries: Annotated[int, Ge(1), Le(10)] = 3  # noisy measurements: pass if any try passes
     drain_timeout_s: Annotated[float, Gt(0)] = 5.0
+    # The most partitions one node is in: each adds the fleet breaker's slot creates to a
+    # drain, so the healthcheck's run cap is cut to keep the drain within slurmd's 60 s
+    # (hooks/budget.py; `bv site validate --cluster` compares it with sinfo).
+    partitions_per_node: Annotated[int, Ge(1), Le(64)] = 1
     fleet_breaker_pct: Annotated[float, Ge(0), Le(100)] = 15.0
     drain_prefix: Annotated[str, _Checked(_drain_prefix)] = "bv:"
     # enforce: drain/resume/hold; audit: check and report only; off: the hooks check nothing.

@@ -83,11 +83,16 @@ def resume_rpc_s(site: Site, partitions: int = 1) -> float:
     return site.health.drain_timeout_s + resume_tail_s(site, partitions)
 
 
-def healthcheck_cap_s(site: Site, partitions: int = 1) -> float:
+def healthcheck_cap_s(site: Site, partitions: int | None = None) -> float:
     """The healthcheck's run cap: slurmd's 60 s less start-up, the recheck sleep and the
     longer of a drain (jitter + calls) and a resume after it; at most `HEALTHCHECK_LIMIT_S`,
-    at least 1 s (`problems` names a site where it is under `HEALTHCHECK_MIN_RUN_S`)."""
+    at least 1 s (`problems` names a site where it is under `HEALTHCHECK_MIN_RUN_S`). The
+    drain's calls for `partitions` (default: site.yaml `health.partitions_per_node`, the
+    most partitions a node of the site is in)."""
     from bluevela.fleet.nodestate import HOOK_JITTER_S
+
+    if partitions is None:
+        partitions = site.health.partitions_per_node
 
     after = max(HOOK_JITTER_S + drain_rpc_s(site, partitions), resume_rpc_s(site, partitions))
     left = HEALTHCHECK_KILL_S - START_S - _recheck_s(site) - after
@@ -152,7 +157,10 @@ def healthcheck_problems(site: Site, *, partitions: int = 1) -> list[str]:
     out: list[str] = []
     b = hook_budget(site, "healthcheck", partitions=partitions, lock_wait_s=0.0)
     if b.total_s > HEALTHCHECK_KILL_S:
-        out.append(f"{b.text()} > slurmd's HealthCheckProgram kill at {HEALTHCHECK_KILL_S:g} s")
+        hint = (f" (a node in {partitions} partitions: set health.partitions_per_node: "
+                f"{partitions})" if partitions > site.health.partitions_per_node else "")
+        out.append(f"{b.text()} > slurmd's HealthCheckProgram kill at "
+                   f"{HEALTHCHECK_KILL_S:g} s{hint}")
     cap = healthcheck_cap_s(site)
     if cap < HEALTHCHECK_MIN_RUN_S:
         out.append(f"healthcheck run cap {cap:g} s < {HEALTHCHECK_MIN_RUN_S:g} s: the drain's "
