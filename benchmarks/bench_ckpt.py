@@ -7,8 +7,9 @@ memory over 100 saves in this process.
     BV_DEVCLUSTER_ID=7 python benchmarks/run.py ckpt          # 64 MB
     BV_CKPT_BENCH_MB=64,256 BV_DEVCLUSTER_ID=7 python benchmarks/run.py ckpt
 
-The dev cluster's "shared" directory is a directory of this machine's disk (no network file
-system: see docs/checkpoints.md), so (a) and (b) are what a fast local disk gives them.
+The shared directory is a directory of this machine's disk, or with `BV_CKPT_BENCH_FS=gluster`
+a GlusterFS volume mounted on every node (slurm/devcluster-gfs); `BV_CKPT_BENCH_RATE=1gbit`
+throttles every node's link (tc tbf: the file system's traffic and the partner copies).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 from _common import REPO, Figure
 
 DEVCLUSTER = REPO / "slurm" / "devcluster"
+GFS = REPO / "slurm" / "devcluster-gfs"
 
 
 def _rss() -> int:
@@ -82,13 +84,31 @@ def cluster(mb: float, rounds: int) -> Iterator[Figure]:
                    capture_output=True, timeout=600)
     env = _env()
     work = Path(tempfile.mkdtemp(prefix="bv-ckpt-bench-"))
+    shared = work / "shared"
+    fs = os.environ.get("BV_CKPT_BENCH_FS", "local")
+    rate = os.environ.get("BV_CKPT_BENCH_RATE", "")
+    if fs == "gluster":
+        up = subprocess.run([sys.executable, str(GFS), "up"], check=True, capture_output=True,
+                            text=True, timeout=900)
+        shared = Path(up.stdout.strip().splitlines()[-1]) / work.name
+    throttled = []
+    if rate:
+        for node in ("node1", "node2", "node3"):
+            subprocess.run([sys.executable, str(DEVCLUSTER), "throttle", node, rate],
+                           check=True, capture_output=True, timeout=60)
+            throttled.append(node)
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "bluevela", "submit", "--wait", "-N", "2", "--procs-per-node",
-         "1", "-t", "30", str(REPO / "benchmarks" / "ckpt_job.py"), "--shared",
-         str(work / "shared"), "--local-base", str(work / "local"), "--mb", f"{mb:g}",
-         "--rounds", str(rounds)], cwd=work, env=env, capture_output=True, text=True,
-        timeout=1800, check=False)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "bluevela", "submit", "--wait", "-N", "2",
+             "--procs-per-node", "1", "-t", "30", str(REPO / "benchmarks" / "ckpt_job.py"),
+             "--shared", str(shared), "--local-base", str(work / "local"), "--mb", f"{mb:g}",
+             "--rounds", str(rounds)], cwd=work, env=env, capture_output=True, text=True,
+            timeout=1800, check=False)
+    finally:
+        for node in throttled:
+            subprocess.run([sys.executable, str(DEVCLUSTER), "throttle", node, "off"],
+                           check=False, capture_output=True, timeout=60)
     text = "".join(p.read_text(errors="replace") for p in sorted(work.glob("bv-*.out")))
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark job failed ({proc.returncode}):\n{proc.stdout}\n{text}")
@@ -96,7 +116,7 @@ def cluster(mb: float, rounds: int) -> Iterator[Figure]:
     for m in re.finditer(r"^FIG (\S+) (\S+) (\S+) (\S+)$", text, re.M):
         figs[m.group(2)] = float(m.group(3))
     note = re.search(r"^FIGNOTE \S+ (.*)$", text, re.M)
-    tag = f"{mb:g} MB"
+    tag = f"{mb:g} MB {fs}{' ' + rate if rate else ''}"
     a, b, c = figs["stall_torch"], figs["stall_dcp"], figs["stall_store"]
     yield Figure(f"ckpt {tag} stall torch.save (a)", a, "s", "", f"{rounds} rounds, median")
     yield Figure(f"ckpt {tag} stall DCP async_save (b)", b, "s", "", "")

@@ -11,7 +11,8 @@ interleaved (the order rotates every round):
   background phase (node-local write + partner copy) is awaited before the next method runs.
 
 Then the resume figures: `store.load_latest()` with the node-local files there, with rank 1's
-own file deleted (its shard fetched from the partner node), and `torch.load` from shared.
+own file deleted (its shard fetched from the partner node), and `torch.load` from shared of
+the other rank's file (what a spare reads of a lost node's).
 Rank 0 prints `FIG <name> <value> <unit>` lines (the max over ranks of each rank's median).
 """
 
@@ -55,7 +56,7 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     host = socket.gethostname()
     n = int(opts.mb * 1e6 / 4)
-    state = {"w": torch.randn(n), "step": 0}
+    state: dict[str, Any] = {"w": torch.randn(n), "step": 0}
     tag = f"{int(opts.mb)}MB"
     opts.shared.mkdir(parents=True, exist_ok=True)
     store = runtime.checkpoint_store(opts.shared, name=f"bench{tag}",
@@ -77,7 +78,7 @@ def main() -> int:
             elif m == "dcp":
                 fut = dcp.async_save(state, checkpoint_id=str(opts.shared / f"dcp-{tag}-{r}"))
                 stalls[m].append(time.perf_counter() - t0)
-                fut.result()
+                fut.result()  # type: ignore[union-attr]
                 background[m].append(time.perf_counter() - t0)
             else:
                 stats = store.save(r, state)
@@ -108,14 +109,16 @@ def main() -> int:
     del got
     dist.barrier()
     t0 = time.perf_counter()
-    torch.load(opts.shared / f"torch-{tag}-rank{rank}.pt", weights_only=True)
+    # The other rank's file, as a spare reads the lost node's (through this node's own mount:
+    # not the page cache of the node that wrote it).
+    torch.load(opts.shared / f"torch-{tag}-rank{(rank + 1) % world}.pt", weights_only=True)
     torch_load_s = time.perf_counter() - t0
     store.close()
     mine = {f"stall_{k}": statistics.median(v) for k, v in stalls.items()}
     mine.update({f"background_{k}": statistics.median(v) for k, v in background.items()})
     mine.update(resume_local=local_s, resume_partner=partner_s, resume_torch_load=torch_load_s,
                 rss_growth_mb=(rss1 - rss0) / 1e6, staged_mb=store.stager.held_bytes / 1e6)
-    everyone = [None] * world
+    everyone: list[dict[str, float] | None] = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
         for key in mine:
