@@ -354,3 +354,49 @@ def test_a_node_local_directory_others_can_write_is_refused(tmp_path: Path) -> N
     os.chmod(mine, 0o777)
     with pytest.raises(UnsafeValueError, match="group/other-writable"):
         run_ranks(1, lambda rank, coll: make_store(tmp_path, rank, coll))
+
+
+def test_garbage_and_idle_clients_do_not_stop_the_server(tmp_path: Path) -> None:
+    import socket
+
+    from bluevela.ckpt import partner
+    from bluevela.ckpt.partner import ShardServer
+
+    held = tmp_path / "held"
+    held.mkdir()
+    src = os.open(tmp_path, os.O_RDONLY)
+    write_shard(src, "rank-00000.bvck", {"step": 1, "rank": 0, "payload": 4}, [b"abcd"])
+    server = ShardServer(KEY, lambda step: os.open(held, os.O_RDONLY),
+                         lambda step, rank: None, lambda s, r, n: None, 1 << 20, "127.0.0.1")
+    addr = ("127.0.0.1", server.port)
+    idle: list[socket.socket] = []
+    try:
+        with socket.create_connection(addr, timeout=5) as s:  # a line far over the cap
+            s.recv(100)
+            s.sendall(b"x" * 10_000 + b"\n")
+            assert s.recv(100).startswith(b"err ")
+        assert send_shard(addr, KEY, src, "rank-00000.bvck", 1, 0) > 0
+        # Connections that say nothing hold a slot each until their deadline; over the cap
+        # a new one is closed at once (the sender fails fast and takes the next place).
+        idle = [socket.create_connection(addr, timeout=5) for _ in range(partner.MAX_CONN)]
+        for s in idle:
+            s.recv(100)
+        with pytest.raises(TransferError):
+            send_shard(addr, KEY, src, "rank-00000.bvck", 1, 0)
+        for s in idle:
+            s.close()
+        for _ in range(50):  # the slots come back as the server sees the closes
+            try:
+                assert send_shard(addr, KEY, src, "rank-00000.bvck", 1, 0) > 0
+                break
+            except TransferError:
+                import time
+
+                time.sleep(0.1)
+        else:
+            raise AssertionError("the server did not recover its slots")
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+        os.close(src)
