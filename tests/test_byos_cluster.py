@@ -14,12 +14,15 @@ The first two attempts end at Slurm's time limit: the job trains more steps (STE
 timer and the ranks' start-up (10-40 s on this machine), 1 to 6 more allocations of ~50 s; so
 once two attempts ended at the limit the test lengthens the job's limit to LAST_LIMIT_MIN
 (`scontrol update TimeLimit`, an operator's move) and the next allocation trains to the end.
-The Accelerate job then takes one operator `bv requeue` (`scancel --batch --signal=USR1`: the
-same SIGUSR1 path, at a moment the test picks, far from the limit) once its ranks train; that
+The Accelerate and Lightning jobs then take one operator `bv requeue` (`scancel --batch
+--signal=USR1`: the same SIGUSR1 path, at a moment the test picks, far from the limit) once
+their ranks train (Lightning's, once its ranks trained 30 steps: past its script's own
+`every_n_train_steps=25` save, so its `fit(ckpt_path="last")` must find bv's newer one); that
 attempt is not counted among Slurm's, and it too must lose 0 steps. Then, in the next attempt
 that trains (the last allocation: none comes after it on the revived node), a training node
 crashes (`devcluster crash`): the step is relaunched on the spare in the same allocation within
-10 s and resumes from the framework's checkpoint of the last signal.
+10 s and resumes from the framework's checkpoint of the last signal (or the script's own later
+one).
 
 Every rank of every attempt prints the Slurm names it sees: they describe the training step
 (2 nodes, its node list, its task count, its own rank), not the 3-node allocation. No attempt
@@ -62,14 +65,17 @@ class Framework:
     dir_opt: str  # its directory option
     operator_requeue: bool = False  # one interruption through `bv requeue` besides Slurm's
     # The script's own periodic checkpoint (steps), which its resume also finds: after the
-    # crash it resumes from the newer of that and the last signal's.
+    # crash it resumes from the newer of that and the last signal's. The operator's requeue
+    # then comes once the attempt trained past one of them (every + 5 steps), so the signal's
+    # stop is at a step the script's own newest checkpoint is older than (issue 33).
     every: int = 0
 
 
 FRAMEWORKS = {
     # Lightning's documented resume: ModelCheckpoint(save_last=True, every_n_train_steps=25)
     # and fit(ckpt_path="last") (issue 33: "last" was the callback's older last.ckpt).
-    "lightning": Framework("lightning", "lightning_ddp.py", "--root", every=25),
+    "lightning": Framework("lightning", "lightning_ddp.py", "--root", operator_requeue=True,
+                           every=25),
     "hf": Framework("transformers", "hf_trainer.py", "--out"),
     "accelerate": Framework("accelerate", "accelerate_loop.py", "--dir",
                             operator_requeue=True),
@@ -268,12 +274,13 @@ class Crash:
     relaunched_at: float = 0.0
 
 
-def _training_before_signal(watch: Watch, first: int) -> int:
-    """The first attempt from `first` on that has trained a step and has had no checkpoint
-    signal."""
+def _training_before_signal(watch: Watch, first: int, steps: int = 1) -> int:
+    """The first attempt from `first` on that has trained `steps` steps and has had no
+    checkpoint signal."""
     n = first
     while True:
-        watch.until(f"a step of attempt {n}", lambda t, n=n: len(_steps(_attempt(t, n))) >= 1
+        watch.until(f"{steps} steps of attempt {n}",
+                    lambda t, n=n: len(_steps(_attempt(t, n))) >= steps
                     or len(BANNER.findall(t)) > n, 300)
         text = watch.text()
         if len(BANNER.findall(text)) == n and SIGNAL_SEEN not in _attempt(text, n):
@@ -297,7 +304,7 @@ def _drive(devcluster: DevCluster, watch: Watch, fw: Framework) -> tuple[Crash, 
         # after the crash (its node revived: slurmd restarted).
         first = _at_limit(text, operator)[1] + 2  # the attempt after the second limit's
         if fw.operator_requeue:
-            n = _training_before_signal(watch, first)
+            n = _training_before_signal(watch, first, fw.every + 5 if fw.every else 1)
             assert f"job {job}: checkpoint requested" in devcluster.bv("requeue", job).stdout
             operator.append(n - 1)
             first = n + 1
