@@ -9,7 +9,6 @@ import click
 
 from bluevela.cli import State
 from bluevela.cli.output import emit_json
-from bluevela.errors import LaunchError
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
@@ -129,16 +128,9 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
         else:
             click.echo(request.materialize(), nl=False)
         return
-    from bluevela.launch.request import output_dir_problem
+    from bluevela.launch.submit import preflight
 
-    problem = output_dir_problem(request.output, os.getcwd())
-    if problem:
-        raise LaunchError(problem)
-    if not no_python_check:
-        from bluevela.launch.jobpython import check_job_python
-
-        check_job_python(request.python, request.env, cwd=os.getcwd(),
-                         need_torch=site is None or site.launch.rdzv_guard == "required")
+    preflight(request, site, cwd=os.getcwd(), check_python=not no_python_check)
     if retry_s is None and site is not None:
         retry_s = site.launch.submit_retry_s
     client = obj.client(retry_s=retry_s)

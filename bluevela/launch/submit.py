@@ -153,6 +153,28 @@ def build_request(
     )
 
 
+def preflight(request: SubmitRequest, site: Site | None, *, cwd: str,
+              check_python: bool = True) -> None:
+    """What a real submit checks on the login node before the job queues (a dry run does
+    not): the output file's directory exists (sbatch does not make it), and the job's Python
+    runs bv's supervisor (`jobpython.check_job_python`; torch needed unless the site lets
+    another torchrun run unguarded).
+
+    Raises:
+        LaunchError: one line saying what the job would have failed on.
+    """
+    from bluevela.launch.request import output_dir_problem
+
+    problem = output_dir_problem(request.output, cwd)
+    if problem:
+        raise LaunchError(problem)
+    if check_python:
+        from bluevela.launch.jobpython import check_job_python
+
+        check_job_python(request.python, request.env, cwd=cwd,
+                         need_torch=site is None or site.launch.rdzv_guard == "required")
+
+
 def submit(request: SubmitRequest, client: SlurmClient, *, cwd: str | None = None) -> int:
     """Submit the materialized script; return the job id."""
     return client.submit(request.materialize(), cwd=cwd)
