@@ -1,0 +1,91 @@
+"""A grow, then a requeue, on the REAL dev cluster (issue 33 section 4).
+
+A 2-node DDP job loses its second node (`slurm/devcluster crash`), the supervisor grows the
+same job by node3 (site.yaml launch.grow_deadline_s) and relaunches on node1 and node3
+(node3 keeps the copy of the goodput events); then `bv requeue` checkpoints and requeues it,
+and it ends in its next Slurm attempt. node3 ran no prolog of the job in attempt 0, and its
+epilog there runs with SLURM_JOB_RESTART_COUNT already 1: the epilog must file it under
+restart 0 from Slurm's record (bluevela/slurm/job_record.py) and collect the keeper's copy,
+and the ingest must archive every report with no duplicate or conflict.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import hostlist
+import pytest
+
+from tests.conftest import DEVCLUSTER, REPO, DevCluster
+from tests.test_grow_cluster import _site_with_grow
+from tests.test_recovery_cluster import BANNER, _finish, _output, _wait_for
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.mark.timeout(900)
+def test_a_grown_nodes_epilog_after_a_requeue_is_its_attempts(devcluster: DevCluster,
+                                                               tmp_path: Path) -> None:
+    devcluster.resume_all()
+    devcluster.wait_idle(timeout=120)
+    site = _site_with_grow(tmp_path, 15)
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bluevela", "submit", "--wait", "-N", "2", "--procs-per-node",
+         "1", str(REPO / "examples" / "train_ddp.py"), "--ckpt-dir", str(workdir / "ckpt"),
+         "--steps", "60", "--step-s", "0.4", "--ckpt-every", "4"],
+        cwd=workdir, env=devcluster.environ(BV_SITE=str(site)), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    crashed: str | None = None
+    try:
+        _wait_for("step=9 of attempt 1", lambda: "step=9 attempt=1" in _output(workdir), 150,
+                  proc)
+        first = BANNER.search(_output(workdir))
+        assert first is not None
+        job = first.group(2)
+        crashed = hostlist.expand_hostlist(first.group(3))[1]
+        devcluster.run([sys.executable, str(DEVCLUSTER), "crash", crashed])
+        # attempt 2 runs on the grown node; then bv's requeue (checkpoint, Slurm requeue)
+        _wait_for("progress of attempt 2", lambda: re.search(
+            r"^step=\d+ attempt=2$", _output(workdir), re.M), 150, proc)
+        text = _output(workdir)
+        m = re.search(r"\(grown (\S+) in [\d.]+ s, same job, no Slurm requeue\)", text)
+        assert m is not None, text
+        grown = m.group(1)
+        devcluster.run([sys.executable, str(DEVCLUSTER), "revive", crashed], check=False)
+        crashed = None
+        devcluster.bv("requeue", job)
+        out = _finish(proc, 400)
+        assert proc.returncode == 0, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if crashed is not None:
+            devcluster.run([sys.executable, str(DEVCLUSTER), "revive", crashed], check=False)
+    show = devcluster.run(["scontrol", "show", "job", job]).stdout
+    assert "Restarts=1" in show, show
+
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    arch = ("archive", "--archive-dir", str(archive))
+    ing = json.loads(devcluster.bv(*arch, "ingest", "--job", job, "--wait", "60",
+                                   "--timeout-min", "0", "--json", timeout=120).stdout)
+    assert ing["duplicates"] == 0 and ing["conflicts"] == [] and not ing["quarantined"], ing
+    shown = json.loads(devcluster.bv(*arch, "show", job, "--json").stdout)
+    (n3,) = [n for n in shown["nodes"] if n["node"] == grown]
+    epilogs = {e["restart"]: e for e in
+               [n3["epilog"], *(x["epilog"] for x in n3.get("earlier") or [])] if e is not None}
+    assert 0 in epilogs, n3  # before: filed under restart 1
+    mine = epilogs[0]
+    assert mine["slurm_job"]["requeued"] is True and mine["slurm_job"]["restarts"] == 1, mine
+    # the keeper's copy of attempt 0's events (node3 was the relaunch's second node)
+    rec = mine.get("goodput_events")
+    assert rec is not None and rec["restart"] == 0 and rec["copy_on"] == grown, mine
+    assert [g["nodes"] for g in rec["grows"]] == [[grown]], rec
+    led = json.loads(devcluster.bv(*arch, "show", job, "--goodput", "--json").stdout)
+    assert led["phases_s"]["queue_hold"] < 120, led  # from Slurm's submit time
