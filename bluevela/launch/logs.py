@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bluevela.errors import SlurmError
-from bluevela.slurm.client import JobInfo, SlurmClient
+from bluevela.slurm.client import AttemptRecord, JobInfo, SlurmClient
 from bluevela.util.term import printable
 
 logger = logging.getLogger(__name__)
@@ -189,13 +189,44 @@ def with_causes(info: JobInfo) -> JobInfo:
         logger.debug("no causes from the output of job %s: %s", info.job_id, exc)
         return info
     # Banners also count relaunches inside one allocation (spares): they name Slurm's attempts
-    # only when the counts agree; otherwise Slurm's recorded state stands alone.
-    if len(split_attempts(text)) != len(info.attempts):
+    # only when the counts agree; otherwise Slurm's recorded state stands alone, but for
+    # attempts that never printed a banner (a prolog's refusal).
+    banners = len(split_attempts(text))
+    if banners < len(info.attempts):
+        return replace(info, attempts=_never_started(info.attempts, len(info.attempts) - banners))
+    if banners != len(info.attempts):
         return info
     causes = attempt_causes(text)
     attempts = tuple(replace(rec, cause=causes.get(rec.attempt, rec.cause))
                      for rec in info.attempts)
     return replace(info, attempts=attempts)
+
+
+# A Slurm attempt requeued this soon after its start, in a job whose output has fewer banners
+# than Slurm has attempts, most likely never reached bv's supervisor: a node's prolog refused
+# it (the prolog's worst case is under PrologEpilogTimeout, 300 s by default; docs/byos.md,
+# "Why did my job start late, or go back to PENDING?").
+NEVER_STARTED_S = 300
+NEVER_STARTED = ("requeued before bv's supervisor started (no banner for it): most likely a "
+                 "node's prolog found the node unhealthy and Slurm requeued the job "
+                 "(bv health nodes shows the drain and its reason)")
+
+
+def _never_started(attempts: tuple[AttemptRecord, ...], missing: int
+                   ) -> tuple[AttemptRecord, ...]:
+    """`attempts` with the NEVER_STARTED cause on the `missing` shortest REQUEUED ones that
+    lasted at most NEVER_STARTED_S and have no cause yet."""
+    from dataclasses import replace
+
+    from bluevela.slurm.states import JobState
+
+    short = sorted((r.end_time - r.start_time, r.attempt) for r in attempts
+                   if r.state is JobState.REQUEUED and not r.cause
+                   and r.start_time is not None and r.end_time is not None
+                   and 0 <= r.end_time - r.start_time <= NEVER_STARTED_S)
+    chosen = {attempt for _, attempt in short[:missing]}
+    return tuple(replace(r, cause=NEVER_STARTED) if r.attempt in chosen else r
+                 for r in attempts)
 
 
 def bv_attempts_of(info: JobInfo) -> list[dict[str, object]]:
