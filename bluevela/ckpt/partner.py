@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bluevela.ckpt.shardfile import ShardError, ShardInfo, copy_stream, open_shard
+from bluevela.ckpt.shardfile import ShardError, ShardInfo, copy_stream, open_shard, read_stream
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,10 @@ class _Reader:
     def readline(self, limit: int = -1) -> bytes:
         self.dl.arm()
         return self.f.readline(limit)
+
+    def readinto(self, buf: memoryview) -> int:
+        self.dl.arm()
+        return self.f.readinto(buf) or 0
 
     def close(self) -> None:
         self.f.close()
@@ -353,6 +357,40 @@ def fetch_shard(addr: tuple[str, int], key: bytes, step: int, rank: int, dst_dir
         return copy_stream(r, size, dst_dir_fd, name,  # type: ignore[arg-type]
                            expect={"step": step, "rank": rank}, digest=str(reply["digest"]),
                            keep=keep)
+    except (OSError, ValueError, KeyError) as exc:
+        raise TransferError(f"{addr[0]}:{addr[1]}: {exc}") from None
+    finally:
+        r.close()
+        sock.close()
+
+
+def fetch_payload(addr: tuple[str, int], key: bytes, step: int,
+                  rank: int) -> tuple[ShardInfo, bytearray]:
+    """Fetch rank `rank`'s shard of `step` from a node's server into memory, verified (its
+    digest, and the one the server MACed): a resume loads it at once, and keeps a node-local
+    copy of it afterwards, off its critical path.
+
+    Raises:
+        TransferError: the server does not have it, refused, or the connection failed.
+        ShardError: what came is torn or corrupt.
+    """
+    cnonce = secrets.token_hex(16)
+    sock, dl, r = _connect(addr, key, BASE_DEADLINE_S,
+                           {"op": "get", "step": step, "rank": rank, "nonce": cnonce})
+    try:
+        reply_raw = _readline(r)
+        if reply_raw.startswith(b"err "):
+            raise TransferError(reply_raw.decode(errors="replace")[:200])
+        mac = _readline(r)
+        if not hmac.compare_digest(mac, _mac(key, b"get", cnonce.encode(), reply_raw)):
+            raise TransferError("bad MAC on the reply")
+        reply = json.loads(reply_raw)
+        if reply.get("missing"):
+            raise TransferError("the node does not hold it")
+        size = int(reply["size"])
+        dl.end = time.monotonic() + deadline_for(size)
+        return read_stream(r, size, expect={"step": step, "rank": rank},
+                           digest=str(reply["digest"]))
     except (OSError, ValueError, KeyError) as exc:
         raise TransferError(f"{addr[0]}:{addr[1]}: {exc}") from None
     finally:

@@ -336,3 +336,38 @@ def _read_exact(f: IO[bytes], n: int) -> bytes:
         parts.append(chunk)
         n -= len(chunk)
     return b"".join(parts)
+
+
+def read_stream(f: Any, size: int, expect: dict[str, Any] | None = None,
+                digest: str | None = None) -> tuple[ShardInfo, bytearray]:
+    """Read a shard file of `size` bytes from a stream (a socket) into memory, verified: its
+    shape, its digest (hashed once, as it arrives) and, with `digest`, that it is the file the
+    sender vouched for. The payload in one buffer of its size (`f` needs `readinto`).
+
+    Raises:
+        ShardError: torn, corrupt, or not what `expect`/`digest` say.
+        OSError: `f` fails.
+    """
+    header, raw = read_header(f, size)
+    for key, value in (expect or {}).items():
+        if header.get(key) != value:
+            raise ShardError(f"{key} {header.get(key)!r} where {value!r} was expected")
+    if raw != encode_header(header):
+        raise ShardError("corrupt header: not in its canonical form")
+    sha = hashlib.sha256(raw)
+    n = header["payload"]
+    payload = bytearray(n)
+    view = memoryview(payload)
+    done = 0
+    while done < n:
+        got = f.readinto(view[done:min(n, done + _CHUNK)])
+        if not got:
+            raise ShardError(f"torn: payload ends after {done} of {n} bytes")
+        sha.update(view[done:done + got])
+        done += got
+    trailer = _read_exact(f, TRAILER)
+    if trailer != END + sha.digest():
+        raise ShardError("corrupt: checksum mismatch")
+    if digest is not None and sha.hexdigest() != digest:
+        raise ShardError("not the file the sender vouched for (digest differs)")
+    return ShardInfo(header, size, sha.hexdigest()), payload

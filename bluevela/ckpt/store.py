@@ -41,12 +41,13 @@ from bluevela.ckpt.partner import (
     ShardServer,
     TransferError,
     choose_partners,
-    fetch_shard,
+    fetch_payload,
     send_shard,
 )
 from bluevela.ckpt.plan import NodeInv, Place, candidates, needs_shared, places
 from bluevela.ckpt.shardfile import (
     ShardError,
+    ShardInfo,
     copy_verified,
     file_size,
     load_at,
@@ -112,7 +113,10 @@ class SaveStats:
 
 @dataclass
 class Restored:
-    """A resumed state and where it came from."""
+    """A resumed state and where it came from. Its tensors are views of the one buffer the
+    shard was read into (no second copy); a shard fetched from another node is also written
+    to this node's tier from that buffer, in the background until `wait()`: load them into
+    the model (`load_state_dict` copies) rather than changing them in place."""
 
     step: int
     state: Any
@@ -159,6 +163,7 @@ class CheckpointStore:
         self._pending: _Job | None = None
         self._skips: list[str] = []
         self._bad: set[tuple[int, int, Place]] = set()
+        self._keepers: list[threading.Thread] = []
         self.shared_reads = 0  # listings and loads of shared storage by this rank's resumes
         self._invs: list[NodeInv] = []
         self._shared: dict[int, frozenset[int]] = {}
@@ -313,8 +318,11 @@ class CheckpointStore:
         self._queue.put(job)
 
     def wait(self) -> None:
-        """Block until every queued save's background phase is over."""
+        """Block until every queued save's background phase (and every node-local copy of a
+        fetched shard) is over."""
         self._queue.join()
+        while self._keepers:
+            self._keepers.pop().join()
 
     def _write_loop(self) -> None:
         while True:
@@ -590,6 +598,28 @@ class CheckpointStore:
         return self._load_step(step, places(step, rank, self.node, self._invs, self._shared),
                                rank)
 
+    def _keep_fetched(self, step: int, rank: int, info: ShardInfo, payload: bytearray) -> None:
+        """A node-local copy of a fetched shard (the next resume on this node reads it here),
+        written by a thread of its own: the resume goes on with the bytes in memory."""
+        if self.root is None:
+            return
+
+        def keep() -> None:
+            try:
+                fd = self._step_fd("own" if rank == self.rank else "held", step)
+                try:
+                    write_shard(fd, layout.shard_name(rank), info.header, [payload],
+                                digest_of=lambda: bytes.fromhex(info.digest))
+                finally:
+                    os.close(fd)
+            except (OSError, ValueError) as exc:
+                logger.info("bv ckpt: no node-local copy of rank %s step %s: %s", rank, step,
+                            _words(exc))
+
+        t = threading.Thread(target=keep, name="bv-ckpt-keep", daemon=True)
+        t.start()
+        self._keepers.append(t)
+
     @property
     def last_skips(self) -> list[str]:
         return list(self._skips)
@@ -614,15 +644,11 @@ class CheckpointStore:
                     assert place.addr is not None
                     if self.root is None:
                         raise TransferError("no node-local tier to fetch into")
-                    fd = self._step_fd("own" if rank == self.rank else "held", step)
-                    try:
-                        payload = bytearray()
-                        info = fetch_shard(place.addr, self.key, step, rank, fd, name, payload)
-                        if info.header.get("name") != self.cfg.name:
-                            raise ShardError(f"name {info.header.get('name')!r} where "
-                                             f"{self.cfg.name!r} was expected")
-                    finally:
-                        os.close(fd)
+                    info, payload = fetch_payload(place.addr, self.key, step, rank)
+                    if info.header.get("name") != self.cfg.name:
+                        raise ShardError(f"name {info.header.get('name')!r} where "
+                                         f"{self.cfg.name!r} was expected")
+                    self._keep_fetched(step, rank, info, payload)
                 else:
                     self.shared_reads += 1
                     fd = self._shared_fd(step, create=False)
