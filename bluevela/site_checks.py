@@ -180,45 +180,32 @@ def check_slurm_conf(facts: SiteFacts) -> list[Finding]:
                     f"not in the running config: {'; '.join(missing)}")]
 
 
-# The Slurm releases bv's suite ran on (docs/install.md, "Slurm releases": what was measured).
-TESTED_SLURM = ("22.05", "24.11")
-EXPEDITE_SINCE = (25, 11)  # sbatch --requeue=expedite, SlurmctldParameters=enable_expedited_requeue
-
-
-def _release(version: str) -> tuple[int, int] | None:
-    parts = version.split(".")
-    if len(parts) < 2 or not parts[0].isdigit() or not parts[1].isdigit():
-        return None
-    return int(parts[0]), int(parts[1])
-
-
 def check_slurm_release(config: Mapping[str, str] | None) -> list[Finding]:
     """The running Slurm's release, whether bv was tested on it, and what bv can use there:
-    growing a job (permit_job_expansion) and, from 25.11, the expedited requeue."""
+    growing a job and, from 25.11, the expedited requeue (bluevela/slurm/releases.py)."""
+    from bluevela.slurm import releases
+
     if config is None:
         return []  # check_slurm_conf says why
     version = config.get("SLURM_VERSION", "").strip()
-    release = _release(version)
-    if release is None:
+    rel = releases.release(config)
+    if rel is None:
         return [Finding(Status.WARNING, "slurm release",
                         f"cannot read the release from SLURM_VERSION {version!r}")]
-    name = f"{release[0]}.{release[1]:02d}"
-    params = {f.split("=", 1)[0].lower() for f in _flags(config.get("SchedulerParameters", ""))}
-    grow = ("grow: on (permit_job_expansion)" if "permit_job_expansion" in params
-            else "grow: off (no permit_job_expansion: a lost node without a spare is requeued)")
-    if release < EXPEDITE_SINCE:
-        expedite = "expedited requeue: not in this release (25.11 and later)"
-    elif "enable_expedited_requeue" in {
-            f.split("=", 1)[0].lower() for f in _flags(config.get("SlurmctldParameters", ""))}:
-        expedite = "expedited requeue: on (enable_expedited_requeue)"
-    else:
-        expedite = "expedited requeue: off (SlurmctldParameters lacks enable_expedited_requeue)"
-    if name in TESTED_SLURM:
+    name = f"{rel[0]}.{rel[1]:02d}"
+    problem = releases.expansion_problem(config)
+    grow = "grow: on" if problem is None else f"grow: off ({problem})"
+    expedite = {
+        "unavailable": "expedited requeue: not in this release (25.11 and later)",
+        "on": f"expedited requeue: on ({releases.EXPEDITE_PARAM})",
+        "off": f"expedited requeue: off (SlurmctldParameters lacks {releases.EXPEDITE_PARAM})",
+    }[releases.expedite_state(config)]
+    if name in releases.TESTED:
         return [Finding(Status.OK, "slurm release",
                         f"Slurm {version}: bv is tested on {name}; {grow}; {expedite}")]
     return [Finding(Status.WARNING, "slurm release",
                     f"Slurm {version}: bv is not tested on {name} (tested: "
-                    f"{', '.join(TESTED_SLURM)}; docs/install.md); {grow}; {expedite}")]
+                    f"{', '.join(releases.TESTED)}; docs/install.md); {grow}; {expedite}")]
 
 
 def check_node_classes(facts: SiteFacts) -> list[Finding]:

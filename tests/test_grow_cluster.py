@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from tests.conftest import DEVCLUSTER, HOSTILE, REPO, DevCluster
-from tests.test_recovery_cluster import BANNER, END, _finish, _output, _wait_for
+from tests.test_recovery_cluster import BANNER, END, _finish, _output, _wait_for, grow_problem
 
 pytestmark = pytest.mark.cluster
 
@@ -102,6 +102,21 @@ def test_lost_node_without_spare_grows_the_job_else_requeues(devcluster: DevClus
     devcluster.resume_all()
     devcluster.wait_idle(timeout=120)
     site = _site_with_grow(tmp_path, 15)
+    problem = grow_problem(devcluster)
+    if problem is not None:
+        # 24.11 and later: bv does not grow there (bluevela/slurm/releases.py); node3 free,
+        # the job lets go of the dead node and is requeued, and the end line says why.
+        text, crashed, job = _run_crash(devcluster, tmp_path / "nogrow", site)
+        _check_resumed(devcluster, text, job, crashed)
+        end = END.search(text)
+        assert end is not None and end.group(1) == "1"
+        assert f"; no node grown ({problem}): the job lets go of {crashed} and is requeued " \
+            "by bv" in end.group(2), end.group(2)
+        status = json.loads(devcluster.bv("status", job, "--json").stdout)
+        assert status["state"] == "COMPLETED" and status["restarts"] == 1, status
+        assert not devcluster.run(["squeue", "-h", "-t", "all", "-n", f"bv-grow-{job}", "-o",
+                                   "%i"]).stdout.strip()  # no helper job was asked for
+        return
 
     # 1. grow: node3 is free. The job's name and comment look like `scontrol show job` fields
     #    (and a config line): the grow reads none of them as one (issue 23).

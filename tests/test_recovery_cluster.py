@@ -141,6 +141,15 @@ def test_node_crash_resumes_from_checkpoint_on_healthy_nodes(devcluster: DevClus
 
 
 @pytest.mark.timeout(400)
+def grow_problem(cluster: DevCluster) -> str | None:
+    """Why the cluster's Slurm cannot grow a job for bv (None: it can): 22.05 grows; on 24.11
+    and later bv does not (bluevela/slurm/releases.py) and falls back, saying why."""
+    from bluevela.launch.grow import support_problem
+    from bluevela.slurm.cli_client import parse_config
+
+    return support_problem(parse_config(cluster.run(["scontrol", "show", "config"]).stdout))
+
+
 def test_hung_rank_is_named_and_the_step_relaunched_in_place(devcluster: DevCluster,
                                                             tmp_path: Path) -> None:
     import yaml
@@ -179,6 +188,13 @@ def test_hung_rank_is_named_and_the_step_relaunched_in_place(devcluster: DevClus
     assert "not in a collective" in end1.group(2)
     banners = BANNER.findall(text)
     assert [b[0] for b in banners] == ["1", "2"] and banners[1][3] == end1.group(2)
+    problem = grow_problem(devcluster)
+    if problem is not None:  # 24.11 and later: no grow; relaunched in place, and it says why
+        assert f"; no node grown in place of {host1.group(1)} ({problem}): relaunching on " \
+            "the same nodes" in end1.group(2), end1.group(2)
+        part2 = text[text.index("==== bv attempt 2 job"):]
+        assert "rank=0 done steps=10" in part2, part2
+        return
     assert end1.group(2).endswith("same job, no Slurm requeue)"), end1.group(2)
     # No spare, growth on: the free node grown in place of the hung rank's.
     first, second = (hostlist.expand_hostlist(b[2]) for b in banners)

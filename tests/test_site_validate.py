@@ -240,13 +240,19 @@ def test_slurm_release_reported_with_what_bv_can_use_there() -> None:
 
     [found] = check_slurm_release(CONFIG)
     assert found.status is Status.OK and found.check == "slurm release", found
-    assert found.message.startswith("Slurm 22.05.8: bv is tested on 22.05; grow: on ")
+    assert found.message.startswith("Slurm 22.05.8: bv is tested on 22.05; grow: on; ")
     assert "expedited requeue: not in this release (25.11 and later)" in found.message
     newer = {**CONFIG, "SLURM_VERSION": "27.05.0", "SchedulerParameters": "bf_interval=5",
              "SlurmctldParameters": "enable_expedited_requeue,idle_on_node_suspend"}
     [warn] = check_slurm_release(newer)
     assert warn.status is Status.WARNING and "bv is not tested on 27.05 (tested: 22.05" in warn.message
-    assert "grow: off (no permit_job_expansion" in warn.message
+    assert "grow: off (this Slurm cannot grow jobs: SchedulerParameters lacks " \
+        "permit_job_expansion" in warn.message
+    recorded = parse_config((REPO / "tests/data/slurm/24.11/show-config.txt").read_text())
+    [on_2411] = check_slurm_release(recorded)
+    assert on_2411.status is Status.OK and on_2411.message.startswith(
+        "Slurm 24.11.5: bv is tested on 24.11; grow: off (Slurm 24.11 does not start a grown "
+        "job's steps on the added node with PrologFlags=Alloc"), on_2411.message
     assert "expedited requeue: on (enable_expedited_requeue)" in warn.message
     off = check_slurm_release({**newer, "SlurmctldParameters": "(null)"})[0].message
     assert "expedited requeue: off (SlurmctldParameters lacks" in off

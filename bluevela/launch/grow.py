@@ -51,10 +51,10 @@ from types import FrameType
 
 from bluevela.slurm.cli_client import job_fields_argv, parse_config, parse_job_fields, unreachable
 from bluevela.slurm.jobctl import slurm_duration
+from bluevela.slurm.releases import expansion_problem
 
 logger = logging.getLogger(__name__)
 
-EXPANSION_PARAM = "permit_job_expansion"
 # The variables of Slurm's resize script the supervisor takes over (the rest are csh/echo).
 RESIZE_VAR = re.compile(r'^export (SLURM_[A-Z_]+)="?([^"\n]*)"?\s*$', re.M)
 GRANTED = re.compile(r"Granted job allocation (\d+)")
@@ -107,13 +107,11 @@ def helper_name(job: str) -> str:
 
 
 def support_problem(config: dict[str, str]) -> str | None:
-    """Why this Slurm cannot grow a running job, or None when it can (as far as the config
-    says: the salloc itself is the final word, and its refusal is reported as such)."""
-    params = {p.strip().split("=", 1)[0] for p in config.get("SchedulerParameters", "").split(",")}
-    if EXPANSION_PARAM not in params:
-        return (f"this Slurm cannot grow jobs: SchedulerParameters lacks {EXPANSION_PARAM} "
-                "(docs/install.md, 'Growing a job')")
-    return None
+    """Why this Slurm cannot grow a running job, or None when it can (as far as the config and
+    the release say: the salloc itself is the final word, and its refusal is reported as
+    such). A release whose grown nodes do not run the job's steps (24.11 and later with
+    PrologFlags=Alloc: bluevela/slurm/releases.py) is one that cannot: the job is requeued."""
+    return expansion_problem(config)
 
 
 def _minutes(value: str) -> int | None:
