@@ -5,12 +5,14 @@ evaluator `(facts, node_class) -> CheckResult`. Registering a name twice is an e
 
 A leaf: it imports nothing of bluevela but `errors`, so both the site model (which validates
 tier check names against it) and the checks (which register into it) may import it without
-a loop. The built-in checks are loaded by module name (`BUILTIN`), as a plugin would be.
+a loop. The built-in checks are named in a static table (`BUILTIN_CHECKS`): the site model
+reads the names from it and imports no check, and `register` refuses a check of the built-in
+package whose name (and module) the table does not hold. Importing `bluevela.health.checks`
+registers the built-in checks; its `all_checks`/`get_check` look them up.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +58,22 @@ class Check:
         return self.evaluate(self.probe(ctx), ctx.node_class)
 
 
+#: The package whose modules define the built-in checks.
+BUILTIN_PACKAGE = "bluevela.health.checks"
+
+#: Every built-in check's name and the module that registers it. A site's tiers are
+#: validated against these names without importing a check; a check in `BUILTIN_PACKAGE`
+#: registered under a name (or from a module) not listed here is refused, and
+#: tests/test_health_framework.py fails on a name listed here that no module registers.
+BUILTIN_CHECKS: dict[str, str] = {
+    "dcgm": f"{BUILTIN_PACKAGE}.dcgm",
+    "gpu": f"{BUILTIN_PACKAGE}.gpu",
+    "ib": f"{BUILTIN_PACKAGE}.ib",
+    "nccl": f"{BUILTIN_PACKAGE}.nccl",
+    "node": f"{BUILTIN_PACKAGE}.node",
+    "versions": f"{BUILTIN_PACKAGE}.versions",
+}
+
 _REGISTRY: dict[str, Check] = {}
 
 
@@ -63,10 +81,15 @@ def register(item: Check) -> Check:
     """Add `item` to the registry.
 
     Raises:
-        HealthError: a check of that name is already registered.
+        HealthError: a check of that name is already registered, or a check defined in
+            `BUILTIN_PACKAGE` is not in `BUILTIN_CHECKS` under its name and module.
     """
     if item.name in _REGISTRY:
         raise HealthError(f"health check {item.name!r} is registered twice")
+    module = getattr(item.evaluate, "__module__", None) or ""
+    if module.startswith(f"{BUILTIN_PACKAGE}.") and BUILTIN_CHECKS.get(item.name) != module:
+        raise HealthError(f"built-in health check {item.name!r} ({module}) is not in "
+                          "checks_registry.BUILTIN_CHECKS under that name and module")
     _REGISTRY[item.name] = item
     return item
 
@@ -97,29 +120,24 @@ def check(
     return deco
 
 
-#: The packages whose import registers the built-in checks.
-BUILTIN = ("bluevela.health.checks",)
+def known_names() -> list[str]:
+    """The names a site's tiers may use, sorted: the built-in checks (from the table, none
+    imported) and any other check registered so far."""
+    return sorted(set(BUILTIN_CHECKS) | set(_REGISTRY))
 
 
-def load_builtin() -> None:
-    """Import the built-in checks (gpu, ib, node, nccl, ...); cheap, none imports torch or
-    pynvml."""
-    for name in BUILTIN:
-        importlib.import_module(name)
-
-
-def all_checks() -> dict[str, Check]:
-    load_builtin()
+def registered() -> dict[str, Check]:
+    """The checks registered so far (the built-in ones once `bluevela.health.checks` is
+    imported)."""
     return dict(_REGISTRY)
 
 
-def get_check(name: str) -> Check:
-    """The registered check `name`.
+def lookup(name: str) -> Check:
+    """The registered check `name` (imports nothing: see `bluevela.health.checks.get_check`).
 
     Raises:
         HealthError: no such check (the message lists the known ones).
     """
-    load_builtin()
     try:
         return _REGISTRY[name]
     except KeyError:

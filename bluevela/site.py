@@ -180,11 +180,12 @@ class Launch:
 
 
 def _check_names(v: list[str]) -> list[str]:
-    """Tier check names must be registered checks (imports the check registry: only when a
-    file is parsed, never on a cache hit)."""
-    from bluevela.checks_registry import all_checks
+    """Tier check names must be registered checks: the built-in ones by the registry's static
+    table (no check is imported) and any registered since. The registry is imported only when
+    a file is parsed, never on a cache hit."""
+    from bluevela.checks_registry import known_names
 
-    known = all_checks()
+    known = known_names()
     unknown = [n for n in v if n not in known]
     if unknown:
         raise ValueError(f"unknown check(s) {', '.join(map(repr, unknown))} "

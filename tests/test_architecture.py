@@ -28,6 +28,7 @@ import ast
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -47,13 +48,86 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def imports(path: Path, runtime_only: bool = False, root: Path = REPO) -> set[str]:
+def _strings(node: ast.AST | None) -> list[str] | None:
+    """The strings a constant expression holds: a string, or a tuple/list/set of strings."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        items = [_strings(e) for e in node.elts]
+        if all(i is not None and len(i) == 1 for i in items):
+            return [i[0] for i in items if i]
+    return None
+
+
+def _constants(tree: ast.Module) -> dict[str, list[str]]:
+    """Module-level names bound to strings: `X = "a.b"`, `X = ("a", "b")`, and for a dict of
+    strings `X` (its keys) and `X.values()` (its values)."""
+    out: dict[str, list[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if not isinstance(target, ast.Name):
+            continue
+        if isinstance(value, ast.Dict):
+            keys, values = _strings(ast.Tuple(value.keys)), _strings(ast.Tuple(value.values))
+            if keys is not None and values is not None:
+                out[target.id], out[f"{target.id}.values()"] = keys, values
+        elif (found := _strings(value)) is not None:
+            out[target.id] = found
+    return out
+
+
+def _dynamic_imports(tree: ast.Module) -> set[str]:
+    """The modules `importlib.import_module(...)` / `__import__(...)` calls name: a literal, a
+    module-level constant, or a loop variable over one (`for m in MODULES:`); a name computed
+    at run time is not seen (the rules below hold only for what this finds)."""
+    consts = _constants(tree)
+
+    def resolve(expr: ast.AST) -> list[str]:
+        if isinstance(expr, ast.Name):
+            return consts.get(expr.id, [])
+        if (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute)
+                and isinstance(expr.func.value, ast.Name) and not expr.args):
+            if expr.func.attr == "keys":
+                return consts.get(expr.func.value.id, [])
+            if expr.func.attr == "values":
+                return consts.get(f"{expr.func.value.id}.values()", [])
+        return _strings(expr) or []
+
+    loops: dict[str, list[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.For | ast.comprehension) and isinstance(node.target, ast.Name):
+            loops.setdefault(node.target.id, []).extend(resolve(node.iter))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and node.args):
+            continue
+        f = node.func
+        if ((isinstance(f, ast.Attribute) and f.attr == "import_module"
+             and isinstance(f.value, ast.Name) and f.value.id == "importlib")
+                or (isinstance(f, ast.Name) and f.id in ("import_module", "__import__"))):
+            arg = node.args[0]
+            if isinstance(arg, ast.Name) and arg.id in loops:
+                out.update(loops[arg.id])
+            out.update(resolve(arg))
+    return {m for m in out if m and not m.startswith(".")}
+
+
+def imports(path: Path, runtime_only: bool = False, root: Path = REPO,
+            is_module: Callable[[str], bool] | None = None) -> set[str]:
     """Every module `path` imports (absolute names; relative imports resolved), at any depth,
-    `if TYPE_CHECKING:` blocks included unless `runtime_only`."""
+    `if TYPE_CHECKING:` blocks included unless `runtime_only`, and the modules it loads by
+    name through `importlib.import_module` (`_dynamic_imports`). With `is_module`,
+    `from PKG import a, b` names only `PKG.a` and `PKG.b` where both are modules (not `PKG`:
+    the import graph's edge goes to the submodules)."""
     tree = ast.parse(path.read_text(), str(path))
     mod = _module(path, root)
     package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
-    out: set[str] = set()
+    out: set[str] = _dynamic_imports(tree)
 
     def visit(node: ast.AST) -> None:
         if runtime_only and isinstance(node, ast.If) and _is_type_checking(node):
@@ -68,9 +142,11 @@ def imports(path: Path, runtime_only: bool = False, root: Path = REPO) -> set[st
                 name = ".".join([*base, node.module] if node.module else base)
             else:
                 name = node.module or ""
-            out.add(name)
             # `from bluevela.report import page` imports bluevela.report.page
-            out.update(f"{name}.{a.name}" for a in node.names if a.name != "*")
+            subs = [f"{name}.{a.name}" for a in node.names if a.name != "*"]
+            if not (is_module and subs and all(is_module(n) for n in subs)):
+                out.add(name)
+            out.update(subs)
         for child in ast.iter_child_nodes(node):
             visit(child)
 
@@ -114,6 +190,23 @@ def test_the_parser_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
     assert {"bluevela.slurm.client", "bluevela.fleet.nodestate", "bluevela.health.result",
             "bluevela.site"} <= got
     assert "bluevela.site" not in imports(f, runtime_only=True, root=tmp_path)
+
+
+def test_the_parser_sees_modules_loaded_by_name(tmp_path: Path) -> None:
+    """`importlib.import_module` with a literal, a module-level constant, or a loop variable
+    over a constant tuple or a dict's values counts as an import (the check registry's loader
+    of the built-in checks was invisible to the rules below)."""
+    f = tmp_path / "bluevela" / "x.py"
+    f.parent.mkdir()
+    f.write_text("import importlib\nfrom importlib import import_module\n"
+                 "ONE = 'bluevela.a'\nMANY = ('bluevela.b', 'bluevela.c')\n"
+                 "TABLE: dict[str, str] = {'d': 'bluevela.d'}\n"
+                 "def f(name):\n    importlib.import_module('bluevela.lit')\n"
+                 "    import_module(ONE)\n    importlib.import_module(name)\n"
+                 "    for m in MANY:\n        importlib.import_module(m)\n"
+                 "    return [import_module(v) for v in TABLE.values()]\n")
+    got = {n for n in imports(f, root=tmp_path) if n.startswith("bluevela")}
+    assert got == {"bluevela.lit", "bluevela.a", "bluevela.b", "bluevela.c", "bluevela.d"}
 
 
 def test_health_judges_one_node_only() -> None:

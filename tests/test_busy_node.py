@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.checks_registry import get_check
+from bluevela.health.checks import get_check
 from bluevela.health.context import ProbeContext
 from bluevela.health.jobprocs import owners, process_job, running_jobs
 from bluevela.health.result import Status

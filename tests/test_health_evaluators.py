@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.checks_registry import get_check
+from bluevela.health.checks import get_check
 from bluevela.health.checks.gpu import GPUFacts, evaluate_gpu, probe_gpu
 from bluevela.health.checks.ib import (
     IBFacts,

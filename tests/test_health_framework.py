@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from bluevela.checks_registry import Check, all_checks, check, get_check, register, unregister
+from bluevela.checks_registry import Check, check, register, unregister
 from bluevela.errors import HealthError
+from bluevela.health.checks import all_checks, get_check
 from bluevela.health.metrics import PROM_FILE, merge_last_results, render, write_prom
 from bluevela.health.result import CheckResult, HealthReport, Status, worst
 
@@ -82,6 +85,51 @@ def test_register_and_unregister_a_throwaway_check() -> None:
     finally:
         unregister("tmp_framework_check")
     assert "tmp_framework_check" not in all_checks()
+
+
+def test_the_builtin_table_names_exactly_the_builtin_checks() -> None:
+    """Site validation reads `BUILTIN_CHECKS` and imports no check: every name there is a
+    check its module registers, and every check of the built-in package is there."""
+    from bluevela.checks_registry import BUILTIN_CHECKS, BUILTIN_PACKAGE
+
+    builtin = {n: c.evaluate.__module__ for n, c in all_checks().items()
+               if c.evaluate.__module__.startswith(f"{BUILTIN_PACKAGE}.")}
+    assert builtin == BUILTIN_CHECKS
+
+
+def test_a_builtin_check_missing_from_the_table_is_refused() -> None:
+    from bluevela.checks_registry import BUILTIN_PACKAGE, known_names
+
+    def evaluate(facts: object, cls: object) -> CheckResult:  # pragma: no cover
+        raise AssertionError
+
+    evaluate.__module__ = f"{BUILTIN_PACKAGE}.newcheck"
+    with pytest.raises(HealthError, match="not in checks_registry.BUILTIN_CHECKS"):
+        check("newcheck", probe=lambda ctx: None)(evaluate)
+    assert "newcheck" not in all_checks() and "newcheck" not in known_names()
+
+
+def test_validating_a_site_imports_no_check(tmp_path: Path) -> None:
+    """A site.yaml's tiers are checked against the registry's table: parsing one (a typo
+    refused, a good file accepted) imports nothing of `bluevela.health`."""
+    site = tmp_path / "site.yaml"
+    site.write_text(_site_text())
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(_site_text(tiers="{quick: {checks: [gpu, ibb], cap_s: 5, check_timeout_s: 3}}"))
+    code = ("import sys\n"
+            "from bluevela.errors import SiteConfigError\n"
+            "from bluevela.site_file import parse_site\n"
+            "from pathlib import Path\n"
+            f"p = Path({str(site)!r})\n"
+            "parse_site(p.read_text(), p)\n"
+            f"b = Path({str(bad)!r})\n"
+            "try:\n    parse_site(b.read_text(), b)\nexcept SiteConfigError as e:\n"
+            "    assert 'ibb' in str(e), e\nelse:\n    raise SystemExit('ibb accepted')\n"
+            "print(sorted(m for m in sys.modules if m.startswith('bluevela.health')))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
 
 
 def test_prometheus_text(tmp_path: Path) -> None:

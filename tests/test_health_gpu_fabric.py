@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 
-from bluevela.checks_registry import get_check
-from bluevela.health.checks import gpu_fabric
+from bluevela.health.checks import get_check, gpu_fabric
 from bluevela.health.context import ProbeContext
 from bluevela.health.kmsg import kmsg_record_line, parse_sxids
 from bluevela.health.nvml_fields import FIELDS_BY_NAME, LATE_FIELDS

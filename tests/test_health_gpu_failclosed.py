@@ -21,7 +21,7 @@ from bluevela.bench.evaluate import GPUS_FIGURE, evaluate, short_of_gpus
 from bluevela.bench.registry import get as get_measurement
 from bluevela.bench.result import Facts
 from bluevela.bench.result import Status as BenchStatus
-from bluevela.checks_registry import get_check
+from bluevela.health.checks import get_check
 from bluevela.health.checks.gpu import XID_TABLE, evaluate_gpu, probe_gpu
 from bluevela.health.context import ProbeContext, parse_gpu_list
 from bluevela.health.nvml_snapshot import load_snapshot

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.checks_registry import get_check
+from bluevela.health.checks import get_check
 from bluevela.health.checks.nccl import NCCLFacts, bus_bandwidth, evaluate_nccl, measure
 from bluevela.health.context import ProbeContext
 from bluevela.health.result import Status

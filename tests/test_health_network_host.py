@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.checks_registry import get_check
+from bluevela.health.checks import get_check
 from bluevela.health.checks.dcgm import DcgmFacts, evaluate_dcgm, parse_diag
 from bluevela.health.checks.host import (
     ClockFacts,

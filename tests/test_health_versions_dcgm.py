@@ -21,11 +21,11 @@ import pytest
 
 from bluevela.archive.reports import validate_report
 from bluevela.archive.spool import SpoolEntry
-from bluevela.checks_registry import get_check
 from bluevela.errors import SiteConfigError
 from bluevela.fleet.api import versions_view
 from bluevela.fleet.nodestate import dcgm_gate
 from bluevela.health.checks import dcgm as dcgm_mod
+from bluevela.health.checks import get_check
 from bluevela.health.checks.versions import VersionFacts, cuda_text, evaluate_versions
 from bluevela.health.context import ProbeContext
 from bluevela.health.metrics import render

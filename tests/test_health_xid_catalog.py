@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.checks_registry import get_check
+from bluevela.health.checks import get_check
 from bluevela.health.context import ProbeContext
 from bluevela.health.result import CheckResult, Status
 from bluevela.site import NodeClass, load_site

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 import bluevela.health.checks  # noqa: F401 - registers the checks
-from bluevela.checks_registry import get_check
+from bluevela.health.checks import get_check
 from bluevela.health.context import ProbeContext
 from bluevela.health.result import Status
 from bluevela.site import NodeClass

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.checks_registry import get_check
+from bluevela.health.checks import get_check
 from bluevela.health.checks.ib import judge_increase
 from bluevela.health.context import ProbeContext
 from bluevela.health.result import Status

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bluevela.checks_registry import Check, all_checks
+from bluevela.checks_registry import Check
 from bluevela.errors import HealthError
+from bluevela.health.checks import all_checks
 from bluevela.health.context import ProbeContext
 from bluevela.health.result import CheckResult, HealthReport, Status
 
