@@ -400,3 +400,30 @@ def test_garbage_and_idle_clients_do_not_stop_the_server(tmp_path: Path) -> None
             s.close()
         server.close()
         os.close(src)
+
+
+def test_config_from_site_and_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import yaml
+
+    from bluevela.ckpt.store import from_site
+    from tests.conftest import REPO
+
+    data = yaml.safe_load((REPO / "site.yaml").read_text())
+    cls = next(iter(data["node_classes"]))
+    data["node_classes"][cls]["checkpoint"] = {"dir": str(tmp_path / "nvme"), "budget_gb": 2}
+    data["checkpoint"] = {"keep_local": 3, "drain_every": 4,
+                          "switches": {"a": "g[1-2]", "b": "g[3-4]"}}
+    site = tmp_path / "site.yaml"
+    site.write_text(yaml.safe_dump(data))
+    monkeypatch.setenv("BV_SITE", str(site))
+    monkeypatch.setenv("BV_CACHE_DIR", "off")
+    monkeypatch.setenv("BV_NODE_CLASS", cls)
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.delenv("BV_CKPT_LOCAL_DIR", raising=False)
+    cfg = from_site(tmp_path / "shared", "run")
+    assert (cfg.local_dir, cfg.budget_bytes, cfg.keep, cfg.drain_every, cfg.job) == (
+        tmp_path / "nvme", 2_000_000_000, 3, 4, "123")
+    assert cfg.switches == {"g1": "a", "g2": "a", "g3": "b", "g4": "b"}
+    monkeypatch.setenv("BV_CKPT_LOCAL_DIR", str(tmp_path / "shm"))
+    assert from_site(None, keep=1).local_dir == tmp_path / "shm"
+    assert from_site(None, keep=1).keep == 1
