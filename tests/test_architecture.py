@@ -73,7 +73,10 @@ def _constants(tree: ast.Module) -> dict[str, list[str]]:
         if not isinstance(target, ast.Name):
             continue
         if isinstance(value, ast.Dict):
-            keys, values = _strings(ast.Tuple(value.keys)), _strings(ast.Tuple(value.values))
+            if any(k is None for k in value.keys):  # a `**other` entry: not a constant
+                continue
+            keys = _strings(ast.Tuple([k for k in value.keys if k is not None]))
+            values = _strings(ast.Tuple(value.values))
             if keys is not None and values is not None:
                 out[target.id], out[f"{target.id}.values()"] = keys, values
         elif (found := _strings(value)) is not None:
@@ -131,8 +134,8 @@ def imports(path: Path, runtime_only: bool = False, root: Path = REPO,
 
     def visit(node: ast.AST) -> None:
         if runtime_only and isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
+            for orelse in node.orelse:
+                visit(orelse)
             return
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
@@ -368,3 +371,99 @@ def test_no_module_level_cycle_through_site(module: str) -> None:
     res = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
                          text=True, env=env, cwd=REPO, timeout=60, check=False)
     assert res.returncode == 0, res.stderr
+
+
+def import_graph() -> dict[str, set[str]]:
+    """bluevela's modules and, for each, the bluevela modules it imports at run time (lazy
+    imports inside functions and importlib's by-name loads included, TYPE_CHECKING ones not;
+    `from PKG import mod` points at `PKG.mod`; `from mod import name` at `mod`)."""
+    files = {_module(p, REPO): p for p in PKG.rglob("*.py")}
+
+    def owner(name: str) -> str:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        names = imports(path, runtime_only=True, is_module=files.__contains__)
+        graph[mod] = {o for n in names if n.startswith("bluevela")
+                      and (o := owner(n)) and o != mod}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The import circles: each strongly connected set of two or more modules (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[frozenset[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(frozenset(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+# The import circles not cut yet (issue 38), each with why; this list only shrinks: a circle
+# not here fails the test below, and so does one here that is gone (take it off the list).
+CIRCLES_LEFT: dict[frozenset[str], str] = {
+    frozenset({"bluevela.site", "bluevela.site_file"}):
+        "load_site (the model's entry point) reads the file through site_file, which builds "
+        "the model: left while site.py is being edited for another issue",
+    frozenset({"bluevela.slurm.client", "bluevela.slurm.cli_client",
+               "bluevela.slurm.pyslurm_client"}):
+        "get_client picks an implementation that imports the Protocol's module: slurm/*client* "
+        "is being edited for another issue",
+    frozenset({"bluevela.health.checks", "bluevela.health.checks.dcgm",
+               "bluevela.health.runner"}):
+        "dcgm.run_diag/with_purpose use the runner, which runs the registered checks: they "
+        "belong beside the runner, but hooks/phases.py (being edited) imports them from dcgm",
+    frozenset({"bluevela.archive.ingest", "bluevela.archive.series_checks",
+               "bluevela.archive.series_ingest"}):
+        "archive/ingest.py is being edited for another issue",
+    frozenset({"bluevela.report.fleet", "bluevela.report.fleet_goodput",
+               "bluevela.report.goodput_advice"}):
+        "report/fleet* and goodput* are being edited for another issue",
+    frozenset({"bluevela.bench.registry", "bluevela.bench.evaluate", "bluevela.bench.gemm",
+               "bluevela.bench.memory", "bluevela.bench.allreduce", "bluevela.bench.mpi"}):
+        "bench.registry loads the measurements by module name, and they register into it",
+}
+
+
+def test_the_circle_finder_sees_lazy_and_by_name_imports(tmp_path: Path) -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
+        frozenset({"a", "b", "c"})]
+    assert circles({"a": {"b"}, "b": set()}) == []
+    graph = import_graph()
+    # the archive's old circle, schema -> store -> tables -> schema, was a lazy import
+    assert "bluevela.archive.segment_read" in graph["bluevela.archive.store"]
+
+
+def test_no_import_circle_but_the_listed_ones() -> None:
+    """No module of bluevela imports itself back through others, lazy imports and importlib
+    counted, but for CIRCLES_LEFT (each with why)."""
+    found = set(circles(import_graph()))
+    new = [sorted(c) for c in found - set(CIRCLES_LEFT)]
+    gone = [sorted(c) for c in set(CIRCLES_LEFT) - found]
+    assert new == [], f"new import circle(s): {new}"
+    assert gone == [], f"circle(s) cut or changed: update CIRCLES_LEFT: {gone}"

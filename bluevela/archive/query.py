@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bluevela.archive import schema as S
-from bluevela.archive.store import _SEGMENT_RE, Archive, SegmentInfo, open_h5, read_rows
+from bluevela.archive.segment_read import open_h5, read_rows, schema_problems
+from bluevela.archive.store import _SEGMENT_RE, Archive, SegmentInfo
 from bluevela.archive.tables import build_reports, job_dict, rows, text
 from bluevela.errors import ArchiveError
 
@@ -589,7 +590,7 @@ def verify(archive_dir: Path) -> VerifyResult:
         data: dict[str, Any] = {}
         try:
             with open_h5(path) as f:
-                problems = S.schema_problems(f, data)
+                problems = schema_problems(f, data)
         except ArchiveError as exc:
             res.problems.append(str(exc))
             continue

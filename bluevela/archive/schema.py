@@ -1,4 +1,4 @@
-"""The on-disk schema of an archive segment file (schema version 1), and its checker.
+"""The on-disk schema of an archive segment file (schema version 1): its tables and dtypes.
 
 Every segment is one immutable HDF5 file holding whole tables: compound datasets written in
 one batch (never a group or dataset per report). `docs/archive.md` documents each dataset,
@@ -15,7 +15,6 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import h5py
     import numpy as np
 
 logger = logging.getLogger(__name__)
@@ -146,7 +145,8 @@ UNITS: dict[str, str] = {
 
 # Columns added after the first files were written: a file without them is still schema 1
 # and reads with the column 0 (HDF5 converts by member name and leaves a missing member as
-# the zero-filled buffer holds it: `store.read_rows`).
+# the zero-filled buffer holds it: `segment_read.read_rows`; checked by
+# `segment_read.schema_problems`).
 ADDED_COLUMNS: dict[str, tuple[str, ...]] = {"reports": ("restart",), "jobs": ("restarts",)}
 
 
@@ -160,92 +160,3 @@ def legacy_dtype(path: str) -> np.dtype[Any] | None:
     dt = dtypes()[path]
     fields: Any = dt.fields or {}
     return np.dtype([(n, fields[n][0]) for n in dt.names or () if n not in added])
-
-
-def schema_problems(f: h5py.File, data: dict[str, Any] | None = None) -> list[str]:
-    """Check an open segment file against schema version 1; return the problems found.
-
-    Checks the root attributes, every dataset's presence, dtype and 1-D shape, the row ranges
-    the indexes point at, and that no report key (job_id, node, phase, restart) is stored
-    twice. A file written before a column of ADDED_COLUMNS existed passes (it reads as 0).
-
-    Args:
-        f: the open file.
-        data: filled with every dataset's rows (read once here), for a caller that needs them.
-    """
-    import numpy as np
-
-    from bluevela.archive.store import read_rows
-
-    problems: list[str] = []
-    data = {} if data is None else data
-    fmt = f.attrs.get("format")
-    if isinstance(fmt, bytes):
-        fmt = fmt.decode()
-    if fmt != FORMAT:
-        return [f"root attribute format is {fmt!r}, expected {FORMAT!r}"]
-    version = int(f.attrs.get("schema_version", -1))
-    if version != SCHEMA_VERSION:
-        return [f"schema_version {version} is not {SCHEMA_VERSION}"]
-    want = dtypes()
-    for path, dt in want.items():
-        if path not in f:
-            problems.append(f"missing dataset /{path}")
-            continue
-        ds = f[path]
-        if ds.ndim != 1:
-            problems.append(f"/{path} is not 1-D")
-            continue
-        old = legacy_dtype(path)
-        if (ds.dtype.names != dt.names or ds.dtype.itemsize != dt.itemsize) and not (
-                old is not None and ds.dtype.names == old.names
-                and ds.dtype.itemsize == old.itemsize):
-            problems.append(f"/{path} has dtype {ds.dtype}, expected {dt}")
-            continue
-        data[path] = read_rows(f, path)
-    if problems:
-        return problems
-    counts = {p: len(a) for p, a in data.items()}
-    for name in ("reports", "jobs", "checks", "telemetry"):
-        attr = int(f.attrs.get(f"n_{name}", -1))
-        if attr != counts[name]:
-            problems.append(f"root attribute n_{name}={attr} but /{name} has {counts[name]} rows")
-    rep = data["reports"]
-    if len(rep):
-        order = np.lexsort((rep["phase"], rep["restart"], rep["job_id"], rep["node"]))
-        if not np.array_equal(order, np.arange(len(rep))):
-            problems.append("/reports is not sorted by (node, job_id, restart, phase)")
-        else:
-            same = (
-                (rep["node"][1:] == rep["node"][:-1])
-                & (rep["job_id"][1:] == rep["job_id"][:-1])
-                & (rep["restart"][1:] == rep["restart"][:-1])
-                & (rep["phase"][1:] == rep["phase"][:-1])
-            )
-            if same.any():
-                problems.append(f"/reports holds {int(same.sum())} duplicate report key(s)")
-    for table, first, count, target in (
-        ("reports", "check_first", "check_count", "checks"),
-        ("reports", "telemetry_first", "telemetry_count", "telemetry"),
-        ("checks", "metric_first", "metric_count", "check_metrics"),
-        ("jobs", "node_first", "node_count", "job_nodes"),
-        ("jobs", "report_first", "report_count", JOB_REPORTS_INDEX),
-        (NODE_INDEX, "report_first", "report_count", "reports"),
-        (NODE_INDEX, "telemetry_first", "telemetry_count", "telemetry"),
-    ):
-        arr = data[table]
-        if len(arr) and int((arr[first] + arr[count]).max()) > counts[target]:
-            problems.append(f"/{table}.{first}+{count} points past the end of /{target}")
-    for table in ("checks", "check_metrics", "telemetry"):
-        arr = data[table]
-        if len(arr) and int(arr["report_row"].max()) >= counts["reports"]:
-            problems.append(f"/{table}.report_row points past the end of /reports")
-    jr = data[JOB_REPORTS_INDEX]
-    if len(jr) != counts["reports"] or (len(jr) and int(jr.max()) >= counts["reports"]):
-        problems.append(f"/{JOB_REPORTS_INDEX} does not index /reports")
-    jobs = data["jobs"]
-    if len(jobs) and not bool(np.all(jobs["job_id"][1:] > jobs["job_id"][:-1])):
-        problems.append("/jobs is not sorted by job_id with one row per job")
-    if not np.array_equal(data[JOB_IDS_INDEX], jobs["job_id"]):
-        problems.append(f"/{JOB_IDS_INDEX} differs from /jobs.job_id")
-    return problems

@@ -27,14 +27,17 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from bluevela.archive import schema as S
+from bluevela.archive.segment_read import h5py_module as h5py_module
+from bluevela.archive.segment_read import open_h5 as open_h5
+from bluevela.archive.segment_read import read_datasets as read_datasets
+from bluevela.archive.segment_read import read_rows as read_rows
 from bluevela.errors import ArchiveError, UnsafeValueError
 from bluevela.util.fs import atomic_write, ensure_dir, fsync_dir, read_no_follow, try_flock
 
@@ -55,83 +58,6 @@ FANOUT = 4  # 8 files for a year of nightly ingests; each report rewritten ~log4
 COMPRESSION_LEVEL = 1
 CHUNK_BYTES = 32 << 10
 _SEGMENT_RE = re.compile(r"^seg-([0-9]{12})-L([0-9]{1,2})\.h5$")
-
-
-def h5py_module() -> Any:
-    """Import h5py with HDF5 file locking off (our files are immutable; see module doc)."""
-    os.environ.setdefault("HDF5_USE_FILE_LOCKING", "FALSE")
-    import h5py
-
-    return h5py
-
-
-def open_h5(path: Path) -> h5py.File:
-    """Open a segment read-only, mapping any failure to one clear ArchiveError line."""
-    h5py = h5py_module()
-    try:
-        return h5py.File(path, "r", locking=False)
-    except FileNotFoundError:
-        raise
-    except (OSError, RuntimeError, ValueError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ArchiveError(f"{path}: not a readable HDF5 archive file ({first})") from exc
-
-
-@cache
-def _mem_type(path: str) -> Any:
-    return h5py_module().h5t.py_create(S.dtypes()[path])
-
-
-@cache
-def _has_objects(path: str) -> bool:
-    dt = S.dtypes()[path]
-    return dt.hasobject
-
-
-def _read_type(dsid: Any, path: str) -> Any:
-    """The memory type to read `path` with. Without variable-length strings, the file's own
-    type when its layout is ours: HDF5 then copies bytes instead of converting every
-    NUL-terminated string to NUL-padded (5x faster, and NUL-terminated strings written from
-    NUL-padded ones are zero-filled anyway)."""
-    if not _has_objects(path):
-        ftype = dsid.get_type()
-        dt = S.dtypes()[path]
-        fields: Mapping[str, Any] = dt.fields or {}
-        if ftype.get_size() == dt.itemsize and (
-                dt.names is None or (ftype.get_nmembers() == len(dt.names) and all(
-                    ftype.get_member_name(i).decode() == n
-                    and ftype.get_member_offset(i) == fields[n][1]
-                    for i, n in enumerate(dt.names)))):
-            return ftype
-    return _mem_type(path)
-
-
-def read_rows(f: h5py.File, path: str, start: int = 0, count: int | None = None) -> np.ndarray:
-    """Rows [start, start+count) of a table as its canonical numpy dtype.
-
-    The low-level read skips h5py's per-call dtype work (~0.3 ms a call), which is most of
-    the cost of `bv archive node` over many files. HDF5 converts by column name, so a file
-    whose columns differ fails here with ArchiveError rather than returning garbage.
-    """
-    import numpy as np
-
-    h5py = h5py_module()
-    dsid = f[path].id
-    space = dsid.get_space()
-    total = space.shape[0]
-    count = total - start if count is None else count
-    out = np.zeros(count, dtype=S.dtypes()[path])  # zeros: object columns must start valid
-    if count <= 0:
-        return out
-    if start < 0 or start + count > total:
-        raise ArchiveError(f"{f.filename}: rows {start}..{start + count} of /{path} are past "
-                           f"its end ({total})")
-    space.select_hyperslab((start,), (count,))
-    try:
-        dsid.read(h5py.h5s.create_simple((count,)), space, out, mtype=_read_type(dsid, path))
-    except (OSError, RuntimeError, TypeError, ValueError) as exc:
-        raise ArchiveError(f"{f.filename}: cannot read /{path}: {exc}") from exc
-    return out
 
 
 @dataclass(frozen=True)
@@ -396,20 +322,6 @@ class Writer:
             merges += 1
             logger.info("compacted %d L%d segments (%d reports) into %s in %.2f s", len(inputs),
                         level, info.reports, info.file, time.perf_counter() - t0)
-
-
-def read_datasets(path: Path) -> dict[str, np.ndarray]:
-    """Every dataset of a segment file, fully read.
-
-    Raises:
-        ArchiveError: the file is not a readable schema-1 segment.
-    """
-    data: dict[str, np.ndarray] = {}
-    with open_h5(path) as f:
-        problems = S.schema_problems(f, data)
-    if problems:
-        raise ArchiveError(f"{path}: {problems[0]}")
-    return data
 
 
 def merge_tables(paths: list[Path]) -> Tables:
