@@ -444,9 +444,6 @@ CIRCLES_LEFT: dict[frozenset[str], str] = {
     frozenset({"bluevela.report.fleet", "bluevela.report.fleet_goodput",
                "bluevela.report.goodput_advice"}):
         "report/fleet* and goodput* are being edited for another issue",
-    frozenset({"bluevela.bench.registry", "bluevela.bench.evaluate", "bluevela.bench.gemm",
-               "bluevela.bench.memory", "bluevela.bench.allreduce", "bluevela.bench.mpi"}):
-        "bench.registry loads the measurements by module name, and they register into it",
 }
 
 

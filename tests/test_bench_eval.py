@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from bluevela.bench.allreduce import bus_factor, figures_from_times, sweep_sizes
+from bluevela.bench.catalog import get, measurements
 from bluevela.bench.evaluate import baseline_of, evaluate
-from bluevela.bench.registry import Check, get, measurements, register
+from bluevela.bench.registry import Check, register
 from bluevela.bench.result import Facts, Figure, Status
 from bluevela.bench.runner import facts_from_document
 from bluevela.site import BenchThresholds, Site

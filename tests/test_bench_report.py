@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from bluevela.bench import pairing
+from bluevela.bench.catalog import get
 from bluevela.bench.evaluate import evaluate
 from bluevela.bench.nightly import NightlyOutcome, SubjectResult, to_record
-from bluevela.bench.registry import get
 from bluevela.bench.result import Facts
 from bluevela.bench.runner import facts_from_document
 from bluevela.bench.store import NightRecord, write_night

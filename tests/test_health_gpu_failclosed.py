@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from bluevela.bench.catalog import get as get_measurement
 from bluevela.bench.evaluate import GPUS_FIGURE, evaluate, short_of_gpus
-from bluevela.bench.registry import get as get_measurement
 from bluevela.bench.result import Facts
 from bluevela.bench.result import Status as BenchStatus
 from bluevela.health.checks import get_check

@@ -3,7 +3,8 @@
 Folder map:
 
 - `result.py`: `Figure`, `Facts` (what a measurement gathered), `BenchResult`, `Status`.
-- `registry.py`: the one place a measurement is registered (`@register`).
+- `registry.py`: the one place a measurement is registered (`@register`); `catalog.py`: the
+  shipped measurements by name (`measurements()`, `get()`: imports the modules below).
 - `gemm.py`, `memory.py` (hbm, h2d, d2h), `allreduce.py`, `mpi.py`: gather code (torch and
   mpi4py imported inside functions) and the checks each figure is judged by.
 - `evaluate.py`: the pure `(facts, thresholds, history) -> BenchResult` evaluation.

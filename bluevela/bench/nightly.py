@@ -36,8 +36,8 @@ from typing import Any, Protocol
 from bluevela.bench import allreduce as allreduce_mod
 from bluevela.bench import mpi as mpi_mod
 from bluevela.bench import pairing
+from bluevela.bench.catalog import get
 from bluevela.bench.evaluate import evaluate
-from bluevela.bench.registry import get
 from bluevela.bench.result import BenchResult, Facts, Status, worst
 from bluevela.bench.runner import NODE_MEASUREMENTS, PAIR_MEASUREMENTS, facts_from_document
 from bluevela.bench.store import (

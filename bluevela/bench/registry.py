@@ -1,28 +1,25 @@
 """The one place a measurement is registered: `@register(...)` on its gather function.
 
 A measurement is a gather function (`RunParams -> Facts`, imports torch/mpi4py inside) and the
-checks its headline figures are judged by (figure name -> `BenchThresholds` field). The modules
-that define measurements are imported by `measurements()`, so importing this module stays cheap.
+checks its headline figures are judged by (figure name -> `BenchThresholds` field). A leaf of
+bench/: the modules that define measurements import it to register; `bench.catalog` imports
+them and looks the measurements up, so importing this module stays cheap.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from bluevela.bench.result import Facts
-from bluevela.errors import BenchError
 from bluevela.site import BenchThresholds
 
 logger = logging.getLogger(__name__)
 
 Scope = Literal["node", "pair"]
-_MODULES = ("bluevela.bench.gemm", "bluevela.bench.memory", "bluevela.bench.allreduce",
-            "bluevela.bench.mpi")
 
 
 @dataclass(frozen=True)
@@ -97,17 +94,6 @@ def register(name: str, *, scope: Scope, checks: tuple[Check, ...],
     return deco
 
 
-def measurements() -> dict[str, Measurement]:
-    """Every registered measurement, by name (imports the defining modules once)."""
-    for module in _MODULES:
-        importlib.import_module(module)
+def registered() -> dict[str, Measurement]:
+    """The measurements registered so far, by name (all of them: `bench.catalog`)."""
     return dict(_REGISTRY)
-
-
-def get(name: str) -> Measurement:
-    """The measurement `name`; BenchError listing the known ones otherwise."""
-    known = measurements()
-    try:
-        return known[name]
-    except KeyError:
-        raise BenchError(f"no measurement {name!r} (known: {', '.join(sorted(known))})") from None

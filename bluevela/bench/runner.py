@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bluevela.bench.catalog import get
 from bluevela.bench.evaluate import History, evaluate
-from bluevela.bench.registry import RunParams, get
+from bluevela.bench.registry import RunParams
 from bluevela.bench.result import BenchResult, Facts, Status, worst
 from bluevela.errors import SiteConfigError
 from bluevela.site import BenchThresholds, Site
