@@ -111,10 +111,21 @@ def schema_problems(f: h5py.File, data: dict[str, Any] | None = None) -> list[st
         f: the open file.
         data: filled with every dataset's rows (read once here), for a caller that needs them.
     """
-    import numpy as np
-
-    problems: list[str] = []
     data = {} if data is None else data
+    problems = _layout_problems(f, data)
+    if problems:
+        return problems
+    counts = {p: len(a) for p, a in data.items()}
+    for name in ("reports", "jobs", "checks", "telemetry"):
+        attr = int(f.attrs.get(f"n_{name}", -1))
+        if attr != counts[name]:
+            problems.append(f"root attribute n_{name}={attr} but /{name} has {counts[name]} rows")
+    return problems + _report_key_problems(data["reports"]) + _index_problems(data, counts)
+
+
+def _layout_problems(f: h5py.File, data: dict[str, Any]) -> list[str]:
+    """The root's format and version, each dataset's presence, shape and dtype; the rows of
+    every dataset that passes are read into `data`."""
     fmt = f.attrs.get("format")
     if isinstance(fmt, bytes):
         fmt = fmt.decode()
@@ -123,8 +134,8 @@ def schema_problems(f: h5py.File, data: dict[str, Any] | None = None) -> list[st
     version = int(f.attrs.get("schema_version", -1))
     if version != S.SCHEMA_VERSION:
         return [f"schema_version {version} is not {S.SCHEMA_VERSION}"]
-    want = S.dtypes()
-    for path, dt in want.items():
+    problems: list[str] = []
+    for path, dt in S.dtypes().items():
         if path not in f:
             problems.append(f"missing dataset /{path}")
             continue
@@ -139,27 +150,35 @@ def schema_problems(f: h5py.File, data: dict[str, Any] | None = None) -> list[st
             problems.append(f"/{path} has dtype {ds.dtype}, expected {dt}")
             continue
         data[path] = read_rows(f, path)
-    if problems:
-        return problems
-    counts = {p: len(a) for p, a in data.items()}
-    for name in ("reports", "jobs", "checks", "telemetry"):
-        attr = int(f.attrs.get(f"n_{name}", -1))
-        if attr != counts[name]:
-            problems.append(f"root attribute n_{name}={attr} but /{name} has {counts[name]} rows")
-    rep = data["reports"]
-    if len(rep):
-        order = np.lexsort((rep["phase"], rep["restart"], rep["job_id"], rep["node"]))
-        if not np.array_equal(order, np.arange(len(rep))):
-            problems.append("/reports is not sorted by (node, job_id, restart, phase)")
-        else:
-            same = (
-                (rep["node"][1:] == rep["node"][:-1])
-                & (rep["job_id"][1:] == rep["job_id"][:-1])
-                & (rep["restart"][1:] == rep["restart"][:-1])
-                & (rep["phase"][1:] == rep["phase"][:-1])
-            )
-            if same.any():
-                problems.append(f"/reports holds {int(same.sum())} duplicate report key(s)")
+    return problems
+
+
+def _report_key_problems(rep: np.ndarray) -> list[str]:
+    """/reports sorted by (node, job_id, restart, phase), each key once."""
+    import numpy as np
+
+    if not len(rep):
+        return []
+    order = np.lexsort((rep["phase"], rep["restart"], rep["job_id"], rep["node"]))
+    if not np.array_equal(order, np.arange(len(rep))):
+        return ["/reports is not sorted by (node, job_id, restart, phase)"]
+    same = (
+        (rep["node"][1:] == rep["node"][:-1])
+        & (rep["job_id"][1:] == rep["job_id"][:-1])
+        & (rep["restart"][1:] == rep["restart"][:-1])
+        & (rep["phase"][1:] == rep["phase"][:-1])
+    )
+    if same.any():
+        return [f"/reports holds {int(same.sum())} duplicate report key(s)"]
+    return []
+
+
+def _index_problems(data: dict[str, Any], counts: dict[str, int]) -> list[str]:
+    """The row pointers and indexes: every range inside its target table, the job-reports
+    index a permutation of /reports, /jobs one row per job in order and its id index equal."""
+    import numpy as np
+
+    problems: list[str] = []
     for table, first, count, target in (
         ("reports", "check_first", "check_count", "checks"),
         ("reports", "telemetry_first", "telemetry_count", "telemetry"),
