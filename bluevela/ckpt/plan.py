@@ -72,16 +72,21 @@ def _steps(invs: Sequence[NodeInv]) -> set[int]:
     return {s for inv in invs for s in (*inv.own, *inv.held)}
 
 
-def local_complete(invs: Sequence[NodeInv], world: int) -> list[int]:
-    """Steps, newest first, of which every rank's shard is on some node of the job."""
+def _ranks(world: int | Sequence[int]) -> Sequence[int]:
+    return range(world) if isinstance(world, int) else world
+
+
+def local_complete(invs: Sequence[NodeInv], world: int | Sequence[int]) -> list[int]:
+    """Steps, newest first, of which every rank's shard (of `world` ranks, or of the ranks
+    listed: a replicated state saved by rank 0 only) is on some node of the job."""
     out = []
     for step in sorted(_steps(invs), reverse=True):
-        if all(any(inv.holds(step, r) for inv in invs) for r in range(world)):
+        if all(any(inv.holds(step, r) for inv in invs) for r in _ranks(world)):
             out.append(step)
     return out
 
 
-def needs_shared(invs: Sequence[NodeInv], world: int, failed: set[int]) -> bool:
+def needs_shared(invs: Sequence[NodeInv], world: int | Sequence[int], failed: set[int]) -> bool:
     """Whether shared storage must be listed before choosing (see the module docstring)."""
     good = [s for s in local_complete(invs, world) if s not in failed]
     if not good:
@@ -90,14 +95,15 @@ def needs_shared(invs: Sequence[NodeInv], world: int, failed: set[int]) -> bool:
     return bool(drained) and max(drained) > good[0]
 
 
-def candidates(invs: Sequence[NodeInv], world: int, shared: dict[int, frozenset[int]],
+def candidates(invs: Sequence[NodeInv], world: int | Sequence[int],
+               shared: dict[int, frozenset[int]],
                failed: set[int]) -> list[int]:
     """Steps every rank can read somewhere (node-local or shared), newest first."""
     steps = (_steps(invs) | set(shared)) - failed
     out = []
     for step in sorted(steps, reverse=True):
         if all(any(inv.holds(step, r) for inv in invs) or r in shared.get(step, ())
-               for r in range(world)):
+               for r in _ranks(world)):
             out.append(step)
     return out
 

@@ -541,9 +541,16 @@ class CheckpointStore:
             out.setdefault(e.step, set()).add(e.rank)
         return {s: frozenset(r) for s, r in out.items()}
 
-    def load_latest(self) -> Restored | None:
+    def load_latest(self, *, source_rank: int | None = None,
+                    at_most: int | None = None) -> Restored | None:
         """Resume (a collective): the newest step every rank can read, or None when there is
-        none (see the module docstring). Logs and returns the summary line."""
+        none (see the module docstring). Logs and returns the summary line.
+
+        Args:
+            source_rank: every rank loads this rank's shard (a replicated state that only
+                one rank saves: Lightning's checkpoint, saved on global rank 0).
+            at_most: no step newer than this one (a named older checkpoint).
+        """
         self.wait()
         t0 = time.perf_counter()
         first = self.rank == min(i for i, p in enumerate(self.peers)
@@ -551,29 +558,38 @@ class CheckpointStore:
         mine = self._my_inventory()
         gathered = self.coll.all_gather(mine.to_wire() if first else None)
         invs = [NodeInv.from_wire(g) for g in gathered if g is not None]
+        need: int | list[int] = self.world if source_rank is None else [source_rank]
+        wanted = self.rank if source_rank is None else source_rank
         failed: set[int] = set()
+        if at_most is not None:
+            failed = {s for inv in invs for s in (*inv.own, *inv.held) if s > at_most}
         shared: dict[int, frozenset[int]] = {}
         listed = retry_shared = False
         skipped: list[str] = []
         all_skips: list[str] = []
         while True:
-            if not listed and (retry_shared or needs_shared(invs, self.world, failed)):
+            if not listed and (retry_shared or needs_shared(invs, need, failed)):
                 got = self.coll.all_gather(
                     {str(s): sorted(r) for s, r in self._list_shared().items()}
                     if self.rank == 0 else None)
                 shared = {int(s): frozenset(r) for s, r in got[0].items()}
+                if at_most is not None:
+                    failed |= {s for s in shared if s > at_most}
                 listed = True
             self._invs, self._shared = invs, shared
-            cands = candidates(invs, self.world, shared, failed)
+            cands = candidates(invs, need, shared, failed)
             if not cands:
                 summary = _summary(None, [], all_skips, time.perf_counter() - t0)
                 (logger.warning if all_skips else logger.info)(summary)
                 _say(summary, self.rank)
                 return None
             step = cands[0]
-            result = self._load_step(step, places(step, self.rank, self.node, invs, shared))
+            result = self._load_step(step, places(step, wanted, self.node, invs, shared),
+                                     wanted, same_world=source_rank is None)
             ok = result is not None
-            mine_skips = [f"rank {self.rank} step {step} {s}" for s in self._skips]
+            mine_skips = [f"rank {wanted} step {step} {s}" for s in self._skips]
+            if source_rank is not None and self.rank != 0:
+                mine_skips = []  # every rank tried the same shard: rank 0 says it
             skipped += mine_skips
             outcome = self.coll.all_gather(
                 {"ok": ok, "skips": mine_skips, "source": result[2] if result else None})
@@ -624,8 +640,8 @@ class CheckpointStore:
     def last_skips(self) -> list[str]:
         return list(self._skips)
 
-    def _load_step(self, step: int, where: list[Place],
-                   rank: int | None = None) -> tuple[Any, dict[str, bytes], str] | None:
+    def _load_step(self, step: int, where: list[Place], rank: int | None = None,
+                   same_world: bool = True) -> tuple[Any, dict[str, bytes], str] | None:
         self._skips = []
         rank = self.rank if rank is None else rank
         expect = {"step": step, "rank": rank, "name": self.cfg.name}
@@ -656,7 +672,7 @@ class CheckpointStore:
                         info, payload = load_at(fd, name, expect)
                     finally:
                         os.close(fd)
-                if info.header.get("world") != self.world:
+                if same_world and info.header.get("world") != self.world:
                     raise ShardError(f"saved by {info.header.get('world')} ranks, now "
                                      f"{self.world} (resharding: DCP from shared storage)")
                 state, extra = decode(payload)
