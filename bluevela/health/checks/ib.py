@@ -44,7 +44,7 @@ from bluevela.health.state import IB_COUNTERS, read_json, write_json
 
 if TYPE_CHECKING:
     from bluevela.health.context import ProbeContext
-    from bluevela.site import NodeClass
+    from bluevela.site import IBExpect, IBThresholds, NodeClass
 
 logger = logging.getLogger(__name__)
 
@@ -376,6 +376,109 @@ def evaluate_gpudirect(facts: GPUDirectFacts | None, want: str) -> list[tuple[St
     return []
 
 
+def _link_problems(p: PortFacts, expected: IBExpect) -> tuple[list[tuple[Status, str]], bool,
+                                                             float | None]:
+    """One present, readable port's link: ACTIVE/LinkUp, its rate against the class's, its link
+    layer. Returns the problems, whether the port is up (ACTIVE and LinkUp) and its rate when
+    up and readable."""
+    problems: list[tuple[Status, str]] = []
+    up = p.state == "ACTIVE" and p.phys_state == "LinkUp"
+    if p.state != "ACTIVE":
+        phys = f" (phys_state {p.phys_state})" if p.phys_state != "LinkUp" else ""
+        problems.append((Status.CRITICAL, f"{p.port} state {p.state}{phys}"))
+    elif p.phys_state != "LinkUp":
+        problems.append((Status.CRITICAL, f"{p.port} phys_state {p.phys_state}"))
+    rate = p.rate_gbps if up else None
+    if up and rate is None:
+        problems.append((Status.UNKNOWN, f"{p.port} rate unreadable {p.rate_text!r}"))
+    elif rate is not None and rate < expected.rate_gbps:
+        problems.append((Status.CRITICAL, f"{p.port} rate {rate:g} Gb/s < "
+                         f"{expected.rate_gbps:g} ({p.rate_text})"))
+    if p.link_layer != expected.link_layer:
+        problems.append((Status.CRITICAL, f"{p.port} link_layer {p.link_layer} "
+                         f"(expected {expected.link_layer})"))
+    return problems, up, rate
+
+
+@dataclass
+class _Counters:
+    """The error counters summed over the ports, for the metrics: totals, increases since the
+    last reading, and each counter's highest per-hour rate on one port."""
+
+    totals: dict[str, float] = field(default_factory=dict)
+    increases: dict[str, float] = field(default_factory=dict)
+    rate_max: dict[str, float] = field(default_factory=dict)
+
+
+def _counter_problems(p: PortFacts, limits: IBThresholds, age: float | None,
+                      sums: _Counters) -> list[tuple[Status, str]]:
+    """One readable port's error counters against the class's limits: a ceiling on the value,
+    on the increase since the last reading, and on the rate; the port's figures are added to
+    `sums`."""
+    problems: list[tuple[Status, str]] = []
+    for name, value in {**p.counters, **p.hw_counters}.items():
+        sums.totals[name] = sums.totals.get(name, 0.0) + value
+    for name, ceiling in limits.max_counters.items():
+        now_v = p.counters.get(name)
+        if now_v is not None and now_v > ceiling:
+            problems.append((Status.WARNING, f"{p.port} {name} {now_v} > {ceiling}"))
+    if p.previous is None:
+        return problems
+    both = {**p.counters, **p.hw_counters}
+    prev = {**p.previous, **(p.previous_hw or {})}
+    for name, now_v in both.items():
+        before = prev.get(name)
+        if isinstance(before, int):
+            sums.increases[name] = sums.increases.get(name, 0.0) + _increase(now_v, before)
+    for name, allowed in limits.max_increase.items():
+        cur, before = both.get(name), prev.get(name)
+        if isinstance(cur, int) and isinstance(before, int):
+            inc = _increase(cur, before)
+            if inc > allowed:
+                problems.append(judge_increase(p.port, name, before, cur, allowed, age,
+                                               limits.increase_window_s))
+    if age is None or age < max(limits.rate_min_interval_s, 1.0):
+        return problems
+    for name, rate_cap in limits.max_rate_per_h.items():
+        cur, before = both.get(name), prev.get(name)
+        if not (isinstance(cur, int) and isinstance(before, int)):
+            continue
+        inc = _increase(cur, before)
+        per_h = inc * 3600.0 / age
+        sums.rate_max[name] = max(sums.rate_max.get(name, 0.0), per_h)
+        already = name in limits.max_increase and inc > limits.max_increase[name]
+        if per_h > rate_cap and not already:  # CRITICAL above already
+            problems.append((Status.WARNING, f"{p.port} {name} {per_h:.3g}/h > "
+                             f"{rate_cap:g}/h (+{inc} {fmt_interval(age)})"))
+    return problems
+
+
+def _ib_metrics(facts: IBFacts, expected: IBExpect, active: int, rates: list[float],
+                sums: _Counters) -> dict[str, float]:
+    metrics: dict[str, float] = {
+        "ports_expected_count": len(expected.ports),
+        "ports_active_count": active,
+    }
+    for name, per_h in sums.rate_max.items():
+        metrics[f"{name}_max_per_h"] = per_h
+    widths = [link.width for link in facts.pci if link.width is not None]
+    if widths:
+        metrics["hca_pcie_width_min"] = min(widths)
+    if rates:
+        metrics["rate_min_gbps"] = min(rates)
+    for name, total in sums.totals.items():
+        if name in WORD_COUNTERS:
+            metrics[f"{name}_bytes"] = total * 4
+        else:
+            metrics[f"{name}_total"] = total
+    for name, total_inc in sums.increases.items():
+        if name not in WORD_COUNTERS:
+            metrics[f"{name}_increase_count"] = total_inc
+    if facts.previous_age_s is not None:
+        metrics["baseline_age_s"] = facts.previous_age_s
+    return metrics
+
+
 @check("ib", probe=probe_ib)
 def evaluate_ib(facts: IBFacts, cls: NodeClass) -> CheckResult:
     """InfiniBand ports present, ACTIVE/LinkUp at the class's rate; error counters."""
@@ -386,12 +489,9 @@ def evaluate_ib(facts: IBFacts, cls: NodeClass) -> CheckResult:
         return CheckResult("ib", Status.OK, f"no InfiniBand ports expected ({len(facts.found)} present)",
                            {"ports_expected_count": 0, "ports_present_count": len(facts.found)})
     problems: list[tuple[Status, str]] = []
-    totals: dict[str, float] = {}
-    increases: dict[str, float] = {}
+    sums = _Counters()
     rates: list[float] = []
-    rate_max: dict[str, float] = {}
     active = 0
-    limits = cls.ib_limits
     for p in facts.ports:
         if not p.present:
             problems.append((Status.CRITICAL, f"{p.port} missing"))
@@ -399,82 +499,15 @@ def evaluate_ib(facts: IBFacts, cls: NodeClass) -> CheckResult:
         if p.error:
             problems.append((Status.UNKNOWN, f"{p.port} unreadable: {p.error}"))
             continue
-        up = p.state == "ACTIVE" and p.phys_state == "LinkUp"
-        if p.state != "ACTIVE":
-            phys = f" (phys_state {p.phys_state})" if p.phys_state != "LinkUp" else ""
-            problems.append((Status.CRITICAL, f"{p.port} state {p.state}{phys}"))
-        elif p.phys_state != "LinkUp":
-            problems.append((Status.CRITICAL, f"{p.port} phys_state {p.phys_state}"))
-        else:
-            active += 1
-        rate = p.rate_gbps
-        if up:
-            if rate is None:
-                problems.append((Status.UNKNOWN, f"{p.port} rate unreadable {p.rate_text!r}"))
-            else:
-                rates.append(rate)
-                if rate < expected.rate_gbps:
-                    problems.append((Status.CRITICAL, f"{p.port} rate {rate:g} Gb/s < "
-                                     f"{expected.rate_gbps:g} ({p.rate_text})"))
-        if p.link_layer != expected.link_layer:
-            problems.append((Status.CRITICAL, f"{p.port} link_layer {p.link_layer} "
-                             f"(expected {expected.link_layer})"))
-        for name, value in {**p.counters, **p.hw_counters}.items():
-            totals[name] = totals.get(name, 0.0) + value
-        for name, ceiling in limits.max_counters.items():
-            now_v = p.counters.get(name)
-            if now_v is not None and now_v > ceiling:
-                problems.append((Status.WARNING, f"{p.port} {name} {now_v} > {ceiling}"))
-        if p.previous is not None:
-            age = facts.previous_age_s
-            both = {**p.counters, **p.hw_counters}
-            prev = {**p.previous, **(p.previous_hw or {})}
-            for name, now_v in both.items():
-                before = prev.get(name)
-                if isinstance(before, int):
-                    increases[name] = increases.get(name, 0.0) + _increase(now_v, before)
-            for name, allowed in limits.max_increase.items():
-                cur, before = both.get(name), prev.get(name)
-                if isinstance(cur, int) and isinstance(before, int):
-                    inc = _increase(cur, before)
-                    if inc > allowed:
-                        problems.append(judge_increase(p.port, name, before, cur, allowed, age,
-                                                       limits.increase_window_s))
-            if age is not None and age >= max(limits.rate_min_interval_s, 1.0):
-                for name, rate_cap in limits.max_rate_per_h.items():
-                    cur, before = both.get(name), prev.get(name)
-                    if not (isinstance(cur, int) and isinstance(before, int)):
-                        continue
-                    inc = _increase(cur, before)
-                    per_h = inc * 3600.0 / age
-                    rate_max[name] = max(rate_max.get(name, 0.0), per_h)
-                    already = name in limits.max_increase and inc > limits.max_increase[name]
-                    if per_h > rate_cap and not already:  # CRITICAL above already
-                        problems.append((Status.WARNING, f"{p.port} {name} {per_h:.3g}/h > "
-                                         f"{rate_cap:g}/h (+{inc} {fmt_interval(age)})"))
+        link, up, rate = _link_problems(p, expected)
+        problems += link
+        active += up
+        if rate is not None:
+            rates.append(rate)
+        problems += _counter_problems(p, cls.ib_limits, facts.previous_age_s, sums)
     problems += evaluate_pci(facts.pci)
     problems += evaluate_gpudirect(facts.gpudirect, expected.gpudirect)
-    metrics: dict[str, float] = {
-        "ports_expected_count": len(expected.ports),
-        "ports_active_count": active,
-    }
-    for name, per_h in rate_max.items():
-        metrics[f"{name}_max_per_h"] = per_h
-    widths = [link.width for link in facts.pci if link.width is not None]
-    if widths:
-        metrics["hca_pcie_width_min"] = min(widths)
-    if rates:
-        metrics["rate_min_gbps"] = min(rates)
-    for name, total in totals.items():
-        if name in WORD_COUNTERS:
-            metrics[f"{name}_bytes"] = total * 4
-        else:
-            metrics[f"{name}_total"] = total
-    for name, total_inc in increases.items():
-        if name not in WORD_COUNTERS:
-            metrics[f"{name}_increase_count"] = total_inc
-    if facts.previous_age_s is not None:
-        metrics["baseline_age_s"] = facts.previous_age_s
+    metrics = _ib_metrics(facts, expected, active, rates, sums)
     status, summary = summarize(problems)
     if summary is None:
         rate_txt = f" at {min(rates):g} Gb/s" if rates else ""
