@@ -67,3 +67,26 @@ def test_epilog_uses_the_node_class_dir_and_the_jobs_uid(tmp_path: Path,
     line = clear_for_epilog(site, 9, "x", {"SLURM_JOB_UID": str(uid)})
     assert line is not None and "removed job 9's" in line
     assert not (tmp_path / f"bv-{uid}" / "job-9").exists()
+
+
+def test_the_real_epilog_clears_the_jobs_node_local_checkpoints(tmp_path: Path) -> None:
+    """`python -m bluevela.hooks epilog` as slurmd runs it (tests/test_hooks_run.py): the node
+    class's checkpoint.dir loses the ended job's directory, keeps another job's."""
+    import yaml
+
+    from tests.test_hooks_run import make_node, run_hook
+
+    data = yaml.safe_load((REPO / "site.yaml").read_text())
+    nvme = tmp_path / "nvme"
+    data["node_classes"]["h100"]["checkpoint"] = {"dir": str(nvme)}
+    site = tmp_path / "site.yaml"
+    site.write_text(yaml.safe_dump(data))
+    hook_env, _ = make_node(tmp_path, BV_SITE=str(site), BV_CACHE_DIR="off")
+    uid = os.getuid()
+    _tree(nvme, uid, "4242")
+    other = _tree(nvme, uid, "4243")
+    p = run_hook("epilog", hook_env, {"SLURMD_NODENAME": "gpu001", "SLURM_JOB_ID": "4242",
+                                       "SLURM_JOB_USER": "alice", "SLURM_JOB_UID": str(uid)})
+    assert p.returncode == 0, p.stderr
+    assert not (nvme / f"bv-{uid}" / "job-4242").exists()
+    assert (other / "rank-00000.bvck").is_file()
