@@ -235,10 +235,14 @@ def test_operations_stay_out_of_storage_benchmarks_and_pages() -> None:
 
 
 def test_slurm_seam_is_a_leaf() -> None:
+    """`slurm/` imports no other package of bluevela but `errors` and, for the one "printable
+    line" of Slurm's free text, `protocol.names` (itself a standard-library leaf)."""
     others = tuple(f"bluevela.{p.name.removesuffix('.py')}" for p in PKG.iterdir()
                    if p.name not in ("slurm", "errors.py", "__init__.py", "__pycache__",
                                      "py.typed"))
-    assert _violations("slurm", others) == []
+    bad = _violations("slurm", others)
+    assert [b for b in bad if not b.endswith(("bluevela.protocol.names",
+                                              "bluevela.protocol.names.printable"))] == []
 
 
 SLURM_COMMANDS = ("scontrol", "sbatch", "scancel", "salloc")

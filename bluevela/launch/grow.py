@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
+from bluevela.protocol.names import printable
 from bluevela.slurm.cli_client import job_fields_argv, parse_config, parse_job_fields, unreachable
 from bluevela.slurm.jobctl import slurm_duration
 from bluevela.slurm.releases import expansion_problem
@@ -92,10 +93,6 @@ def run_cli(argv: Sequence[str], timeout: float,
                                            _text(exc.stderr) + " (timed out)")
     except OSError as exc:
         return subprocess.CompletedProcess(list(argv), 127, "", str(exc))
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())[:300]
 
 
 def helper_name(job: str) -> str:
@@ -337,7 +334,7 @@ def grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
 def _fields(run: Runner, job: str) -> tuple[dict[str, str], str]:
     proc = run(job_fields_argv(job), 30, None)
     fields = parse_job_fields(proc.stdout, job) if proc.returncode == 0 else {}
-    return fields, _one_line(proc.stderr) or "no such job"
+    return fields, printable(proc.stderr, 300) or "no such job"
 
 
 def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
@@ -349,7 +346,7 @@ def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
 
     cfg = run(["scontrol", "show", "config"], 30, None)
     if cfg.returncode != 0:
-        return fail(f"scontrol show config: {_one_line(cfg.stderr)}")
+        return fail(f"scontrol show config: {printable(cfg.stderr, 300)}")
     problem = support_problem(parse_config(cfg.stdout))
     if problem is not None:
         return fail(problem)
@@ -372,7 +369,7 @@ def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
     if new is not None:
         helpers.append(new)  # granted or pending: cancelled by grow() whatever happens next
     if alloc.returncode != 0 or new is None or "Granted" not in said:
-        text = _one_line(alloc.stderr or alloc.stdout) or f"exit {alloc.returncode}"
+        text = printable(alloc.stderr or alloc.stdout, 300) or f"exit {alloc.returncode}"
         return fail(f"no node granted in {deadline_s:g} s ({text})")
     if lost and keep and alive:
         # A node is granted: now let go of the live one it replaces. Before the merge: once
@@ -390,7 +387,7 @@ def _let_go(job: str, keep: Sequence[str], lost: Sequence[str], run: Runner, tmp
     upd = _retry(run, ["scontrol", "update", f"JobId={job}", f"NodeList={','.join(keep)}"],
                  until, cwd=tmp)
     if upd.returncode != 0:
-        return f"letting go of {','.join(lost)}: {_one_line(upd.stderr)}"
+        return f"letting go of {','.join(lost)}: {printable(upd.stderr, 300)}"
     # A second `update NodeList=` of this job is refused for good on 22.05 without
     # accounting ("the DB index is being set"): the requeue path must not repeat it.
     released.extend(lost)
@@ -405,13 +402,13 @@ def _take_node(job: str, new: str, held: Sequence[str], run: Runner, tmp: str,
     # the job's remaining time (users may shorten their own jobs; the merge is unaffected).
     cut = run(["scontrol", "update", f"JobId={new}", f"TimeLimit={HELPER_HOLD_MIN}"], 30, tmp)
     if cut.returncode != 0:
-        logger.warning("could not shorten grow helper %s: %s", new, _one_line(cut.stderr))
+        logger.warning("could not shorten grow helper %s: %s", new, printable(cut.stderr, 300))
     info, _ = _fields(run, new)
     added = _expand_nodes(info.get("NodeList", ""))
     bye = _retry(run, ["scontrol", "update", f"JobId={new}", "NumNodes=0"],
                  time.monotonic() + 30, cwd=tmp)
     if bye.returncode != 0:
-        return fail(f"scontrol update JobId={new} NumNodes=0: {_one_line(bye.stderr)}")
+        return fail(f"scontrol update JobId={new} NumNodes=0: {printable(bye.stderr, 300)}")
     gone = run(["scancel", new], 30, None)
     if not _transient(gone):  # 0, or already ended by NumNodes=0 (22.05)
         helpers.remove(new)
@@ -427,7 +424,7 @@ def _take_node(job: str, new: str, held: Sequence[str], run: Runner, tmp: str,
         merge = _retry(run, ["scontrol", "update", f"JobId={job}", "NumNodes=ALL"], until,
                        cwd=tmp)
         if merge.returncode != 0:
-            return fail(f"scontrol update JobId={job} NumNodes=ALL: {_one_line(merge.stderr)}")
+            return fail(f"scontrol update JobId={job} NumNodes=ALL: {printable(merge.stderr, 300)}")
         env = _resize_env(tmp, job)
         fields, _ = _fields(run, job)
         now = _expand_nodes(fields.get("NodeList", ""))
@@ -478,7 +475,7 @@ def readiness(deadline_s: float, run: Runner = run_cli) -> str | None:
     cfg = run(["scontrol", "show", "config"], 30, None)
     if cfg.returncode != 0:
         return (f"launch.grow_deadline_s is {deadline_s:g} s, but whether Slurm can grow jobs "
-                f"is unknown (scontrol show config: {_one_line(cfg.stderr) or 'failed'})")
+                f"is unknown (scontrol show config: {printable(cfg.stderr, 300) or 'failed'})")
     fields = parse_config(cfg.stdout)
     problem = support_problem(fields)
     if problem is None:

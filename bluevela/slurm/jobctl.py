@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from bluevela.protocol.names import printable
+
 logger = logging.getLogger(__name__)
 
 SLURM_TIMEOUT_S = 20.0  # one try of a Slurm command
@@ -110,12 +112,6 @@ def parse_time_left(stdout: str) -> tuple[float, float | None] | None:
     return float(left), None if limit is None else float(limit)
 
 
-def _one_line(text: str, limit: int = 200) -> str:
-    raw = " ".join(text.split())
-    out = "".join(c if c.isascii() and c.isprintable() else "?" for c in raw[:limit])
-    return (out + "...") if len(raw) > limit else out
-
-
 def _sleep(seconds: float) -> bool:
     time.sleep(seconds)
     return False
@@ -160,7 +156,7 @@ class JobControl:
                                   timeout=min(self.timeout_s, TIME_LEFT_TIMEOUT_S),
                                   stdin=subprocess.DEVNULL, errors="replace")
         except (OSError, subprocess.SubprocessError) as exc:
-            logger.warning("squeue -j %s: %s", self.job, _one_line(str(exc)))
+            logger.warning("squeue -j %s: %s", self.job, printable(exc, 200))
         else:
             got = parse_time_left(proc.stdout) if proc.returncode == 0 else None
             if got is not None:
@@ -191,7 +187,7 @@ class JobControl:
                 if proc.returncode == 0:
                     return SlurmCall(True, proc.stdout, "", tries, time.monotonic() - start)
                 why = (f"exit {proc.returncode}: "
-                       f"{_one_line(proc.stderr or proc.stdout) or 'no message'}")
+                       f"{printable(proc.stderr or proc.stdout, 200) or 'no message'}")
                 if permanent_slurm_error(why):
                     return SlurmCall(False, "", why, tries, time.monotonic() - start)
                 deadline = retry_deadline(why, start, deadline)
