@@ -236,7 +236,6 @@ def finalize(t: Tables) -> dict[str, np.ndarray]:
     """
     import numpy as np
 
-    dt = S.dtypes()
     nodes = np.unique(t.reports["node"])
     if len(nodes) >= 1 << (64 - _NODE_SHIFT):
         raise ValueError("too many distinct nodes for one segment")
@@ -290,9 +289,24 @@ def finalize(t: Tables) -> dict[str, np.ndarray]:
     else:
         checks["metric_first"], checks["metric_count"] = 0, 0
 
-    # Node index: each table is sorted by node first, so a node's rows are contiguous.
+    index = _node_index(reports, checks, metrics, telemetry)
+    jobs, job_nodes, by_job = _newest_jobs(t, reports)
+    return {
+        "jobs": jobs, "job_nodes": job_nodes, "reports": reports, "checks": checks,
+        "check_metrics": metrics, "telemetry": telemetry,
+        S.NODE_INDEX: index, S.JOB_REPORTS_INDEX: by_job,
+        S.JOB_IDS_INDEX: jobs["job_id"].copy(),
+    }
+
+
+def _node_index(reports: np.ndarray, checks: np.ndarray, metrics: np.ndarray,
+                telemetry: np.ndarray) -> np.ndarray:
+    """The node index: each node's rows in every table. Each table is sorted by node first
+    (children follow their reports), so a node's rows are contiguous."""
+    import numpy as np
+
     used = np.unique(reports["node"])
-    index = np.zeros(len(used), dtype=dt[S.NODE_INDEX])
+    index = np.zeros(len(used), dtype=S.dtypes()[S.NODE_INDEX])
     index["node"] = used
     index["report_first"], index["report_count"] = _ranges(reports["node"], used)
     rep_end = (index["report_first"] + index["report_count"]).astype(np.int64)
@@ -301,8 +315,15 @@ def finalize(t: Tables) -> dict[str, np.ndarray]:
         lo = np.searchsorted(arr["report_row"], index["report_first"].astype(np.int64))
         hi = np.searchsorted(arr["report_row"], rep_end)
         index[f"{col}_first"], index[f"{col}_count"] = lo, hi - lo
+    return index
 
-    # Jobs: newest revision wins, with its own job_nodes rows.
+
+def _newest_jobs(t: Tables, reports: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Jobs: the newest revision of each (later position on a tie) with its own job_nodes
+    rows, each pointing at its nodes and (through the returned job-reports index, /reports
+    rows in job order) at its reports."""
+    import numpy as np
+
     jobs_in = t.jobs
     jorder = np.lexsort((np.arange(len(jobs_in)), jobs_in["revision"], jobs_in["job_id"]))
     last = np.ones(len(jorder), dtype=bool)
@@ -319,12 +340,7 @@ def finalize(t: Tables) -> dict[str, np.ndarray]:
                          reports["job_id"])).astype(np.uint64)
     jobs["report_first"], jobs["report_count"] = _ranges(
         reports["job_id"][by_job], jobs["job_id"])
-    return {
-        "jobs": jobs, "job_nodes": job_nodes, "reports": reports, "checks": checks,
-        "check_metrics": metrics, "telemetry": telemetry,
-        S.NODE_INDEX: index, S.JOB_REPORTS_INDEX: by_job,
-        S.JOB_IDS_INDEX: jobs["job_id"].copy(),
-    }
+    return jobs, job_nodes, by_job
 
 
 def from_segment(data: dict[str, np.ndarray]) -> Tables:
