@@ -447,6 +447,18 @@ def drain_node(client: SlurmClient, site: Site, node: str, detail: str, *,
                                 "another bluevela run is draining this node", rpcs=c.calls)
         slots = [s for s in slots if s.name not in freed]
     parts = sorted(set(mine.partitions)) or [NO_PARTITION]
+    return _drain_under_breaker(c, site, node, reason, nodes, slots, parts, rng, clock)
+
+
+def _drain_under_breaker(c: _Counted, site: Site, node: str, reason: str, nodes: list[NodeInfo],
+                         slots: list[Slot], parts: list[str], rng: random.Random,
+                         clock: Callable[[], float]) -> DrainOutcome:
+    """Take a free breaker slot in each of the node's partitions (a reservation create, the
+    compare-and-set), then drain; any slot taken is given back when one partition has none.
+
+    Raises:
+        DrainFailed: the drain (or a create) failed; the slots taken stay taken.
+    """
     taken: list[str] = []
     t0 = clock()
 
