@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from bluevela.bench.result import Status
-from bluevela.bench.store import NightRecord, list_nights, night_path, read_night, read_nights
+from bluevela.bench.store import (
+    NightRecord,
+    NodeRow,
+    list_nights,
+    night_path,
+    read_night,
+    read_nights,
+)
 from bluevela.errors import ArchiveError
 from bluevela.report import page
 from bluevela.report.nightly import (
@@ -308,9 +315,28 @@ def render_html(rec: NightRecord, past: Sequence[NightRecord]) -> str:
            f'<p class="muted">{len(rec.nodes)} node(s), {len(rec.pairs)} pair measurement(s); '
            f'<span class="{"bad" if failing else "ok"}">{len(failing)} failing</span>; '
            f"{_e(rec.started_utc)} → {_e(rec.finished_utc)}; bluevela {_e(rec.version)}</p>"]
+    out += _verdict_section(rec, failing)
+    floor_of = floors(rec)
+    series = node_series(records)
+    units = {row.name: row.unit for r in records for row in r.figures if row.headline}
+    if small:
+        out.append("<h2>Pairwise all_reduce busbw (GB/s)</h2>")
+        out.append(heatmap_svg(rec, floor_of))
+    else:
+        out.append("<h2>Measured pairs: all_reduce busbw (GB/s)</h2>")
+        out.extend(pairs_section(rec, floor_of))
+        out += _distributions_section(rec, failing, floor_of, units)
+    out += _trends_section(rec, records, series, floor_of, units, small)
+    if not small:
+        out.append("<h2>Every node tonight</h2>")
+        out.append(f"<details><summary>{len(rec.nodes)} nodes, failing first</summary>"
+                   + node_rows(rec, tonight_values(rec)) + "</details>")
+    return page.document(f"bluevela nightly {rec.night} – {rec.cluster}", out)
 
-    # Verdict
-    out.append("<h2>Failures and drained nodes</h2>")
+
+def _verdict_section(rec: NightRecord, failing: Sequence[NodeRow]) -> list[str]:
+    """The failing and drained nodes, the slow links and pairs, the failed measurements."""
+    out = ["<h2>Failures and drained nodes</h2>"]
     if failing:
         out.append('<table id="drained"><tr><th>node</th><th>class</th><th>drained</th>'
                    "<th>reason</th></tr>")
@@ -341,38 +367,42 @@ def render_html(rec: NightRecord, past: Sequence[NightRecord]) -> str:
         if len(problems) > MAX_PROBLEM_ROWS:
             out.append(f'<p class="muted">… and {len(problems) - MAX_PROBLEM_ROWS} more '
                        "(every node's status is in the table at the end).</p>")
+    return out
 
-    floor_of = floors(rec)
-    series = node_series(records)
-    units = {row.name: row.unit for r in records for row in r.figures if row.headline}
-    if small:
-        out.append("<h2>Pairwise all_reduce busbw (GB/s)</h2>")
-        out.append(heatmap_svg(rec, floor_of))
-    else:
-        out.append("<h2>Measured pairs: all_reduce busbw (GB/s)</h2>")
-        out.extend(pairs_section(rec, floor_of))
-        # Distributions
-        tonight = tonight_values(rec)
-        failing_names = [n.node for n in sorted(failing, key=lambda r: natural_key(r.node))]
-        out.append("<h2>Distributions over all nodes tonight</h2>")
-        out.append(f'<p class="muted">Failing nodes in red, the {WORST_N} worst others in '
-                   "orange; the dashed line is the class floor (ceiling for latency).</p>"
-                   '<div class="grid">')
-        for name in FIGURES:
-            values = tonight.get(name)
-            if not values:
-                continue
-            order = sorted(values, key=lambda n: values[n], reverse=name in LOWER_IS_BETTER)
-            worst = [n for n in order if n not in set(failing_names)][:WORST_N]
-            fl = sorted(floor_of.get((n, name), 0.0) for n in values)
-            floor = fl[len(fl) // 2] if fl else 0.0
-            out.append('<div class="card">' + histogram_svg(
-                name, values, floor, units.get(name, ""),
-                [*[n for n in failing_names if n in values][:2 * WORST_N], *worst],
-                failing=set(failing_names)) + "</div>")
-        out.append("</div>")
 
-    # Trends
+def _distributions_section(rec: NightRecord, failing: Sequence[NodeRow],
+                           floor_of: dict[tuple[str, str], float],
+                           units: dict[str, str]) -> list[str]:
+    """A large cluster's histograms of tonight's figures over all nodes."""
+    tonight = tonight_values(rec)
+    failing_names = [n.node for n in sorted(failing, key=lambda r: natural_key(r.node))]
+    out = ["<h2>Distributions over all nodes tonight</h2>",
+           f'<p class="muted">Failing nodes in red, the {WORST_N} worst others in '
+           "orange; the dashed line is the class floor (ceiling for latency).</p>"
+           '<div class="grid">']
+    for name in FIGURES:
+        values = tonight.get(name)
+        if not values:
+            continue
+        order = sorted(values, key=lambda n: values[n], reverse=name in LOWER_IS_BETTER)
+        worst = [n for n in order if n not in set(failing_names)][:WORST_N]
+        fl = sorted(floor_of.get((n, name), 0.0) for n in values)
+        floor = fl[len(fl) // 2] if fl else 0.0
+        out.append('<div class="card">' + histogram_svg(
+            name, values, floor, units.get(name, ""),
+            [*[n for n in failing_names if n in values][:2 * WORST_N], *worst],
+            failing=set(failing_names)) + "</div>")
+    out.append("</div>")
+    return out
+
+
+def _trends_section(rec: NightRecord, records: Sequence[NightRecord],
+                    series: dict[str, dict[str, list[tuple[str, float]]]],
+                    floor_of: dict[tuple[str, str], float], units: dict[str, str],
+                    small: bool) -> list[str]:
+    """Each node's trend over the nights (a large cluster: the fleet median and only the
+    failing or regressed nodes)."""
+    out: list[str] = []
     if small:
         out.append(f"<h2>Trends over the last {len(records)} night(s)</h2>")
         trend_nodes = [(n, "") for n in sorted(series, key=natural_key)]
@@ -406,11 +436,7 @@ def render_html(rec: NightRecord, past: Sequence[NightRecord]) -> str:
                 f"{node} {name}", figs[name], floor, units.get(name, ""),
                 ceiling=name in LOWER_IS_BETTER) + "</div>")
         out.append("</div>")
-    if not small:
-        out.append("<h2>Every node tonight</h2>")
-        out.append(f"<details><summary>{len(rec.nodes)} nodes, failing first</summary>"
-                   + node_rows(rec, tonight_values(rec)) + "</details>")
-    return page.document(f"bluevela nightly {rec.night} – {rec.cluster}", out)
+    return out
 
 
 def write_report(root: Path, night: str | None, html_path: Path,
