@@ -575,40 +575,10 @@ def verify(archive_dir: Path) -> VerifyResult:
     report_jobs: list[np.ndarray] = []
     job_ids: list[np.ndarray] = []
     for name in sorted(set(on_disk) | set(live)):
-        path = archive.segments_dir / name
-        if name.startswith(".") and name.endswith(".tmp"):
-            res.notes.append(f"{path}: temporary file of an interrupted writer "
-                             "(the next ingest removes it)")
-            continue
-        if not _SEGMENT_RE.match(name):
-            res.notes.append(f"{path}: not a segment file name; ignored")
-            continue
-        if name not in on_disk:
-            res.problems.append(f"{path}: listed in the manifest but missing")
-            continue
-        res.files += 1
-        data: dict[str, Any] = {}
-        try:
-            with open_h5(path) as f:
-                problems = schema_problems(f, data)
-        except ArchiveError as exc:
-            res.problems.append(str(exc))
-            continue
-        except (OSError, RuntimeError, ValueError, KeyError) as exc:
-            res.problems.append(f"{path}: unreadable ({str(exc).splitlines()[0]})")
-            continue
-        res.problems.extend(f"{path}: {p}" for p in problems)
-        if problems:
+        data = _verify_segment(archive.segments_dir, name, live.get(name), name in on_disk, res)
+        if data is None:
             continue
         rep, jobs = data["reports"], data[S.JOB_IDS_INDEX]
-        if name not in live:
-            res.notes.append(f"{path}: not in the manifest (left by an interrupted writer; "
-                             "the next ingest removes it)")
-            continue
-        info = live[name]
-        if info.reports != len(rep) or info.jobs != len(jobs):
-            res.problems.append(f"{path}: manifest says {info.reports} reports/{info.jobs} jobs, "
-                                f"the file holds {len(rep)}/{len(jobs)}")
         k = np.zeros(len(rep), dtype=[("node", f"S{S.NODE_LEN}"), ("job_id", "u8"),
                                       ("phase", "u1"), ("restart", "u2")])
         for c in ("node", "job_id", "phase", "restart"):
@@ -618,15 +588,65 @@ def verify(archive_dir: Path) -> VerifyResult:
         job_ids.append(jobs)
         res.reports += len(rep)
     if keys:
-        allk = np.concatenate(keys)
-        uniq = np.unique(allk)
-        if len(uniq) != len(allk):
-            res.problems.append(f"{archive_dir}: {len(allk) - len(uniq)} report(s) stored in "
-                                "more than one file")
-        jobs_all = np.unique(np.concatenate(job_ids))
-        res.jobs = len(jobs_all)
-        orphan = np.setdiff1d(np.unique(np.concatenate(report_jobs)), jobs_all)
-        if len(orphan):
-            res.problems.append(f"{archive_dir}: reports of {len(orphan)} job(s) without a job "
-                                f"row (e.g. job {int(orphan[0])})")
+        _verify_across_files(archive_dir, keys, report_jobs, job_ids, res)
     return res
+
+
+def _verify_segment(segments_dir: Path, name: str, info: SegmentInfo | None, on_disk: bool,
+                    res: VerifyResult) -> dict[str, Any] | None:
+    """One name in the segments directory or the manifest, on its own: the name, the file's
+    schema and indexes, its manifest entry. Returns its datasets when it is a live segment
+    that could be checked (problems and notes go to `res`)."""
+    path = segments_dir / name
+    if name.startswith(".") and name.endswith(".tmp"):
+        res.notes.append(f"{path}: temporary file of an interrupted writer "
+                         "(the next ingest removes it)")
+        return None
+    if not _SEGMENT_RE.match(name):
+        res.notes.append(f"{path}: not a segment file name; ignored")
+        return None
+    if not on_disk:
+        res.problems.append(f"{path}: listed in the manifest but missing")
+        return None
+    res.files += 1
+    data: dict[str, Any] = {}
+    try:
+        with open_h5(path) as f:
+            problems = schema_problems(f, data)
+    except ArchiveError as exc:
+        res.problems.append(str(exc))
+        return None
+    except (OSError, RuntimeError, ValueError, KeyError) as exc:
+        res.problems.append(f"{path}: unreadable ({str(exc).splitlines()[0]})")
+        return None
+    res.problems.extend(f"{path}: {p}" for p in problems)
+    if problems:
+        return None
+    rep, jobs = data["reports"], data[S.JOB_IDS_INDEX]
+    if info is None:
+        res.notes.append(f"{path}: not in the manifest (left by an interrupted writer; "
+                         "the next ingest removes it)")
+        return None
+    if info.reports != len(rep) or info.jobs != len(jobs):
+        res.problems.append(f"{path}: manifest says {info.reports} reports/{info.jobs} jobs, "
+                            f"the file holds {len(rep)}/{len(jobs)}")
+    return data
+
+
+def _verify_across_files(archive_dir: Path, keys: list[np.ndarray],
+                         report_jobs: list[np.ndarray], job_ids: list[np.ndarray],
+                         res: VerifyResult) -> None:
+    """The live files together: no report key in two files, every report's job archived."""
+    import numpy as np
+
+    allk = np.concatenate(keys)
+    uniq = np.unique(allk)
+    if len(uniq) != len(allk):
+        res.problems.append(f"{archive_dir}: {len(allk) - len(uniq)} report(s) stored in "
+                            "more than one file")
+    jobs_all = np.unique(np.concatenate(job_ids))
+    res.jobs = len(jobs_all)
+    orphan = np.setdiff1d(np.unique(np.concatenate(report_jobs)), jobs_all)
+    if len(orphan):
+        res.problems.append(f"{archive_dir}: reports of {len(orphan)} job(s) without a job "
+                            f"row (e.g. job {int(orphan[0])})")
