@@ -1,5 +1,5 @@
-"""`SlurmClient` over Slurm's command-line tools; works on Slurm 22.05 and 24.11 (each release
-recorded under tests/data/slurm/).
+"""`SlurmClient` over Slurm's command-line tools; works on Slurm 22.05, 24.11, 25.11 and 26.05
+(what each printed is recorded under tests/data/slurm/<release>/).
 
 Differences handled here rather than assumed:
 - `squeue --json` ignores `-j` on 22.05, so jobs are filtered here.

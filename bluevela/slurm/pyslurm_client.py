@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from bluevela.slurm.cli_client import CliSlurmClient
+from bluevela.slurm.cli_client import CliSlurmClient, _expand_nodes
 from bluevela.slurm.client import JobInfo, NodeInfo, ReservationInfo
 from bluevela.slurm.states import JobState
 
@@ -61,7 +61,9 @@ class PySlurmClient:
             state_name=state.value,
             exit_code=j.exit_code if state.is_terminal() else None,
             signal=(j.exit_code_signal or None) if state.is_terminal() else None,
-            nodes=tuple(j.get_resource_layout_per_node().keys()) if j.nodes else (),
+            # pyslurm 25.11's Job has no `nodes`: `allocated_nodes` is Slurm's host list
+            # (tests/test_pyslurm_cluster.py, against the real 25.11 cluster).
+            nodes=_expand_nodes(str(j.allocated_nodes or "")),
             name=str(j.name or ""),
             user=str(j.user_name or ""),
             partition=str(j.partition or ""),
