@@ -38,15 +38,11 @@ from bluevela.bench import mpi as mpi_mod
 from bluevela.bench import pairing
 from bluevela.bench.catalog import get
 from bluevela.bench.evaluate import evaluate
+from bluevela.bench.nightly_record import to_record as to_record
 from bluevela.bench.result import BenchResult, Facts, Status, worst
 from bluevela.bench.runner import NODE_MEASUREMENTS, PAIR_MEASUREMENTS, facts_from_document
 from bluevela.bench.store import (
-    FigureRow,
-    NightRecord,
     NodeHistory,
-    NodeRow,
-    PairRow,
-    ResultRow,
     history,
     nightly_dir,
     series,
@@ -479,6 +475,125 @@ def _failure_text(results: Sequence[BenchResult]) -> str:
     return "; ".join(v.message for r in results for v in r.failed_figures)
 
 
+@dataclass
+class _Night:
+    """One night's phases, each filling `out`: the nodes alone, the pairs, the drains."""
+
+    client: SlurmClient
+    site: Site
+    opts: NightlyOptions
+    events: Events
+    workdir: Path
+    hist: NodeHistory
+    out: NightlyOutcome
+
+    def singles(self) -> None:
+        """Every selected node measured alone; a failing one is a culprit."""
+        client, site, opts, events, out = self.client, self.site, self.opts, self.events, self.out
+        classes = out.classes
+        events.phase("single-node", len(out.selected))
+        batch = [node_job(site, n, classes[n], self.workdir, opts) for n in out.selected]
+        for job in run_jobs(client, batch, "single-node", events, opts):
+            node = job.subject
+            results = judge(collect_node(job), site, classes[node], self.hist, [node])
+            out.singles[node] = SubjectResult((node,), results, job.job_id)
+            dcgm = dcgm_verdict(job.files.get("dcgm"))
+            status, failed = node_verdict(results, dcgm)
+            if failed is not None:
+                out.culprits[node] = f"nightly {out.night}: {failed}"
+            if dcgm is not None and dcgm[0] not in (Status.OK, Status.CRITICAL):
+                events.note(f"{node}: {dcgm[1]}")
+            events.done("single-node", node, status,
+                        failed or _failure_text(results) or _short(results))
+
+    def pairs(self) -> None:
+        """The nodes that passed alone, paired within their class; follow-ups isolate a culprit."""
+        opts, events, out = self.opts, self.events, self.out
+        pairable: dict[str, list[str]] = {}
+        for node in out.selected:
+            single = out.singles.get(node)
+            if node in out.culprits or single is None:
+                continue
+            if all(not r.facts or not r.facts.ran for r in single.results):
+                continue  # its job never ran: pairing it would only time out
+            pairable.setdefault(out.classes[node], []).append(node)
+        observations: list[pairing.Observation] = []
+        pair_failures: dict[pairing.Pair, str] = {}
+        todo = [p for nodes in pairable.values() for p in pairing.initial_pairs(nodes)]
+        events.phase("pairs", len(todo))
+        round_no = follow = 0
+        while todo:
+            for group in pairing.rounds(todo):
+                round_no += 1
+                self._pair_round(group, round_no, observations, pair_failures)
+            if follow >= opts.max_follow_up_rounds:
+                break
+            follow += 1
+            todo = [p for nodes in pairable.values()
+                    for p in pairing.follow_ups(nodes, observations)]
+            if todo:
+                events.grow("pairs", len(todo))
+                events.note("slow pair(s): measuring " + ", ".join("+".join(p) for p in todo)
+                            + " to isolate the fault")
+        out.verdict = pairing.verdict(observations)
+        for node, partners in out.verdict.culprits.items():
+            details = [pair_failures[pairing.pair_of(node, p)] for p in partners
+                       if pairing.pair_of(node, p) in pair_failures]
+            out.culprits[node] = (f"nightly {out.night}: pairwise bandwidth slow with "
+                                  f"{', '.join(partners)} ({details[0] if details else ''})")
+
+    def _pair_round(self, group: list[pairing.Pair], round_no: int,
+                    observations: list[pairing.Observation],
+                    pair_failures: dict[pairing.Pair, str]) -> None:
+        """One round of pairs (no node twice): a pair with a node no longer idle is not run."""
+        client, site, opts, events, out = self.client, self.site, self.opts, self.events, self.out
+        classes = out.classes
+        usable = still_idle(client, [n for p in group for n in p],
+                            reservation=opts.reservation)
+        for p in [p for p in group if not (p[0] in usable and p[1] in usable)]:
+            why = "a node is no longer idle (drained or busy since phase 1)"
+            bench = site.node_class(name=classes[p[0]]).bench
+            out.pairs.append(SubjectResult(p, [evaluate(get(m), Facts.failed(m, why, p), bench)
+                                               for m in PAIR_MEASUREMENTS], 0, round_no))
+            observations.append(pairing.Observation(p, False, ran=False))
+            events.done("pairs", "+".join(p), Status.UNKNOWN, why)
+        group = [p for p in group if p[0] in usable and p[1] in usable]
+        batch = [pair_job(site, p, classes[p[0]], self.workdir, opts, round_no) for p in group]
+        for job in run_jobs(client, batch, "pairs", events, opts):
+            pair = (job.nodes[0], job.nodes[1])
+            results = judge(collect_pair(job), site, classes[pair[0]], self.hist, pair)
+            out.pairs.append(SubjectResult(pair, results, job.job_id, round_no))
+            slow = any(r.status is Status.CRITICAL for r in results)
+            ran = all(r.facts is not None and r.facts.ran for r in results)
+            observations.append(pairing.Observation(pair, slow, ran or slow))
+            if slow:
+                pair_failures[pair] = _failure_text(results)
+            events.done("pairs", job.subject, worst(r.status for r in results),
+                        _failure_text(results) or _short(results))
+
+    def drain(self) -> None:
+        """Drain each culprit (unless --no-drain), first freeing the fleet breaker's stale
+        slots: the nightly is one process, so it may (bluevela.fleet.nodestate)."""
+        client, site, opts, events, out = self.client, self.site, self.opts, self.events, self.out
+        if opts.drain and out.culprits:
+            try:
+                for name in release_stale_slots(client, site):
+                    events.note(f"freed stale fleet breaker slot {name}")
+            except SlurmError as exc:
+                events.note(f"could not check the fleet breaker's slots: {exc}")
+        for node, why in sorted(out.culprits.items(), key=lambda kv: pairing.natural_key(kv[0])):
+            if not opts.drain:
+                out.drains.append(DrainOutcome(node, False, why, "--no-drain"))
+                continue
+            try:
+                outcome = drain_node(client, site, node, why)
+            except SlurmError as exc:
+                outcome = DrainOutcome(node, False, why, f"drain failed: {exc}")
+            out.drains.append(outcome)
+            events.note(f"{'drained' if outcome.drained else 'NOT drained'} {node}: "
+                        f"{outcome.reason}" + (f" ({outcome.why_not})" if outcome.why_not else ""))
+
+
 def run_nightly(client: SlurmClient, site: Site, opts: NightlyOptions,
                 events: Events | None = None) -> NightlyOutcome:
     """Run one night end to end (blocking). See the module docstring for the phases.
@@ -503,100 +618,10 @@ def run_nightly(client: SlurmClient, site: Site, opts: NightlyOptions,
                          + (f" ({'; '.join(f'{n}: {w}' for n, w in skipped.items())})"
                             if skipped else ""))
     max_nights = max(c.bench.regression_nights for c in site.node_classes.values())
-    hist = history(root, night, max_nights)
-
-    # Phase 1: every node alone.
-    events.phase("single-node", len(selected))
-    batch = [node_job(site, n, classes[n], workdir, opts) for n in selected]
-    for job in run_jobs(client, batch, "single-node", events, opts):
-        node = job.subject
-        results = judge(collect_node(job), site, classes[node], hist, [node])
-        out.singles[node] = SubjectResult((node,), results, job.job_id)
-        dcgm = dcgm_verdict(job.files.get("dcgm"))
-        status, failed = node_verdict(results, dcgm)
-        if failed is not None:
-            out.culprits[node] = f"nightly {night}: {failed}"
-        if dcgm is not None and dcgm[0] not in (Status.OK, Status.CRITICAL):
-            events.note(f"{node}: {dcgm[1]}")
-        events.done("single-node", node, status,
-                    failed or _failure_text(results) or _short(results))
-
-    # Phase 2: pairs within each class, then follow-ups that isolate the slow ones.
-    pairable: dict[str, list[str]] = {}
-    for node in selected:
-        single = out.singles.get(node)
-        if node in out.culprits or single is None:
-            continue
-        if all(not r.facts or not r.facts.ran for r in single.results):
-            continue  # its job never ran: pairing it would only time out
-        pairable.setdefault(classes[node], []).append(node)
-    observations: list[pairing.Observation] = []
-    pair_failures: dict[pairing.Pair, str] = {}
-    todo = [p for nodes in pairable.values() for p in pairing.initial_pairs(nodes)]
-    events.phase("pairs", len(todo))
-    round_no = 0
-    follow = 0
-    while todo:
-        for group in pairing.rounds(todo):
-            round_no += 1
-            usable = still_idle(client, [n for p in group for n in p],
-                                reservation=opts.reservation)
-            for p in [p for p in group if not (p[0] in usable and p[1] in usable)]:
-                why = "a node is no longer idle (drained or busy since phase 1)"
-                out.pairs.append(SubjectResult(p, [evaluate(get(m), Facts.failed(m, why, p),
-                                                            site.node_class(
-                                                                name=classes[p[0]]).bench)
-                                                   for m in PAIR_MEASUREMENTS], 0, round_no))
-                observations.append(pairing.Observation(p, False, ran=False))
-                events.done("pairs", "+".join(p), Status.UNKNOWN, why)
-            group = [p for p in group if p[0] in usable and p[1] in usable]
-            batch = [pair_job(site, p, classes[p[0]], workdir, opts, round_no) for p in group]
-            for job in run_jobs(client, batch, "pairs", events, opts):
-                pair = (job.nodes[0], job.nodes[1])
-                results = judge(collect_pair(job), site, classes[pair[0]], hist, pair)
-                out.pairs.append(SubjectResult(pair, results, job.job_id, round_no))
-                slow = any(r.status is Status.CRITICAL for r in results)
-                ran = all(r.facts is not None and r.facts.ran for r in results)
-                observations.append(pairing.Observation(pair, slow, ran or slow))
-                if slow:
-                    pair_failures[pair] = _failure_text(results)
-                events.done("pairs", job.subject, worst(r.status for r in results),
-                            _failure_text(results) or _short(results))
-        if follow >= opts.max_follow_up_rounds:
-            break
-        follow += 1
-        todo = [p for nodes in pairable.values()
-                for p in pairing.follow_ups(nodes, observations)]
-        if todo:
-            events.grow("pairs", len(todo))
-            events.note("slow pair(s): measuring " + ", ".join("+".join(p) for p in todo)
-                        + " to isolate the fault")
-    out.verdict = pairing.verdict(observations)
-    for node, partners in out.verdict.culprits.items():
-        details = [pair_failures[pairing.pair_of(node, p)] for p in partners
-                   if pairing.pair_of(node, p) in pair_failures]
-        out.culprits[node] = (f"nightly {night}: pairwise bandwidth slow with "
-                              f"{', '.join(partners)} ({details[0] if details else ''})")
-
-    # Phase 3: drain, archive, report. First free the fleet breaker's stale slots (nodes an
-    # operator resumed by hand): the nightly is one process, so it may (bluevela.fleet.nodestate).
-    if opts.drain and out.culprits:
-        try:
-            for name in release_stale_slots(client, site):
-                events.note(f"freed stale fleet breaker slot {name}")
-        except SlurmError as exc:
-            events.note(f"could not check the fleet breaker's slots: {exc}")
-    for node, why in sorted(out.culprits.items(), key=lambda kv: pairing.natural_key(kv[0])):
-        if not opts.drain:
-            out.drains.append(DrainOutcome(node, False, why, "--no-drain"))
-            continue
-        try:
-            outcome = drain_node(client, site, node, why)
-        except SlurmError as exc:
-            outcome = DrainOutcome(node, False, why, f"drain failed: {exc}")
-        out.drains.append(outcome)
-        events.note(f"{'drained' if outcome.drained else 'NOT drained'} {node}: "
-                    f"{outcome.reason}" + (f" ({outcome.why_not})" if outcome.why_not else ""))
+    phases = _Night(client, site, opts, events, workdir, history(root, night, max_nights), out)
+    phases.singles()  # Phase 1: every node alone.
+    phases.pairs()  # Phase 2: pairs within each class, then follow-ups to isolate slow ones.
+    phases.drain()  # Phase 3: drain; then the record and the page.
     out.finished_utc = _utc_now()
     out.record_path = write_night(root, to_record(out, site))
     if opts.report:
@@ -640,55 +665,6 @@ def with_dcgm_time(opts: NightlyOptions, site: Site) -> NightlyOptions:
     limit = f"{d}-{limit.zfill(8)}" if d else limit
     return replace(opts, time_limit=limit,
                    job_timeout_s=opts.job_timeout_s + dcgm.nightly_timeout_s)
-
-
-def to_record(out: NightlyOutcome, site: Site) -> NightRecord:
-    """The night as an HDF5 record (rows for every figure, result, node and pair)."""
-    rec = NightRecord(night=out.night, cluster=site.cluster, started_utc=out.started_utc,
-                      finished_utc=out.finished_utc)
-    subjects: list[tuple[str, SubjectResult]] = [("node", s) for s in out.singles.values()]
-    subjects += [("pair", p) for p in out.pairs]
-    for scope, subj in subjects:
-        node = subj.nodes[0]
-        peer = subj.nodes[1] if len(subj.nodes) > 1 else ""
-        for r in subj.results:
-            facts = r.facts
-            rec.results.append(ResultRow(scope, node, peer, r.measurement, int(r.status),
-                                         r.applicable, bool(facts and facts.ran), r.message,
-                                         facts.note if facts else "", subj.job_id, subj.round))
-            verdicts = {v.name: v for v in r.verdicts}
-            for f in facts.figures if facts else ():
-                v = verdicts.get(f.name) if f.headline else None
-                rec.figures.append(FigureRow(
-                    scope, node, peer, r.measurement, f.name, f.value, f.unit, f.device, f.size,
-                    f.headline, int(v.status) if v else 0, v.limit if v else 0.0,
-                    v.baseline if v else math.nan, subj.job_id, subj.round))
-    drained = {d.node: d for d in out.drains}
-    for node, single in out.singles.items():
-        d = drained.get(node)
-        reason = out.culprits.get(node, "")
-        if d is not None:
-            reason = d.reason if d.drained else f"{reason} [not drained: {d.why_not}]"
-        status = single.status
-        if node in out.culprits:
-            status = Status.CRITICAL
-        rec.nodes.append(NodeRow(node, out.classes.get(node, ""), int(status),
-                                 bool(d and d.drained), node in out.culprits, reason))
-    for p in out.pairs:
-        def head(name: str, p: SubjectResult = p) -> float:
-            for r in p.results:
-                if r.facts:
-                    value = r.facts.headline(name)
-                    if value is not None:
-                        return value
-            return math.nan
-        rec.pairs.append(PairRow(p.nodes[0], p.nodes[1], p.round, int(p.status),
-                                 any(r.status is Status.CRITICAL for r in p.results),
-                                 head("pair_busbw_gbs"), head("mpi_bw_gbs"), p.job_id))
-    if out.verdict:
-        rec.link_faults = list(out.verdict.link_faults)
-        rec.unresolved = list(out.verdict.unresolved)
-    return rec
 
 
 def start_detached(site: Site, opts: NightlyOptions, *, site_path: str | None = None) -> tuple[
