@@ -30,7 +30,7 @@ from bluevela.health.result import CheckResult, Status, summarize
 
 if TYPE_CHECKING:
     from bluevela.health.context import ProbeContext
-    from bluevela.site import NodeClass
+    from bluevela.site import NodeClass, NodeThresholds
 
 logger = logging.getLogger(__name__)
 GIB = float(1 << 30)
@@ -122,13 +122,10 @@ def node_timed_out(seconds: float, cls: NodeClass) -> CheckResult:
     return CheckResult("node", Status.UNKNOWN, f"timed out after {seconds:g} s, killed")
 
 
-@check("node", probe=probe_node, on_timeout=node_timed_out)
-def evaluate_node(facts: NodeFacts, cls: NodeClass) -> CheckResult:
-    """Memory available, free space, required mounts, paths and devices."""
-    t = cls.node
+def _memory_problems(facts: NodeFacts, t: NodeThresholds, busy: bool,
+                     metrics: dict[str, float]) -> list[tuple[Status, str]]:
+    """MemAvailable against the floor; with a job running, the node's total instead."""
     problems: list[tuple[Status, str]] = []
-    metrics: dict[str, float] = {}
-    busy = bool(facts.busy_jobs)  # a job's use is not a node fault: totals (module docstring)
     if facts.mem_available_bytes is None:
         problems.append((Status.UNKNOWN, "MemAvailable unreadable"))
     else:
@@ -142,6 +139,14 @@ def evaluate_node(facts: NodeFacts, cls: NodeClass) -> CheckResult:
         if gib < t.min_mem_available_gib:
             problems.append((Status.CRITICAL, f"{gib:.1f} GiB memory in all < "
                              f"{t.min_mem_available_gib:g} GiB available needed"))
+    return problems
+
+
+def _space_problems(facts: NodeFacts, t: NodeThresholds, busy: bool
+                    ) -> tuple[list[tuple[Status, str]], list[float]]:
+    """Each path's free space against its floor (with a job running, its size instead); the
+    problems and the free GiB of each readable path."""
+    problems: list[tuple[Status, str]] = []
     frees = []
     for path, need in t.min_free_gib.items():
         free = facts.free_bytes.get(path)
@@ -157,8 +162,12 @@ def evaluate_node(facts: NodeFacts, cls: NodeClass) -> CheckResult:
                                  f"{need:g} GiB free needed"))
         elif gib < need:
             problems.append((Status.CRITICAL, f"{path} {gib:.2f} GiB free < {need:g} GiB"))
-    if frees:
-        metrics["free_min_gib"] = min(frees)
+    return problems, frees
+
+
+def _presence_problems(facts: NodeFacts, t: NodeThresholds) -> list[tuple[Status, str]]:
+    """The required mounts, paths and devices."""
+    problems: list[tuple[Status, str]] = []
     if t.required_mounts:
         if facts.mounts is None:
             problems.append((Status.UNKNOWN, "mount table unreadable"))
@@ -172,6 +181,43 @@ def evaluate_node(facts: NodeFacts, cls: NodeClass) -> CheckResult:
     for d in t.required_devices:
         if not facts.present.get(d, False):
             problems.append((Status.CRITICAL, f"device {d} missing"))
+    return problems
+
+
+def _ok_summary(facts: NodeFacts, t: NodeThresholds, metrics: dict[str, float],
+                frees: list[float], busy: bool) -> str:
+    """The line of a node with no problem: what was measured and found present."""
+    parts = []
+    if "mem_available_gib" in metrics:
+        parts.append(f"{metrics['mem_available_gib']:.0f} GiB memory available")
+    if frees:
+        parts.append(f"min {min(frees):.0f} GiB free")
+    for what, items in (("mounts", t.required_mounts), ("paths", t.required_paths),
+                        ("devices", t.required_devices)):
+        if items:
+            parts.append(f"{len(items)} required {what} present")
+    if facts.host is not None and facts.host.mounts:
+        parts.append(f"{len(facts.host.mounts)} mounts answering")
+    if t.required_services and facts.host is not None and facts.host.procs is not None:
+        parts.append(f"{len(t.required_services)} services running")
+    if busy:
+        parts.append(f"{_jobs(facts.busy_jobs)} running: memory and free-space floors "
+                     "judged on totals")
+    return ", ".join(parts) or "OK"
+
+
+@check("node", probe=probe_node, on_timeout=node_timed_out)
+def evaluate_node(facts: NodeFacts, cls: NodeClass) -> CheckResult:
+    """Memory available, free space, required mounts, paths and devices."""
+    t = cls.node
+    metrics: dict[str, float] = {}
+    busy = bool(facts.busy_jobs)  # a job's use is not a node fault: totals (module docstring)
+    problems = _memory_problems(facts, t, busy, metrics)
+    space, frees = _space_problems(facts, t, busy)
+    problems += space
+    if frees:
+        metrics["free_min_gib"] = min(frees)
+    problems += _presence_problems(facts, t)
     for err in facts.errors:
         if not any(err.startswith(x) for x in ("meminfo", "mounts")):
             problems.append((Status.UNKNOWN, err))
@@ -181,23 +227,7 @@ def evaluate_node(facts: NodeFacts, cls: NodeClass) -> CheckResult:
         metrics.update(host_metrics)
     status, summary = summarize(problems)
     if summary is None:
-        parts = []
-        if "mem_available_gib" in metrics:
-            parts.append(f"{metrics['mem_available_gib']:.0f} GiB memory available")
-        if frees:
-            parts.append(f"min {min(frees):.0f} GiB free")
-        for what, items in (("mounts", t.required_mounts), ("paths", t.required_paths),
-                            ("devices", t.required_devices)):
-            if items:
-                parts.append(f"{len(items)} required {what} present")
-        if facts.host is not None and facts.host.mounts:
-            parts.append(f"{len(facts.host.mounts)} mounts answering")
-        if t.required_services and facts.host is not None and facts.host.procs is not None:
-            parts.append(f"{len(t.required_services)} services running")
-        if busy:
-            parts.append(f"{_jobs(facts.busy_jobs)} running: memory and free-space floors "
-                         "judged on totals")
-        summary = ", ".join(parts) or "OK"
+        summary = _ok_summary(facts, t, metrics, frees, busy)
     return CheckResult("node", status, summary, metrics)
 
 
