@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 # The releases bv's Slurm-facing and cluster tests ran on (tests/data/slurm/<release>/ holds
 # what each one printed).
-TESTED = ("22.05", "24.11", "25.11")
+TESTED = ("22.05", "24.11", "25.11", "26.05")
 EXPANSION_PARAM = "permit_job_expansion"
 EXPEDITE_PARAM = "enable_expedited_requeue"
 EXPEDITE_SINCE = (25, 11)  # sbatch --requeue=expedite
