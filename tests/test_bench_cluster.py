@@ -5,6 +5,7 @@ and drained, and MPI across two namespace nodes. Sizes are the `cpu` class's sma
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,11 +54,22 @@ def test_mpi_runs_across_two_namespace_nodes(cluster: DevCluster) -> None:
     assert head["mpi_bw_gbs"] > 0.02 and 0 < head["mpi_lat_us"] < 10_000
     assert "Open MPI" in facts["note"]
 
-    # The same through the CLI: both pair measurements, judged against the cpu class.
-    argv = ["srun", "-N2", "--ntasks-per-node=1", "--mpi=pmix", sys.executable, "-m",
-            "bluevela", "bench", "run", "mpi", "allreduce-pair", "--class", "cpu",
-            "--budget-s", "0.1", "--json"]
-    proc = cluster.run(argv, timeout=120)
+    # The same through the CLI: both pair measurements, judged against the cpu class. The
+    # gloo pair meets on the port the nightly's batch script draws on the step's first node
+    # (BV_BENCH_PORT); without one it could not run (UNKNOWN), never a port derived from the id.
+    argv = ["srun", "-N2", "-w", "node1,node2", "--ntasks-per-node=1", "--mpi=pmix",
+            sys.executable, "-m", "bluevela", "bench", "run", "mpi", "allreduce-pair",
+            "--class", "cpu", "--budget-s", "0.1", "--json"]
+    proc = cluster.run(argv, timeout=120, check=False)
+    doc = json.loads(proc.stdout)
+    assert [r["status"] for r in doc["results"]] == ["OK", "UNKNOWN"], doc
+    assert "no rendezvous port" in doc["results"][1]["message"]
+    drawn = cluster.run(["srun", "-N1", "-w", "node1", sys.executable, "-P", "-m",
+                         "bluevela.bench.dist"], timeout=60).stdout.strip()
+    assert drawn.isdigit() and 0 < int(drawn) < 65536, drawn
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False,
+                          env=cluster.environ(BV_BENCH_PORT=drawn))
+    assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert [r["status"] for r in doc["results"]] == ["OK", "OK"], doc
     assert doc["results"][1]["facts"]["note"].startswith("gloo, 2 rank(s) on node1, node2")
