@@ -1,4 +1,4 @@
-"""One rank's shard of one checkpoint step, as one self-verifying file (standard library only).
+"""One rank's shard of one checkpoint step, as one self-verifying file (stdlib and util.fs).
 
 Layout (all integers big-endian)::
 
@@ -28,6 +28,8 @@ import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import IO, Any
+
+from bluevela.util.fs import atomic_fill_at, write_all
 
 MAGIC = b"BVCKPT01"
 END = b"BVCKEND1"
@@ -87,10 +89,8 @@ class _Hashing:
         view = memoryview(data).cast("B")
         if self.hashing:
             self.sha.update(view)
-        while view:
-            n = os.write(self.fd, view)
-            view = view[n:]
-            self.count += n
+        write_all(self.fd, view)
+        self.count += len(view)
 
 
 def write_shard(dir_fd: int, name: str, header: dict[str, Any],
@@ -111,14 +111,7 @@ def write_shard(dir_fd: int, name: str, header: dict[str, Any],
             left as it was.
         ValueError: the chunks' length is not the header's `payload`.
     """
-    tmp = f".{name}.{os.getpid()}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        os.unlink(tmp, dir_fd=dir_fd)  # a stale temp of a dead writer with our pid
-    except FileNotFoundError:
-        pass
-    fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
-    try:
+    def fill(fd: int) -> tuple[int, bytes]:
         out = _Hashing(fd, hashing=digest_of is None)
         out.write(encode_header(header))
         start = out.count
@@ -128,26 +121,11 @@ def write_shard(dir_fd: int, name: str, header: dict[str, Any],
             raise ValueError(f"payload of {out.count - start} bytes, header says "
                              f"{header['payload']}")
         digest = out.sha.digest() if digest_of is None else digest_of()
-        _write_all(fd, END + digest)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp, dir_fd=dir_fd)
-        raise
-    os.close(fd)
-    try:
-        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        os.unlink(tmp, dir_fd=dir_fd)
-        raise
-    os.fsync(dir_fd)
-    return ShardInfo(header, out.count + TRAILER, digest.hex())
+        write_all(fd, END + digest)
+        return out.count + TRAILER, digest
 
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+    size, digest = atomic_fill_at(dir_fd, name, fill, 0o600)
+    return ShardInfo(header, size, digest.hex())
 
 
 def open_shard(dir_fd: int, name: str) -> int:

@@ -11,13 +11,17 @@ import errno
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from bluevela.errors import UnsafeValueError
 
 # Slurm node names: letters, digits, '-', '_', '.'; no path separators, no leading dot.
 _NODE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _JOB_RE = re.compile(r"^[0-9]{1,12}$")
+
+T = TypeVar("T")
 
 
 def safe_node_name(value: str) -> str:
@@ -131,6 +135,17 @@ def atomic_write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> N
     Raises:
         OSError: on any I/O failure; the target is then untouched and the temp file removed.
     """
+    atomic_fill_at(dir_fd, name, lambda fd: write_all(fd, data), mode)
+
+
+def atomic_fill_at(dir_fd: int, name: str, fill: Callable[[int], T], mode: int = 0o644) -> T:
+    """`atomic_write_at` for content written as it comes (a stream, a hashed file): `fill`
+    writes it to the temporary file's fd; its result is returned once the file is in place.
+
+    Raises:
+        OSError: on any I/O failure; the target is then untouched and the temp file removed.
+        Whatever `fill` raises, with the same clean-up.
+    """
     tmp = f".{name}.{os.getpid()}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
@@ -139,10 +154,7 @@ def atomic_write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> N
         pass
     fd = os.open(tmp, flags, mode, dir_fd=dir_fd)
     try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
+        result = fill(fd)
         os.fsync(fd)
     except BaseException:
         os.close(fd)
@@ -155,6 +167,14 @@ def atomic_write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> N
         os.unlink(tmp, dir_fd=dir_fd)
         raise
     os.fsync(dir_fd)
+    return result
+
+
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """Write all of `data` to `fd` (os.write may write less than it was given)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def read_bounded(fd: int, limit: int) -> bytes:
