@@ -183,6 +183,33 @@ def read_header(f: IO[bytes], size: int) -> tuple[dict[str, Any], bytes]:
     return header, head + body
 
 
+def _check_expect(header: dict[str, Any], expect: dict[str, Any] | None) -> None:
+    for key, value in (expect or {}).items():
+        if header.get(key) != value:
+            raise ShardError(f"{key} {header.get(key)!r} where {value!r} was expected")
+
+
+def _stream_header(f: IO[bytes], size: int,
+                   expect: dict[str, Any] | None) -> tuple[dict[str, Any], hashlib._Hash]:
+    """The header of a shard that arrives as a stream, checked (shape, `expect`, canonical
+    form: a copy is written back from the parsed header), and the digest started over it."""
+    header, raw = read_header(f, size)
+    _check_expect(header, expect)
+    if raw != encode_header(header):
+        raise ShardError("corrupt header: not in its canonical form")
+    return header, hashlib.sha256(raw)
+
+
+def _check_trailer(f: IO[bytes], sha: hashlib._Hash, digest: str | None) -> None:
+    """The end marker and digest that follow a streamed payload hashed into `sha`, and, with
+    `digest`, that it is the file the sender vouched for."""
+    trailer = _read_exact(f, TRAILER)
+    if trailer != END + sha.digest():
+        raise ShardError("corrupt: checksum mismatch")
+    if digest is not None and sha.hexdigest() != digest:
+        raise ShardError("not the file the sender vouched for (digest differs)")
+
+
 def read_verified(fd: int, *, into: bool = True,
                   expect: dict[str, Any] | None = None) -> tuple[ShardInfo, bytearray | None]:
     """Read a whole shard from an open fd, check its shape and digest.
@@ -200,9 +227,7 @@ def read_verified(fd: int, *, into: bool = True,
     f = os.fdopen(os.dup(fd), "rb", buffering=0)
     try:
         header, raw = read_header(f, size)
-        for key, value in (expect or {}).items():
-            if header.get(key) != value:
-                raise ShardError(f"{key} {header.get(key)!r} where {value!r} was expected")
+        _check_expect(header, expect)
         sha = hashlib.sha256(raw)
         n = header["payload"]
         payload = bytearray(n) if into else None
@@ -276,13 +301,7 @@ def copy_stream(f: IO[bytes], size: int, dst_dir_fd: int, name: str,
             not `digest` (the one the sender vouched for).
         OSError: the destination cannot be written, or `f` fails.
     """
-    header, raw = read_header(f, size)
-    for key, value in (expect or {}).items():
-        if header.get(key) != value:
-            raise ShardError(f"{key} {header.get(key)!r} where {value!r} was expected")
-    if raw != encode_header(header):
-        raise ShardError("corrupt header: not in its canonical form")
-    sha = hashlib.sha256(raw)
+    header, sha = _stream_header(f, size, expect)
     n = header["payload"]
 
     def chunks() -> Iterable[bytes]:
@@ -296,11 +315,7 @@ def copy_stream(f: IO[bytes], size: int, dst_dir_fd: int, name: str,
             if keep is not None:
                 keep.extend(chunk)
             yield chunk
-        trailer = _read_exact(f, TRAILER)
-        if trailer != END + sha.digest():
-            raise ShardError("corrupt: checksum mismatch")
-        if digest is not None and sha.hexdigest() != digest:
-            raise ShardError("not the file the sender vouched for (digest differs)")
+        _check_trailer(f, sha, digest)
 
     return write_shard(dst_dir_fd, name, header, chunks(), digest_of=sha.digest)
 
@@ -326,13 +341,7 @@ def read_stream(f: Any, size: int, expect: dict[str, Any] | None = None,
         ShardError: torn, corrupt, or not what `expect`/`digest` say.
         OSError: `f` fails.
     """
-    header, raw = read_header(f, size)
-    for key, value in (expect or {}).items():
-        if header.get(key) != value:
-            raise ShardError(f"{key} {header.get(key)!r} where {value!r} was expected")
-    if raw != encode_header(header):
-        raise ShardError("corrupt header: not in its canonical form")
-    sha = hashlib.sha256(raw)
+    header, sha = _stream_header(f, size, expect)
     n = header["payload"]
     payload = bytearray(n)
     view = memoryview(payload)
@@ -343,9 +352,5 @@ def read_stream(f: Any, size: int, expect: dict[str, Any] | None = None,
             raise ShardError(f"torn: payload ends after {done} of {n} bytes")
         sha.update(view[done:done + got])
         done += got
-    trailer = _read_exact(f, TRAILER)
-    if trailer != END + sha.digest():
-        raise ShardError("corrupt: checksum mismatch")
-    if digest is not None and sha.hexdigest() != digest:
-        raise ShardError("not the file the sender vouched for (digest differs)")
+    _check_trailer(f, sha, digest)
     return ShardInfo(header, size, sha.hexdigest()), payload
