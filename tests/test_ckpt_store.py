@@ -288,6 +288,30 @@ def test_transfer_with_a_wrong_key_is_refused_and_writes_nothing(tmp_path: Path)
         os.close(src)
 
 
+def test_a_fetch_refuses_a_size_over_its_bound_before_reading(tmp_path: Path) -> None:
+    # The size in the server's (MACed) reply sizes the resume's buffer: it is bounded as a
+    # put's is, and the file is not read.
+    from bluevela.ckpt.partner import ShardServer, fetch_payload
+
+    src = os.open(tmp_path, os.O_RDONLY)
+    info = write_shard(src, "rank-00000.bvck", {"step": 3, "rank": 0, "payload": 4}, [b"abcd"])
+    server = ShardServer(KEY, lambda step: os.open(tmp_path, os.O_RDONLY),
+                         lambda step, rank: (os.open(tmp_path, os.O_RDONLY), "rank-00000.bvck"),
+                         lambda s, r, n: None, 1 << 20, "127.0.0.1")
+    addr = ("127.0.0.1", server.port)
+    try:
+        with pytest.raises(TransferError, match=f"size {info.size} over {info.size - 1}"):
+            fetch_payload(addr, KEY, 3, 0, max_bytes=info.size - 1)
+        with pytest.raises(TransferError, match="over"):
+            fetch_shard(addr, KEY, 3, 0, src, "x.bvck", max_bytes=info.size - 1)
+        assert sorted(os.listdir(src)) == ["rank-00000.bvck"]
+        got, payload = fetch_payload(addr, KEY, 3, 0, max_bytes=info.size)
+        assert got.digest == info.digest and payload == b"abcd"
+    finally:
+        server.close()
+        os.close(src)
+
+
 def test_partners_sit_on_another_switch() -> None:
     nodes = [f"g{i}" for i in range(1, 9)]
     sw = {n: ("a" if i < 4 else "b") for i, n in enumerate(nodes)}

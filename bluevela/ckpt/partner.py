@@ -36,11 +36,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from bluevela.ckpt.shardfile import ShardError, ShardInfo, copy_stream, open_shard, read_stream
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 HELLO = b"BVCK1 "
 MAX_LINE = 4096
@@ -48,6 +50,7 @@ MAX_CONN = 8
 IO_TIMEOUT_S = 30.0  # one blocking read or write
 MIN_RATE_BPS = 20e6  # a transfer's deadline: 60 s + its size at this rate
 BASE_DEADLINE_S = 60.0
+MAX_SHARD_BYTES = 1 << 40  # the largest shard file a fetch takes, by default
 
 
 def deadline_for(size: int) -> float:
@@ -329,15 +332,15 @@ def send_shard(addr: tuple[str, int], key: bytes, dir_fd: int, name: str, step: 
     return size
 
 
-def fetch_shard(addr: tuple[str, int], key: bytes, step: int, rank: int, dst_dir_fd: int,
-                name: str, keep: bytearray | None = None) -> ShardInfo:
-    """Fetch rank `rank`'s shard of `step` from a node's server into `dst_dir_fd`/`name`,
-    verified (its digest, and the one the server MACed) before it is renamed into place;
-    with `keep`, its payload is kept there too (no second read).
+def _get(addr: tuple[str, int], key: bytes, step: int, rank: int, max_bytes: int,
+         take: Callable[[Any, int, str], T]) -> T:
+    """Ask a node's server for rank `rank`'s shard of `step`; `take(reader, size, digest)`
+    reads the file that follows the MACed reply.
 
     Raises:
-        TransferError: the server does not have it, refused, or the connection failed.
-        ShardError: what came is torn or corrupt.
+        TransferError: the server does not have it, refused, announced a size out of
+            (0, `max_bytes`], or the connection failed.
+        ShardError: what came is torn or corrupt (from `take`).
     """
     cnonce = secrets.token_hex(16)
     sock, dl, r = _connect(addr, key, BASE_DEADLINE_S,
@@ -353,10 +356,10 @@ def fetch_shard(addr: tuple[str, int], key: bytes, step: int, rank: int, dst_dir
         if reply.get("missing"):
             raise TransferError("the node does not hold it")
         size = int(reply["size"])
+        if not 0 < size <= max_bytes:
+            raise TransferError(f"size {size} over {max_bytes}")
         dl.end = time.monotonic() + deadline_for(size)
-        return copy_stream(r, size, dst_dir_fd, name,  # type: ignore[arg-type]
-                           expect={"step": step, "rank": rank}, digest=str(reply["digest"]),
-                           keep=keep)
+        return take(r, size, str(reply["digest"]))
     except (OSError, ValueError, KeyError) as exc:
         raise TransferError(f"{addr[0]}:{addr[1]}: {exc}") from None
     finally:
@@ -364,9 +367,26 @@ def fetch_shard(addr: tuple[str, int], key: bytes, step: int, rank: int, dst_dir
         sock.close()
 
 
-def fetch_payload(addr: tuple[str, int], key: bytes, step: int,
-                  rank: int) -> tuple[ShardInfo, bytearray]:
-    """Fetch rank `rank`'s shard of `step` from a node's server into memory, verified (its
+def fetch_shard(addr: tuple[str, int], key: bytes, step: int, rank: int, dst_dir_fd: int,
+                name: str, max_bytes: int = MAX_SHARD_BYTES) -> ShardInfo:
+    """Fetch rank `rank`'s shard of `step` (a file of at most `max_bytes`) from a node's
+    server into `dst_dir_fd`/`name`, verified (its digest, and the one the server MACed)
+    before it is renamed into place.
+
+    Raises:
+        TransferError: the server does not have it, refused, or the connection failed.
+        ShardError: what came is torn or corrupt.
+    """
+    return _get(addr, key, step, rank, max_bytes,
+                lambda r, size, digest: copy_stream(r, size, dst_dir_fd, name,
+                                                    expect={"step": step, "rank": rank},
+                                                    digest=digest))
+
+
+def fetch_payload(addr: tuple[str, int], key: bytes, step: int, rank: int,
+                  max_bytes: int = MAX_SHARD_BYTES) -> tuple[ShardInfo, bytearray]:
+    """Fetch rank `rank`'s shard of `step` (a file of at most `max_bytes`: the buffer is
+    allocated before a byte arrives) from a node's server into memory, verified (its
     digest, and the one the server MACed): a resume loads it at once, and keeps a node-local
     copy of it afterwards, off its critical path.
 
@@ -374,25 +394,6 @@ def fetch_payload(addr: tuple[str, int], key: bytes, step: int,
         TransferError: the server does not have it, refused, or the connection failed.
         ShardError: what came is torn or corrupt.
     """
-    cnonce = secrets.token_hex(16)
-    sock, dl, r = _connect(addr, key, BASE_DEADLINE_S,
-                           {"op": "get", "step": step, "rank": rank, "nonce": cnonce})
-    try:
-        reply_raw = _readline(r)
-        if reply_raw.startswith(b"err "):
-            raise TransferError(reply_raw.decode(errors="replace")[:200])
-        mac = _readline(r)
-        if not hmac.compare_digest(mac, _mac(key, b"get", cnonce.encode(), reply_raw)):
-            raise TransferError("bad MAC on the reply")
-        reply = json.loads(reply_raw)
-        if reply.get("missing"):
-            raise TransferError("the node does not hold it")
-        size = int(reply["size"])
-        dl.end = time.monotonic() + deadline_for(size)
-        return read_stream(r, size, expect={"step": step, "rank": rank},
-                           digest=str(reply["digest"]))
-    except (OSError, ValueError, KeyError) as exc:
-        raise TransferError(f"{addr[0]}:{addr[1]}: {exc}") from None
-    finally:
-        r.close()
-        sock.close()
+    return _get(addr, key, step, rank, max_bytes,
+                lambda r, size, digest: read_stream(r, size, expect={"step": step, "rank": rank},
+                                                    digest=digest))

@@ -290,8 +290,7 @@ def copy_verified(src_fd: int, dst_dir_fd: int, name: str,
 
 
 def copy_stream(f: IO[bytes], size: int, dst_dir_fd: int, name: str,
-                expect: dict[str, Any] | None = None, digest: str | None = None,
-                keep: bytearray | None = None) -> ShardInfo:
+                expect: dict[str, Any] | None = None, digest: str | None = None) -> ShardInfo:
     """Write the shard file of `size` bytes that `f` reads out (a file, a socket) to
     `dst_dir_fd`/`name` atomically, verifying its shape and digest on the way; nothing is
     renamed into place unless the whole file verified.
@@ -312,8 +311,6 @@ def copy_stream(f: IO[bytes], size: int, dst_dir_fd: int, name: str,
                 raise ShardError(f"torn: payload ends after {n - left} of {n} bytes")
             sha.update(chunk)
             left -= len(chunk)
-            if keep is not None:
-                keep.extend(chunk)
             yield chunk
         _check_trailer(f, sha, digest)
 

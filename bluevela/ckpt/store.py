@@ -38,6 +38,7 @@ from typing import Any
 from bluevela.ckpt import layout
 from bluevela.ckpt.collective import Collective, default_collective
 from bluevela.ckpt.partner import (
+    MAX_SHARD_BYTES,
     ShardServer,
     TransferError,
     choose_partners,
@@ -62,7 +63,6 @@ logger = logging.getLogger(__name__)
 
 LOCAL_DIR_ENV = "BV_CKPT_LOCAL_DIR"
 BUDGET_ENV = "BV_CKPT_LOCAL_BUDGET_GB"
-MAX_SHARD_BYTES = 1 << 40
 
 
 @dataclass(frozen=True)
