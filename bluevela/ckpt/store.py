@@ -154,8 +154,6 @@ class CheckpointStore:
         self.stager = Stager()
         self.status: dict[int, dict[str, str]] = {}
         self.saves: list[SaveStats] = []
-        self.saved = 0
-        self._drained: set[int] = set()
         self._free = threading.Semaphore(1)  # the staging buffers
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -295,11 +293,10 @@ class CheckpointStore:
             staged.extra.update(extra)
         stats.wait_s, stats.stage_s = t1 - t0, time.perf_counter() - t1
         stats.bytes = staged.nbytes
-        self.saved += 1
-        if drain is None:
-            drain = bool(self.cfg.drain_every and self.saved % self.cfg.drain_every == 0)
-            drain = drain or _bv_requested()
         self.saves.append(stats)
+        if drain is None:
+            drain = bool(self.cfg.drain_every and len(self.saves) % self.cfg.drain_every == 0)
+            drain = drain or _bv_requested()
         self.status[step] = {"local": "pending", "partner": "pending",
                              "shared": "pending" if drain else "not drained"}
         self._pending = _Job(step, staged, drain, stats)
@@ -439,7 +436,6 @@ class CheckpointStore:
             finally:
                 os.close(dst)
             st["shared"] = "ok"
-            self._drained.add(job.step)
             self._mark_drained(job.step)
             job.stats.drain_s = time.perf_counter() - t
         except (OSError, ValueError, ShardError) as exc:
@@ -482,7 +478,7 @@ class CheckpointStore:
         self.wait()
         if self.saves and self.cfg.shared_dir is not None:
             newest = max(self.status)
-            if newest not in self._drained and self.root is not None:
+            if self.status[newest]["shared"] != "ok" and self.root is not None:
                 job = _Job(newest, Staged(b"", [], []), True, self.saves[-1])
                 self._drain(job, layout.shard_name(self.rank), None)
         done = self.complete()
