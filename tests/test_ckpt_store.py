@@ -307,6 +307,9 @@ def test_a_fetch_refuses_a_size_over_its_bound_before_reading(tmp_path: Path) ->
         assert sorted(os.listdir(src)) == ["rank-00000.bvck"]
         got, payload = fetch_payload(addr, KEY, 3, 0, max_bytes=info.size)
         assert got.digest == info.digest and payload == b"abcd"
+        # Another checkpoint's shard of the same step and rank is refused on its header.
+        with pytest.raises(ShardError, match="name None where 't' was expected"):
+            fetch_payload(addr, KEY, 3, 0, expect={"name": "t"})
     finally:
         server.close()
         os.close(src)

@@ -384,16 +384,19 @@ def fetch_shard(addr: tuple[str, int], key: bytes, step: int, rank: int, dst_dir
 
 
 def fetch_payload(addr: tuple[str, int], key: bytes, step: int, rank: int,
-                  max_bytes: int = MAX_SHARD_BYTES) -> tuple[ShardInfo, bytearray]:
+                  max_bytes: int = MAX_SHARD_BYTES,
+                  expect: dict[str, Any] | None = None) -> tuple[ShardInfo, bytearray]:
     """Fetch rank `rank`'s shard of `step` (a file of at most `max_bytes`: the buffer is
     allocated before a byte arrives) from a node's server into memory, verified (its
     digest, and the one the server MACed): a resume loads it at once, and keeps a node-local
-    copy of it afterwards, off its critical path.
+    copy of it afterwards, off its critical path. `expect`: header fields the shard must have
+    besides its step and rank (its checkpoint's name), checked before its payload is read.
 
     Raises:
         TransferError: the server does not have it, refused, or the connection failed.
         ShardError: what came is torn or corrupt.
     """
     return _get(addr, key, step, rank, max_bytes,
-                lambda r, size, digest: read_stream(r, size, expect={"step": step, "rank": rank},
-                                                    digest=digest))
+                lambda r, size, digest: read_stream(
+                    r, size, expect={"step": step, "rank": rank, **(expect or {})},
+                    digest=digest))

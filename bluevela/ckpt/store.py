@@ -656,10 +656,8 @@ class CheckpointStore:
                     assert place.addr is not None
                     if self.root is None:
                         raise TransferError("no node-local tier to fetch into")
-                    info, payload = fetch_payload(place.addr, self.key, step, rank)
-                    if info.header.get("name") != self.cfg.name:
-                        raise ShardError(f"name {info.header.get('name')!r} where "
-                                         f"{self.cfg.name!r} was expected")
+                    info, payload = fetch_payload(place.addr, self.key, step, rank,
+                                                  expect={"name": self.cfg.name})
                     self._keep_fetched(step, rank, info, payload)
                 else:
                     self.shared_reads += 1
