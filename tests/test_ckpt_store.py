@@ -107,6 +107,23 @@ def test_torn_local_file_is_skipped_for_the_partners_copy(tmp_path: Path) -> Non
     assert "rank 0 step 2 local (own copy on this node): torn" in restored[1].summary
 
 
+def test_a_shard_of_another_world_size_is_skipped_on_its_header(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Refused before its payload is read: a flipped payload byte is never seen (the old code
+    # read the whole shard, and said "checksum mismatch" here).
+    _save_steps(tmp_path, 2, [1, 2])
+    own = _shard(tmp_path, "n1", "own", 2, 0)
+    data = bytearray(own.read_bytes())
+    data[-41] ^= 1  # the payload's last byte, before the 40-byte trailer
+    own.write_bytes(data)
+    assert _resume(tmp_path, 1) == [None]
+    out = capsys.readouterr().out
+    for where in ("local (own copy on this node)", "shared"):
+        assert (f"rank 0 step 2 {where}: saved by 2 ranks, now 1 (resharding: DCP from "
+                "shared storage)") in out, out
+    assert "checksum" not in out
+
+
 def test_flipped_byte_in_partner_copy_and_torn_local_falls_back_to_shared(
         tmp_path: Path) -> None:
     _save_steps(tmp_path, 2, [1, 2])  # step 2 drained at the end

@@ -40,11 +40,14 @@ FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class ShardError(Exception):
-    """A shard that must not be loaded: torn, corrupt, foreign or unreadable (`reason`)."""
+    """A shard that must not be loaded: torn, corrupt, foreign or unreadable (`reason`);
+    `field` and `found`: the header field that is not what the reader expected, and its value."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, field: str | None = None, found: Any = None) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.field = field
+        self.found = found
 
 
 @dataclass(frozen=True)
@@ -186,7 +189,8 @@ def read_header(f: IO[bytes], size: int) -> tuple[dict[str, Any], bytes]:
 def _check_expect(header: dict[str, Any], expect: dict[str, Any] | None) -> None:
     for key, value in (expect or {}).items():
         if header.get(key) != value:
-            raise ShardError(f"{key} {header.get(key)!r} where {value!r} was expected")
+            raise ShardError(f"{key} {header.get(key)!r} where {value!r} was expected",
+                             key, header.get(key))
 
 
 def _stream_header(f: IO[bytes], size: int,

@@ -641,6 +641,8 @@ class CheckpointStore:
         self._skips = []
         rank = self.rank if rank is None else rank
         expect = {"step": step, "rank": rank, "name": self.cfg.name}
+        if same_world:
+            expect["world"] = self.world  # refused on its header, before its payload is read
         name = layout.shard_name(rank)
         for place in where:
             if (step, rank, place) in self._bad:
@@ -657,7 +659,7 @@ class CheckpointStore:
                     if self.root is None:
                         raise TransferError("no node-local tier to fetch into")
                     info, payload = fetch_payload(place.addr, self.key, step, rank,
-                                                  expect={"name": self.cfg.name})
+                                                  expect=expect)
                     self._keep_fetched(step, rank, info, payload)
                 else:
                     self.shared_reads += 1
@@ -666,14 +668,15 @@ class CheckpointStore:
                         info, payload = load_at(fd, name, expect)
                     finally:
                         os.close(fd)
-                if same_world and info.header.get("world") != self.world:
-                    raise ShardError(f"saved by {info.header.get('world')} ranks, now "
-                                     f"{self.world} (resharding: DCP from shared storage)")
                 state, extra = decode(payload)
                 return state, extra, place.words()
             except (ShardError, TransferError, StageError, OSError, ValueError) as exc:
                 self._bad.add((step, rank, place))
-                self._skips.append(f"{place.words()}: {_words(exc)}")
+                why = _words(exc)
+                if isinstance(exc, ShardError) and exc.field == "world":
+                    why = (f"saved by {exc.found} ranks, now {self.world} "
+                           "(resharding: DCP from shared storage)")
+                self._skips.append(f"{place.words()}: {why}")
         if not where:
             self._skips.append("no copy anywhere")
         return None
