@@ -202,3 +202,33 @@ def test_merging_the_copies_counts_every_event_once() -> None:
     assert E.merge_records(cut, own)["launches"] == both["launches"]
     (la,) = both["launches"]
     assert la["end"] is not None and [c[0] for c in la["ckpts"]] == [4, 8]
+
+
+def test_a_shared_events_directory_leaves_the_keepers_copy_to_the_keepers_epilog(
+        tmp_path: Path) -> None:
+    """One events directory seen by every node (one /tmp, as on the dev cluster, or a network
+    file system): the supervisor's node b1 finds beside its own file the copy n2's agent keeps
+    of it. b1's epilog reads and removes its own file only; the copy stays for n2's epilog,
+    which ran after b1's in the CI run that failed test_grow_requeue_cluster: before, b1 read
+    the copy too and removed it, and n2's report had no record."""
+    ev = _events_dir(tmp_path)
+    env = {"BV_EVENTS_DIR": str(ev)}
+    uid = os.getuid()
+    lines = [json.dumps({"e": "job", "t": 1.8e9, "host": "b1", "job": 77,
+                         "restart": 0}).encode() + b"\n",
+             json.dumps({"e": "launch", "t": 1.8e9 + 1, "attempt": 1, "launch": 1,
+                         "n_nodes": 2, "nodes": ["b1", "n2"], "spares": 0}).encode() + b"\n"]
+    own = ev / f"bv-goodput.77.r0.u{uid}.{'a' * 16}.jsonl"
+    own.write_bytes(b"".join(lines))
+    own.chmod(0o600)
+    w = events_copy.CopyWriter(env, "n2")
+    for n, line in enumerate(lines):
+        for m in events_copy.copy_messages(n, line):
+            w.feed(m)
+    (copy,) = _files(ev, copy=True)
+    rec_b1 = events_epilog.collect(77, 0, "b1", uid, env, remove=True)
+    assert rec_b1 is not None and rec_b1["host"] == "b1" and "copy_on" not in rec_b1
+    assert not own.exists() and copy.exists()  # n2's copy is n2's epilog's
+    rec_n2 = events_epilog.collect(77, 0, "n2", uid, env, remove=True)
+    assert rec_n2 is not None and rec_n2["host"] == "b1" and rec_n2["copy_on"] == "n2"
+    assert rec_n2["launches"] == rec_b1["launches"] and not copy.exists()

@@ -149,6 +149,12 @@ def _read_attempt(dfd: int, names: list[str], job_id: int, restart: int, node: s
         except (OSError, EventsError) as exc:
             logger.warning("goodput events %s left out: %s", name, exc)
             continue
+        if copy and rec["host"] == node:
+            # A keeper never runs on its supervisor's node (`keeper_of`), so a copy of this
+            # node's own events lies here only when the directory is shared between nodes
+            # (one /tmp, a network file system): it is the keeper's node's to read, and
+            # reading it here would remove it before that node's epilog runs. Left alone.
+            continue
         read.append(name)
         if copy:
             rec["copy_on"] = node
