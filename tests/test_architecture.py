@@ -434,17 +434,6 @@ CIRCLES_LEFT: dict[frozenset[str], str] = {
     frozenset({"bluevela.site", "bluevela.site_file"}):
         "load_site (the model's entry point) reads the file through site_file, which builds "
         "the model: left while site.py is being edited for another issue",
-    frozenset({"bluevela.slurm.client", "bluevela.slurm.cli_client",
-               "bluevela.slurm.pyslurm_client"}):
-        "get_client picks an implementation that imports the Protocol's module: slurm/*client* "
-        "is being edited for another issue",
-    frozenset({"bluevela.health.checks", "bluevela.health.checks.dcgm",
-               "bluevela.health.runner"}):
-        "dcgm.run_diag/with_purpose use the runner, which runs the registered checks: they "
-        "belong beside the runner, but hooks/phases.py (being edited) imports them from dcgm",
-    frozenset({"bluevela.archive.ingest", "bluevela.archive.series_checks",
-               "bluevela.archive.series_ingest"}):
-        "archive/ingest.py is being edited for another issue",
     frozenset({"bluevela.report.fleet", "bluevela.report.fleet_goodput",
                "bluevela.report.goodput_advice"}):
         "report/fleet* and goodput* are being edited for another issue",

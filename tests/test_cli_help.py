@@ -87,7 +87,7 @@ def test_submit_without_wait_does_not_import_heavy_modules(monkeypatch: pytest.M
     code = (
         "import sys\n"
         "from bluevela.launch.submit import build_request, submit\n"
-        "from bluevela.slurm.client import get_client\n"
+        "from bluevela.slurm.connect import get_client\n"
         "from bluevela.site import load_site\n"
         "build_request(load_site('site.yaml'), 't.py', nodes=2).materialize()\n"
         f"print([m for m in {list(HEAVY)!r} if m in sys.modules])\n"

@@ -24,6 +24,7 @@ from bluevela.archive.spool import SpoolEntry
 from bluevela.errors import SiteConfigError
 from bluevela.fleet.api import versions_view
 from bluevela.fleet.nodestate import dcgm_gate
+from bluevela.health import dcgm_runs
 from bluevela.health.checks import dcgm as dcgm_mod
 from bluevela.health.checks import get_check
 from bluevela.health.checks.versions import VersionFacts, cuda_text, evaluate_versions
@@ -231,21 +232,21 @@ def test_dcgm_level_from_the_purpose_runs_in_the_killable_child(h100: NodeClass,
     root = dcgm_root(tmp_path, {1: "dcgm-diag-4x-r1-rowremap-fail.json",
                                 2: "dcgm-diag-4x-r2-pass.json"})
     ctx = ctx_on(h100, root)
-    r1 = dcgm_mod.run_diag(ctx, 1, timeout_s=10)
+    r1 = dcgm_runs.run_diag(ctx, 1, timeout_s=10)
     assert r1.status is Status.CRITICAL and r1.summary == (
         "diag r1 GPU 3 software failed: GPU 3 had uncorrectable memory errors and row "
         "remapping failed. Run a field diagnostic on the GPU.")
-    r2 = dcgm_mod.run_diag(ctx, 2, timeout_s=10)
+    r2 = dcgm_runs.run_diag(ctx, 2, timeout_s=10)
     assert r2.status is Status.OK and r2.summary == "diag r2: 24 passed, 0 skipped (DCGM 4.2.3)"
     # No fixture for level 3: dcgmi answers with an error and no JSON -> UNKNOWN, not OK.
-    r3 = dcgm_mod.run_diag(ctx, 3, timeout_s=10)
+    r3 = dcgm_runs.run_diag(ctx, 3, timeout_s=10)
     assert r3.status is Status.UNKNOWN and "unable to establish a connection" in r3.summary
 
 
 def test_dcgm_hung_diag_is_killed_at_its_timeout(h100: NodeClass, tmp_path: Path) -> None:
     root = dcgm_root(tmp_path, {2: "hang"})
     t0 = time.monotonic()
-    r = dcgm_mod.run_diag(ctx_on(h100, root), 2, timeout_s=1)
+    r = dcgm_runs.run_diag(ctx_on(h100, root), 2, timeout_s=1)
     took = time.monotonic() - t0
     assert r.status is Status.UNKNOWN and r.summary == "diag r2: no result in 1 s, dcgmi killed"
     assert took < 3, took
@@ -278,7 +279,7 @@ def _running(pid: int) -> bool:
 
 def test_dcgm_absent_where_enabled_is_unknown_and_logged(h100: NodeClass,
                                                          caplog: pytest.LogCaptureFixture) -> None:
-    facts = dcgm_mod.probe_dcgm(dcgm_mod.with_level(ctx_on(h100, HEALTHY / "root"), 2))
+    facts = dcgm_mod.probe_dcgm(dcgm_runs.with_level(ctx_on(h100, HEALTHY / "root"), 2))
     assert not facts.available and facts.level == 2
     assert dcgm_mod.evaluate_dcgm(facts, h100).status is Status.UNKNOWN
     assert "dcgm diag r2 asked for, but DCGM is not installed" in caplog.text
@@ -290,12 +291,12 @@ def test_dcgm_purposes_plan_and_resume_gate(site: Site, h100: NodeClass) -> None
     on = replace(site, health=replace(site.health, dcgm=opts))
     full = plan_tier(on, "full")
     ctx = ctx_on(h100, HEALTHY / "root")
-    plan, pctx = dcgm_mod.with_purpose(on, "healthcheck", full, ctx, limit_s=55)
+    plan, pctx = dcgm_runs.with_purpose(on, "healthcheck", full, ctx, limit_s=55)
     assert plan.checks == (*full.checks, "dcgm") and plan.tier == "full+dcgm"
     assert plan.timeout("dcgm") == 45 and pctx.node_class.node.dcgm_level == 1
-    short, _ = dcgm_mod.with_purpose(on, "healthcheck", full, ctx, limit_s=20)
+    short, _ = dcgm_runs.with_purpose(on, "healthcheck", full, ctx, limit_s=20)
     assert short.timeout("dcgm") == 19  # within the caller's own bound
-    assert dcgm_mod.with_purpose(site, "healthcheck", full, ctx) == (full, ctx)  # level 0: off
+    assert dcgm_runs.with_purpose(site, "healthcheck", full, ctx) == (full, ctx)  # level 0: off
     # Before a resume: OK/WARNING passes, CRITICAL/UNKNOWN/not run keep the node drained.
     assert dcgm_gate(site, None) == (True, None)
     assert dcgm_gate(on, lambda: (0, "diag r2: 24 passed")) == (True, "DCGM diag r2 passes")

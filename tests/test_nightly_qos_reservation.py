@@ -48,7 +48,7 @@ def test_a_reservations_idle_nodes_are_selected(devcluster: DevCluster) -> None:
     try:
         import os
 
-        from bluevela.slurm.client import get_client
+        from bluevela.slurm.connect import get_client
 
         old = dict(os.environ)
         os.environ.update(devcluster.env)

@@ -5,7 +5,7 @@ cluster running 25.11. Run it in that virtualenv's Python with the cluster on 25
     BV_SLURM=25.11 /opt/bluevela-ci/pyslurm-venv/bin/python -m pytest tests/test_pyslurm_cluster.py
 
 Skipped, with the reason, where pyslurm does not import or was built for another release than
-the cluster's; there the CLI client is the one bv uses (bluevela/slurm/client.py get_client).
+the cluster's; there the CLI client is the one bv uses (bluevela/slurm/connect.py get_client).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _wait(cli: CliSlurmClient, job: int, states: set[str], timeout: float = 90) 
 def test_pyslurm_client_reads_jobs_as_the_cli_does(devcluster: DevCluster,
                                                    tmp_path: Path) -> None:
     pyslurm = _pyslurm(devcluster)
-    from bluevela.slurm.client import get_client
+    from bluevela.slurm.connect import get_client
     from bluevela.slurm.pyslurm_client import PySlurmClient, pyslurm_matches
 
     os.environ["PATH"] = devcluster.env.get("PATH", os.environ["PATH"])

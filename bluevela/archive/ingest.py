@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bluevela.archive import schema as S
+from bluevela.archive.job_index import Archived, archived_jobs
+from bluevela.archive.job_index import find_jobs as find_jobs  # archive/query.py's name for it
 from bluevela.archive.reports import load_report
 from bluevela.archive.spool import (
     ReportError,
@@ -46,13 +48,11 @@ from bluevela.archive.spool import (
     quarantine,
     scan_spool,
 )
-from bluevela.archive.store import LOCK, MANIFEST, SEGMENTS, Archive, Writer, open_h5
+from bluevela.archive.store import LOCK, MANIFEST, SEGMENTS, Archive, Writer
 from bluevela.errors import ArchiveError
 from bluevela.util.fs import owner_problem, user_name
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from bluevela.archive.series_checks import SeriesLimits
 
 logger = logging.getLogger(__name__)
@@ -87,28 +87,6 @@ class IngestResult:
         d["quarantined"] = [{"name": n, "reason": r} for n, r in self.quarantined]
         d["conflicts"] = [{"name": n, "reason": r} for n, r in self.conflicts]
         return d
-
-
-@dataclass
-class _Archived:
-    """A job's newest archived revision: its row and its job_nodes rows; with `keys` asked
-    for, the (node, phase, restart) of every report of the job in the archive and its time."""
-
-    row: Any
-    nodes: np.ndarray
-    keys: dict[tuple[str, str, int], float] = field(default_factory=dict)
-
-    @property
-    def restarts(self) -> int:
-        return row_restarts(self.row)
-
-
-def row_restarts(row: Any) -> int:
-    """A /jobs row's `restarts` (0 in a file written before the column existed)."""
-    names = getattr(getattr(row, "dtype", None), "names", None)
-    if names is not None:
-        return int(row["restarts"]) if "restarts" in names else 0
-    return int(row.get("restarts", 0) or 0)
 
 
 def _restart(report: dict[str, Any]) -> int:
@@ -371,85 +349,11 @@ def _wait_for_job(spool: Path, job_id: int, wait_s: float) -> None:
         time.sleep(0.5)
 
 
-def archived_jobs(w: Writer, job_ids: list[int], *, keys: bool = False
-                  ) -> dict[int, _Archived]:
-    """The newest archived revision of each of `job_ids` that is in the archive."""
-    return find_jobs([(s, w.archive.path_of(s)) for s in w.manifest.segments], job_ids,
-                     keys=keys)
-
-
-def find_jobs(segments: list[Any], job_ids: list[int], *, keys: bool = False
-              ) -> dict[int, _Archived]:
-    """Look `job_ids` up in the segments' job index; newest revision wins. With `keys`, also
-    collect each found job's report keys (node, phase, restart) from every segment (each
-    revision's file holds only the reports that revision added)."""
-    import numpy as np
-
-    found: dict[int, _Archived] = {}
-    got_keys: dict[int, dict[tuple[str, str, int], float]] = defaultdict(dict)
-    if not job_ids:
-        return found
-    ids = np.array(sorted(set(job_ids)), dtype=np.uint64)
-    for info, path in segments:
-        lo, hi = np.searchsorted(ids, [info.job_id_min, info.job_id_max + 1])
-        if lo >= hi:
-            continue
-        want = ids[lo:hi]
-        with open_h5(path) as f:
-            index = f[S.JOB_IDS_INDEX][()]
-            pos = np.searchsorted(index, want)
-            pos = pos[pos < len(index)]
-            pos = np.unique(pos[np.isin(index[pos], want)])
-            if not len(pos):
-                continue
-            rows = f["jobs"][pos]
-            jn = f["job_nodes"]
-            if keys:
-                _report_keys(f, rows, got_keys)
-            for row in rows:
-                jid = int(row["job_id"])
-                cur = found.get(jid)
-                if cur is not None and int(cur.row["revision"]) >= int(row["revision"]):
-                    continue
-                first, count = int(row["node_first"]), int(row["node_count"])
-                found[jid] = _Archived(row.copy(), jn[first:first + count])
-    for jid, k in got_keys.items():
-        if jid in found:
-            found[jid].keys = k
-    return found
-
-
-def _report_keys(f: Any, jobs: Any, out: dict[int, dict[tuple[str, str, int], float]]) -> None:
-    """Add the (node, phase, restart) of the reports of `jobs` (rows of f's /jobs) to `out`,
-    each with its report's time."""
-    import numpy as np
-
-    idx = f[S.JOB_REPORTS_INDEX]
-    ds = f["reports"]
-    cols = ["job_id", "node", "phase", "time_unix_s"] + (
-        ["restart"] if "restart" in ds.dtype.names else [])
-    for row in jobs:
-        first, count = int(row["report_first"]), int(row["report_count"])
-        if not count:
-            continue
-        at = np.unique(idx[first:first + count])
-        lo, hi = int(at[0]), int(at[-1]) + 1
-        if hi - lo <= max(4 * len(at), 65536):  # one slice read beats a point selection
-            rep = ds.fields(cols)[lo:hi][at - lo]
-        else:
-            rep = ds.fields(cols)[at]
-        restarts = rep["restart"].tolist() if "restart" in cols else [0] * len(rep)
-        keys = out[int(row["job_id"])]
-        for node, phase, k, t in zip(rep["node"].tolist(), rep["phase"].tolist(), restarts,
-                                     rep["time_unix_s"].tolist(), strict=True):
-            keys[(node.rstrip(b"\0").decode(), S.PHASE_NAMES[int(phase)], int(k))] = float(t)
-
-
-def _stored_keys(old: _Archived | None) -> dict[tuple[str, str, int], float]:
+def _stored_keys(old: Archived | None) -> dict[tuple[str, str, int], float]:
     return {} if old is None else old.keys
 
 
-def _expected(reports: list[dict[str, Any]], old: _Archived | None) -> tuple[set[str], int]:
+def _expected(reports: list[dict[str, Any]], old: Archived | None) -> tuple[set[str], int]:
     expected: set[str] = set()
     # The reports of one job share one nodelist object (reports.validate_report): add each once.
     for nodelist in {id(r["nodelist"]): r["nodelist"] for r in reports}.values():
@@ -471,7 +375,7 @@ def _complete(expected: set[str], num_nodes: int, epilogs: set[str], reporting: 
     return reporting <= epilogs  # no nodelist, no count: every node that spoke has finished
 
 
-def _readiness(reports: list[dict[str, Any]], old: _Archived | None, now: float,
+def _readiness(reports: list[dict[str, Any]], old: Archived | None, now: float,
                timeout_s: float, prolog_only_timeout_s: float) -> str | None:
     """Why a job's fresh reports may be archived now, or None to leave them in the spool.
 
@@ -511,7 +415,7 @@ def _nanmax(*values: float | None) -> float:
     return max(vals) if vals else math.nan
 
 
-def _job_row(job_id: int, reports: list[dict[str, Any]], old: _Archived | None,
+def _job_row(job_id: int, reports: list[dict[str, Any]], old: Archived | None,
              now: float) -> tuple[tuple[Any, ...], list[tuple[Any, ...]]]:
     """The job's new /jobs row and /job_nodes rows: the archived state plus `reports`."""
     expected, num_nodes = _expected(reports, old)

@@ -60,7 +60,7 @@ class JobWindow:
     @classmethod
     def of_row(cls, row: Any) -> JobWindow:
         """From a /jobs row (NaN start/end fall back to the report times)."""
-        from bluevela.archive.ingest import row_restarts
+        from bluevela.archive.job_index import row_restarts
 
         def num(key: str) -> float:
             v = float(row[key])

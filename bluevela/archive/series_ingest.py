@@ -203,7 +203,7 @@ def ingest_side_files(w: Writer, sd: SpoolDir, archive_dir: Path, entries: list[
     """
     import time
 
-    from bluevela.archive.ingest import archived_jobs
+    from bluevela.archive.job_index import archived_jobs
 
     if not entries:
         return [], []

@@ -52,7 +52,7 @@ class State:
         return self.site()
 
     def client(self, retry_s: float | None = None) -> SlurmClient:
-        from bluevela.slurm.client import get_client
+        from bluevela.slurm.connect import get_client
 
         return get_client(retry_s=retry_s)
 

@@ -21,7 +21,7 @@ from bluevela.errors import SlurmError, UnsafeValueError
 from bluevela.util.fs import safe_node_name
 
 if TYPE_CHECKING:
-    from bluevela.health.checks.dcgm import Purpose
+    from bluevela.health.dcgm_runs import Purpose
     from bluevela.health.result import CheckResult, HealthReport
     from bluevela.site import Site
     from bluevela.slurm.client import SlurmClient
@@ -66,7 +66,7 @@ def run_local(
     plan = plan_tier(site, tier, checks)
     ctx = ProbeContext.from_env(cls, name, env=env, state_dir=default_state_dir(site), phase=phase)
     if dcgm_for is not None:
-        from bluevela.health.checks.dcgm import with_purpose
+        from bluevela.health.dcgm_runs import with_purpose
 
         plan, ctx = with_purpose(site, dcgm_for, plan, ctx)
     return run_plan(plan, ctx)
@@ -76,8 +76,8 @@ def run_dcgm(site: Site, *, level: int, timeout_s: float, class_name: str | None
              env: Mapping[str, str] | None = None) -> CheckResult:
     """`dcgmi diag -r level` on this node as the dcgm check, bounded by `timeout_s` (the
     nightly's per-node step; `bv health dcgm`)."""
-    from bluevela.health.checks.dcgm import run_diag
     from bluevela.health.context import ProbeContext
+    from bluevela.health.dcgm_runs import run_diag
     from bluevela.health.runner import default_state_dir
 
     name = class_name or site.class_name_for()
@@ -87,7 +87,7 @@ def run_dcgm(site: Site, *, level: int, timeout_s: float, class_name: str | None
 
 
 def _diag_before_resume(site: Site) -> tuple[int, str]:
-    from bluevela.health.checks.dcgm import timeout_for
+    from bluevela.health.dcgm_runs import timeout_for
 
     result = run_dcgm(site, level=site.health.dcgm.before_resume_level,
                       timeout_s=timeout_for(site, "before_resume"))

@@ -181,7 +181,7 @@ def _run(site: Site, hctx: HookContext, state: Path | None, plan_name: str) -> H
         plan = plan_tier(site, plan_name)
     pctx = ProbeContext.from_env(cls, class_name, state_dir=state, phase=hctx.phase)
     if hctx.phase == "healthcheck":  # DCGM diag at health.dcgm.healthcheck_level, if set
-        from bluevela.health.checks.dcgm import with_purpose
+        from bluevela.health.dcgm_runs import with_purpose
         from bluevela.hooks.budget import healthcheck_cap_s
 
         # slurmd kills a HealthCheckProgram at 60 s: the run ends early enough that a drain
@@ -201,8 +201,8 @@ def _dcgm_before_resume(site: Site, hctx: HookContext, state: Path | None,
     """The DCGM diag at health.dcgm.before_resume_level, within what is left of the
     healthcheck's 60 s once the resume's own Slurm calls are paid (a longer diag ends
     UNKNOWN: the node stays drained)."""
-    from bluevela.health.checks.dcgm import run_diag, timeout_for
     from bluevela.health.context import ProbeContext
+    from bluevela.health.dcgm_runs import run_diag, timeout_for
     from bluevela.hooks.budget import HEALTHCHECK_KILL_S, START_S, resume_tail_s
 
     class_name = site.class_name_for(hctx.node)

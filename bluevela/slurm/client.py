@@ -1,19 +1,16 @@
 """The one seam for talking to Slurm: a `SlurmClient` protocol and the data it returns.
 
-`get_client()` returns the pyslurm implementation when pyslurm imports and matches the running
-Slurm, otherwise the CLI implementation (sbatch/squeue/sacct/scontrol), which works on 22.05 and
-24.11 alike.
+`bluevela.slurm.connect.get_client()` returns the pyslurm implementation when pyslurm imports
+and matches the running Slurm, otherwise the CLI implementation (sbatch/squeue/sacct/scontrol),
+which works on 22.05 and 24.11 alike.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from bluevela.slurm.states import JobState
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -148,18 +145,3 @@ class SlurmClient(Protocol):
         """Delete reservation `name`; False when there is none of that name. One RPC."""
         ...
 
-
-def get_client(*, retry_s: float | None = None) -> SlurmClient:
-    """The best available client: pyslurm when it matches the running Slurm, else the CLI."""
-    from bluevela.slurm.cli_client import CliSlurmClient
-
-    cli = CliSlurmClient(retry_s=retry_s)
-    try:
-        from bluevela.slurm.pyslurm_client import PySlurmClient, pyslurm_matches
-
-        if pyslurm_matches(cli):
-            logger.debug("using pyslurm")
-            return PySlurmClient(fallback=cli)
-    except ImportError:
-        pass
-    return cli

@@ -7,7 +7,8 @@ parses its JSON. It runs in the runner's killable child: the level's timeout kil
 the child's process group. Absent DCGM, or a host engine that does not answer, is UNKNOWN (and
 logged), never OK: nothing was diagnosed.
 
-Where it runs is the site's `health.dcgm` (`bluevela.site.DcgmOptions`), by purpose:
+Where it runs is the site's `health.dcgm` (`bluevela.site.DcgmOptions`), by purpose
+(bluevela/health/dcgm_runs.py):
 - `healthcheck_level`: added to the healthcheck hook's run (`with_purpose`);
 - `before_resume_level`: run before bluevela resumes a node it drained (the healthcheck's
   auto-resume and `bv health resume` on the node; `bluevela.fleet.nodestate.resume_if_passing`);
@@ -37,17 +38,16 @@ import logging
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from bluevela.checks_registry import check
 from bluevela.health.result import CheckResult, Status, summarize
 
 if TYPE_CHECKING:
     from bluevela.health.context import ProbeContext
-    from bluevela.health.runner import RunPlan
-    from bluevela.site import NodeClass, Site
+    from bluevela.site import NodeClass
 
 logger = logging.getLogger(__name__)
 
@@ -206,51 +206,3 @@ def evaluate_dcgm(facts: DcgmFacts, cls: NodeClass) -> CheckResult:
                    + (f" (DCGM {facts.version})" if facts.version else ""))
     return CheckResult("dcgm", status, summary, metrics)
 
-
-# -- where the diagnostic runs: the site's health.dcgm ------------------------------------------
-
-Purpose = Literal["healthcheck", "before_resume", "nightly"]
-
-
-def level_for(site: Site, purpose: Purpose) -> int:
-    """The `dcgmi diag` level the site runs for `purpose` (0: not run)."""
-    return int(getattr(site.health.dcgm, f"{purpose}_level"))
-
-
-def timeout_for(site: Site, purpose: Purpose) -> float:
-    return float(getattr(site.health.dcgm, f"{purpose}_timeout_s"))
-
-
-def with_level(ctx: ProbeContext, level: int) -> ProbeContext:
-    """`ctx` whose dcgm probe runs `dcgmi diag -r level`."""
-    cls = ctx.node_class
-    return replace(ctx, node_class=replace(cls, node=replace(cls.node, dcgm_level=level)))
-
-
-def with_purpose(site: Site, purpose: Purpose, plan: RunPlan, ctx: ProbeContext, *,
-                 limit_s: float | None = None) -> tuple[RunPlan, ProbeContext]:
-    """`plan` plus the dcgm check at the site's level for `purpose`, bounded by its timeout
-    (and by `limit_s`, the caller's own bound), with a context that asks for that level.
-    Unchanged when the site does not run DCGM for `purpose`."""
-    level = level_for(site, purpose)
-    if not level:
-        return plan, ctx
-    timeout = timeout_for(site, purpose)
-    if limit_s is not None:
-        timeout = max(1.0, min(timeout, limit_s - 1.0))
-    checks = plan.checks if "dcgm" in plan.checks else (*plan.checks, "dcgm")
-    plan = replace(plan, tier=plan.tier if "dcgm" in plan.checks else f"{plan.tier}+dcgm",
-                   checks=checks, cap_s=max(plan.cap_s, timeout + 1.0),
-                   timeouts={**plan.timeouts, "dcgm": timeout})
-    return plan, with_level(ctx, level)
-
-
-def run_diag(ctx: ProbeContext, level: int, timeout_s: float) -> CheckResult:
-    """Only the dcgm check at `level`, in the runner's killable child, bounded by `timeout_s`."""
-    from bluevela.health.runner import run_checks
-
-    report = run_checks(["dcgm"], with_level(ctx, level), timeout_s=timeout_s,
-                        cap_s=timeout_s + 1.0, tier=f"dcgm-r{level}")
-    result = report.result("dcgm")
-    assert result is not None
-    return result
