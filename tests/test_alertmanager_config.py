@@ -285,8 +285,8 @@ def test_alertmanager_groups_by_node_inhibits_a_drained_node_and_resolves(
 
 def test_bv_install_lays_out_the_example() -> None:
     """`bv install` puts the file a site copies next to the rules it routes."""
-    from bluevela.deploy import install
+    from bluevela.deploy import layout
 
-    items = {i.path: i for i in install.plan(Path("/nonexistent-venv"), Path("/"))}
+    items = {i.path: i for i in layout.plan(Path("/nonexistent-venv"), Path("/"))}
     item = items["/opt/bluevela/prolog_epilog/prometheus/alertmanager.example.yml"]
     assert item.mode == 0o644 and item.content == EXAMPLE.read_bytes()

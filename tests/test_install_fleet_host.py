@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bluevela.deploy.install import Account, install
+from bluevela.deploy.fleet_account import Account
+from bluevela.deploy.install import install
 
 ACCOUNT = Account("bvtest-issue35", "/nonexistent-bvtest-35/textfile")
 

@@ -29,13 +29,8 @@ from pathlib import Path
 import pytest
 
 from bluevela import __version__
-from bluevela.deploy.install import (
-    Account,
-    InstallError,
-    Result,
-    fleet_account,
-    remove_fleet_account,
-)
+from bluevela.deploy.fleet_account import Account, fleet_account, remove_fleet_account
+from bluevela.deploy.layout import InstallError, Result
 
 REPO = Path(__file__).resolve().parent.parent
 _CACHES = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".*")
