@@ -77,8 +77,9 @@ def main() -> int:
         if rank == 0:
             _say(f"step={step} attempt={runtime.attempt()}")
         if step % opts.ckpt_every == 0 or runtime.checkpoint_requested():
-            with runtime.checkpointing(step):
-                stats = store.save(step, {"w": state["w"], "step": step})
+            # The store tells bv's goodput ledger the stall (and, from its writer thread,
+            # the background phase): no `runtime.checkpointing` around it.
+            stats = store.save(step, {"w": state["w"], "step": step})
             if rank == 0:
                 _say(f"checkpoint step={step} stall_s={stats.stall_s:.4f}")
             if runtime.checkpoint_requested():

@@ -26,6 +26,7 @@ import hostlist
 import pytest
 
 from tests.conftest import DEVCLUSTER, REPO, DevCluster
+from tests.goodput_checks import goodput_events, ledger
 
 BANNER = re.compile(r"^==== bv attempt (\d+) job (\d+) nodes (\S+) previous: (.*) ====$", re.M)
 RESUMED = re.compile(r"^rank=(\d+) attempt=(\d+) host=(\S+) resumed=(-?\d+) source=(\S+) "
@@ -52,19 +53,44 @@ def _wait(what: str, pattern: str, cwd: Path, proc: subprocess.Popen[str],
         time.sleep(0.2)
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(480)
 def test_spare_resumes_from_the_partners_copy_without_shared_storage(
         devcluster: DevCluster, tmp_path: Path) -> None:
     devcluster.resume_all()
     devcluster.wait_idle(timeout=120)
+    with goodput_events(devcluster) as events:
+        job = _spare_resumes_from_the_partner(devcluster, tmp_path, events)
+        # The goodput ledger from what the job recorded (the stores' datagrams, the
+        # supervisor's events, the epilog's report): the stall and the background phase
+        # apart, and the tiers the relaunched step resumed from.
+        led = ledger(devcluster, job)
+    bg = led["checkpoint_background"]
+    assert led["checkpoints"] >= 4 and led["checkpoint_stall_s"] > 0, led
+    assert bg is not None and bg["saves"] >= 4 and bg["seconds"] > 0, led
+    assert led["checkpoint_stall_s"] == led["phases_s"]["checkpoint"]
+    assert bg["complete"]["local"] >= 4 and bg["complete"]["partner"] >= 4, bg
+    assert bg["complete"]["shared"] >= 1, bg  # the drain at the end
+    resumes = [r for r in led["resumes"] if r["attempt"] == 2]
+    assert len(resumes) == 1, led["resumes"]
+    assert resumes[0]["step"] >= 6 and resumes[0]["skipped"] == 0, resumes
+    assert resumes[0]["tiers"] == {"local": 1, "partner": 1, "shared": 0}, resumes
+    text = devcluster.bv("archive", "show", job, "--goodput").stdout
+    assert "checkpoint background (off the training path):" in text, text
+    assert re.search(r"resume in attempt 2 \(restart 0\): step \d+ in .* from node-local x1, "
+                     r"partner x1; 0 copies skipped", text), text
+
+
+def _spare_resumes_from_the_partner(devcluster: DevCluster, tmp_path: Path,
+                                    events: Path) -> str:
+    """The job of the test above; returns its id."""
     shared, local = tmp_path / "shared", tmp_path / "local"
     proc = subprocess.Popen(
         [sys.executable, "-m", "bluevela", "submit", "--wait", "-N", "2", "--spare-nodes", "1",
          "--procs-per-node", "1", str(REPO / "examples" / "train_store.py"),
          "--shared", str(shared), "--local-base", str(local), "--steps", "30",
          "--ckpt-every", "2", "--step-s", "0.4"],
-        cwd=tmp_path, env=devcluster.environ(), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+        cwd=tmp_path, env=devcluster.environ(BV_EVENTS_DIR=str(events)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     crashed: str | None = None
     try:
         _wait("the 4th checkpoint", r"^checkpoint step=6 ", tmp_path, proc, 200)
@@ -105,6 +131,7 @@ def test_spare_resumes_from_the_partners_copy_without_shared_storage(
     summary = re.search(r"^bv ckpt: resumed step (\d+) .*$", part2, re.M)
     assert summary is not None and summary.group(0).endswith("nothing skipped"), part2
     assert re.search(r"^final tiers step=28 local,partner,shared$", part2, re.M), part2
+    return banners[0][1]
 
 
 def _shard(local: Path, node: str, kind: str, step: int, rank: int) -> Path:

@@ -12,7 +12,9 @@ Four places touch them (docs/resilience.md, "Where the time went: goodput events
        bvck1 <rank> <step> <pid> <seq> <start_age_ms> <end_age_ms> <mac>
 
    (ages: how long before the send the save started and ended; `mac` as for beats, over the
-   rest of the line). A dead or absent supervisor costs the loop one failed `sendto`.
+   rest of the line). A dead or absent supervisor costs the loop one failed `sendto`. The
+   checkpoint store (bluevela/ckpt) also sends a save's background phase (`bvcb1`, folded
+   into `ckpt_bg` lines: a launch's `bgs`) and its resume (`bvcr1`, a `resume` line).
 2. The supervisor (bluevela/launch/events_log.py, `EventLog`, as the job's user) appends one
    JSON line per event to its events file, in a directory the epilog can trust
    (bluevela/launch/events_dir.py), bounded as the epilog reads it (MAX_FILE_BYTES,
@@ -42,6 +44,7 @@ from bluevela.protocol.messages import MAX_STEP
 from bluevela.protocol.names import NAME_MAX, safe_name
 
 MAX_CKPTS = 4096  # per launch kept one by one in the record; later saves are summed
+MAX_RANKS = 1 << 20  # ranks counted in a checkpoint store's record (protocol.messages.MAX_RANK)
 MAX_LAUNCHES = 64
 MAX_GROWS = MAX_LAUNCHES  # nodes grown into the job (one grow per launch at most)
 # The writer's bounds are the reader's: the supervisor never writes a file the epilog refuses.
@@ -180,7 +183,8 @@ def fold(lines: list[dict[str, Any]]) -> dict[str, Any]:
             by[n] = {"launch": n, "attempt": ev.get("attempt"), "start": ev.get("t"),
                      "n_nodes": ev.get("n_nodes"), "nodes": ev.get("nodes"),
                      "spares": ev.get("spares"), "first_progress": None, "ckpts": {},
-                     "ckpt_more": [0, 0.0], "end": None, "_over": {}}
+                     "ckpt_more": [0, 0.0], "end": None, "_over": {}, "bgs": {},
+                     "bg_more": [0, 0.0], "resume": None}
             rec["launches"].append(by[n])
             continue
         if not isinstance(n, int) or n not in by:
@@ -191,6 +195,13 @@ def fold(lines: list[dict[str, Any]]) -> dict[str, Any]:
         over = la.pop("_over").values()
         la["ckpt_more"] = [la["ckpt_more"][0] + len(over),
                            la["ckpt_more"][1] + sum(max(0.0, c[2] - c[1]) for c in over)]
+        bgs = sorted(la.pop("bgs").values(), key=lambda b: (b[2], b[0]))
+        if bgs:
+            la["bgs"] = bgs
+        if la["bg_more"][0] == 0:
+            del la["bg_more"]
+        if la["resume"] is None:
+            del la["resume"]
     return validate(rec)
 
 
@@ -229,6 +240,11 @@ def _fold_launch_line(la: dict[str, Any], kind: Any, ev: dict[str, Any], where: 
         have = ck.get(step)
         ck[step] = [step, t0, t1] if have is None else \
             [step, min(have[1], t0), max(have[2], t1)]
+    elif kind == "ckpt_bg":
+        _fold_bg(la, ev, where)
+    elif kind == "resume":
+        # The first resume of a launch is the one its training went on from.
+        la["resume"] = la["resume"] or {k: ev.get(k) for k in RESUME_KEYS}
     elif kind == "ckpt_more":
         t0, t1 = _t(ev.get("t0"), where), _t(ev.get("t1"), where)
         la["ckpt_more"] = [la["ckpt_more"][0] + 1, la["ckpt_more"][1] + max(0.0, t1 - t0)]
@@ -237,6 +253,27 @@ def _fold_launch_line(la: dict[str, Any], kind: Any, ev: dict[str, Any], where: 
                                              "detected", "gone")}
     else:
         raise EventsError(f"{where}: unknown event")
+
+
+TIERS = ("local", "partner", "shared")  # the checkpoint store's places, fastest first
+RESUME_KEYS = ("step", "t0", "t1", *TIERS, "skipped")
+
+
+def _fold_bg(la: dict[str, Any], ev: dict[str, Any], where: str) -> None:
+    """A save's background phase (the checkpoint store's writes off the training path):
+    [step, start, end, ranks, ranks complete node-local, at the partner, in shared storage].
+    A later line of the same step (a late rank, the drain at the end) is cumulative: the
+    widest span, the largest counts. Past MAX_CKPTS steps they are summed in `bg_more`."""
+    step = _int(ev.get("step"), f"{where} step", -1, MAX_STEP)
+    t0, t1 = _t(ev.get("t0"), where), _t(ev.get("t1"), where)
+    counts = [_int(ev.get(k), f"{where} {k}", 0, MAX_RANKS) for k in ("ranks", *TIERS)]
+    have = la["bgs"].get(step)
+    if have is None and len(la["bgs"]) >= MAX_CKPTS:
+        la["bg_more"] = [la["bg_more"][0] + 1, la["bg_more"][1] + max(0.0, t1 - t0)]
+        return
+    la["bgs"][step] = [step, t0, t1, *counts] if have is None else \
+        [step, min(have[1], t0), max(have[2], t1),
+         *(max(a, b) for a, b in zip(have[3:], counts, strict=True))]
 
 
 def validate(rec: Any) -> dict[str, Any]:
@@ -311,11 +348,8 @@ def _valid_launch(la: Any, w: str) -> dict[str, Any]:
         if t1 < t0:
             raise EventsError(f"{w}: a checkpoint ends before it starts")
         clean_ck.append([step, t0, t1])
-    more = la.get("ckpt_more") or [0, 0.0]
-    if (not isinstance(more, list) or len(more) != 2
-            or not isinstance(more[1], int | float) or not 0 <= more[1] <= 1e9):
-        raise EventsError(f"{w}: ckpt_more is not [count, seconds]")
-    return {
+    more = _valid_more(la.get("ckpt_more"), f"{w}: ckpt_more")
+    out = {
         "launch": _int(la.get("launch"), f"{w} launch", 1, 10**6),
         "attempt": _int(la.get("attempt"), f"{w} attempt", 1, 10**6),
         "start": _t(la.get("start"), f"{w} start"),
@@ -324,8 +358,55 @@ def _valid_launch(la: Any, w: str) -> dict[str, Any]:
         "spares": _int(la.get("spares"), f"{w} spares", 0, 10**6),
         "first_progress": _opt_t(la.get("first_progress"), f"{w} first_progress"),
         "ckpts": clean_ck,
-        "ckpt_more": [_int(more[0], f"{w} ckpt_more", 0, 10**9), float(more[1])],
+        "ckpt_more": more,
         "end": None if la.get("end") is None else _valid_end(la["end"], w)}
+    # The checkpoint store's records (bluevela/ckpt), only where a launch has them.
+    if la.get("bgs"):
+        out["bgs"] = _valid_bgs(la["bgs"], w)
+    if la.get("bg_more") and la["bg_more"] != [0, 0.0]:
+        out["bg_more"] = _valid_more(la["bg_more"], f"{w}: bg_more")
+    if la.get("resume") is not None:
+        out["resume"] = _valid_resume(la["resume"], w)
+    return out
+
+
+def _valid_more(more: Any, w: str) -> list[Any]:
+    more = more or [0, 0.0]
+    if (not isinstance(more, list) or len(more) != 2
+            or not isinstance(more[1], int | float) or not 0 <= more[1] <= 1e9):
+        raise EventsError(f"{w} is not [count, seconds]")
+    return [_int(more[0], w, 0, 10**9), float(more[1])]
+
+
+def _valid_bgs(bgs: Any, w: str) -> list[list[Any]]:
+    """[[step, start, end, ranks, local, partner, shared]], each count at most `ranks`."""
+    if not isinstance(bgs, list) or len(bgs) > MAX_CKPTS:
+        raise EventsError(f"{w}: bgs is not a list of at most {MAX_CKPTS}")
+    out = []
+    for b in bgs:
+        if not isinstance(b, list) or len(b) != 7:
+            raise EventsError(f"{w}: a background phase is not [step, start, end, ranks, "
+                              "local, partner, shared]")
+        step = _int(b[0], f"{w} background step", -1, MAX_STEP)
+        t0, t1 = _t(b[1], f"{w} background start"), _t(b[2], f"{w} background end")
+        if t1 < t0:
+            raise EventsError(f"{w}: a background phase ends before it starts")
+        ranks = _int(b[3], f"{w} background ranks", 1, MAX_RANKS)
+        out.append([step, t0, t1, ranks,
+                    *(_int(c, f"{w} background {k}", 0, ranks)
+                      for c, k in zip(b[4:], TIERS, strict=True))])
+    return out
+
+
+def _valid_resume(r: Any, w: str) -> dict[str, Any]:
+    """{step, t0, t1, local, partner, shared, skipped}: ranks per tier, copies skipped."""
+    if not isinstance(r, dict):
+        raise EventsError(f"{w}: resume is not an object")
+    t0, t1 = _t(r.get("t0"), f"{w} resume start"), _t(r.get("t1"), f"{w} resume end")
+    if t1 < t0:
+        raise EventsError(f"{w}: a resume ends before it starts")
+    return {"step": _int(r.get("step"), f"{w} resume step", -1, MAX_STEP), "t0": t0, "t1": t1,
+            **{k: _int(r.get(k), f"{w} resume {k}", 0, MAX_RANKS) for k in (*TIERS, "skipped")}}
 
 
 _STEP_ENDS = frozenset(e.value for e in StepEnd)
@@ -383,6 +464,17 @@ def merge_records(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]
         fp = [x for x in (have["first_progress"], la["first_progress"]) if x is not None]
         best["first_progress"] = min(fp) if fp else None
         best["ckpt_more"] = max(have["ckpt_more"], la["ckpt_more"])
+        if have.get("bgs") or la.get("bgs"):
+            bg: dict[int, list[Any]] = {g[0]: g for g in have.get("bgs") or []}
+            for g in la.get("bgs") or []:
+                h = bg.get(g[0])
+                bg[g[0]] = g if h is None else [g[0], min(h[1], g[1]), max(h[2], g[2]),
+                                                *(max(x, y) for x, y in zip(h[3:], g[3:],
+                                                                            strict=True))]
+            best["bgs"] = sorted(bg.values(), key=lambda g: (g[2], g[0]))[:MAX_CKPTS]
+        for key in ("bg_more", "resume"):
+            if best.get(key) is None and (have.get(key) or la.get(key)) is not None:
+                best[key] = have.get(key) or la.get(key)
         merged.append(best)
     merged.extend(mine.values())
     out["launches"] = sorted(merged, key=lambda la: la["launch"])[:MAX_LAUNCHES]

@@ -37,12 +37,25 @@ from bluevela.launch.events import (
 from bluevela.launch.events_copy import CopySender
 from bluevela.launch.events_dir import create_file, events_dir
 from bluevela.launch.outcome import Loss, LossKind, StepEnd
-from bluevela.protocol.messages import CKPT_MAGIC, fresh_seq, parse_ckpt
+from bluevela.protocol.messages import (
+    CKPT_BG_MAGIC,
+    CKPT_MAGIC,
+    RESUME_MAGIC,
+    TIER_BITS,
+    CkptBgMsg,
+    CkptMsg,
+    ResumeMsg,
+    fresh_seq,
+    parse_ckpt,
+    parse_ckpt_bg,
+    parse_resume,
+)
 from bluevela.protocol.names import safe_name
 
 logger = logging.getLogger(__name__)
 
 CKPT_WINDOW = 8  # recent saves the supervisor folds late ranks into
+_CK_HEADS = tuple(f"{m} ".encode() for m in (CKPT_MAGIC, CKPT_BG_MAGIC, RESUME_MAGIC))
 
 
 def slurm_times(job: str, timeout: float = 10.0) -> dict[str, float | None]:
@@ -107,6 +120,10 @@ class EventLog:
         self.ckpts: dict[int, list[float]] = {}  # step -> [start, end, ranks], recent saves
         self.dirty: dict[int, None] = {}  # steps whose line is not written yet, in order
         self.ck_seqs: dict[tuple[int, int], int] = {}  # (rank, pid) -> last seq, this launch
+        # The checkpoint store's background phases: step -> [start, end, {rank: tier bits}]
+        self.bgs: dict[int, list[Any]] = {}
+        self.bg_dirty: dict[int, None] = {}
+        self.resumed = False  # this launch's resume line is written (the first one counts)
         self.signal_mono: float | None = None
         self.lines = 0
         self.bytes = 0
@@ -199,6 +216,7 @@ class EventLog:
         self.started_mono = started_mono
         self.first_progress = False
         self.ckpts, self.dirty, self.ck_seqs = {}, {}, {}
+        self.bgs, self.bg_dirty, self.resumed = {}, {}, False
         self.skipping = not self._write({
             "e": "launch", "t": self.wall(started_mono), "attempt": attempt, "launch": launch,
             "n_nodes": len(nodes), "nodes": nodes[:MAX_NODES], "spares": spares})
@@ -211,18 +229,24 @@ class EventLog:
                 self._write({"e": "progress", "t": self.wall(mono), "launch": self.launch_no})
 
     def datagram(self, data: bytes, key: bytes, max_ranks: int, now_mono: float) -> bool:
-        """Record a checkpoint datagram of this step; True when it was one (valid or not).
-        A datagram whose sequence number is not above the last one of its (rank, pid) is a
-        replay and changes nothing (as for heartbeats)."""
-        if not data.startswith(CKPT_MAGIC.encode()):
+        """Record a checkpoint datagram of this step (a save's stall, its background phase,
+        a resume); True when it was one (valid or not). A datagram whose sequence number is
+        not above the last one of its (rank, pid) is a replay and changes nothing (as for
+        heartbeats; the three kinds share one sequence)."""
+        if not data.startswith(_CK_HEADS):
             return False
-        msg = parse_ckpt(data, key)
+        msg = (parse_ckpt(data, key) if data.startswith(_CK_HEADS[0])
+               else parse_ckpt_bg(data, key) if data.startswith(_CK_HEADS[1])
+               else parse_resume(data, key))
         life = now_mono - self.started_mono + 5
         if msg is None or msg.rank >= max_ranks or msg.start_age_s > life:
             return True
         if not fresh_seq(self.ck_seqs, (msg.rank, msg.pid), msg.seq, 4 * max_ranks):
             return True  # a replayed or reordered datagram
         now = time.time()
+        if not isinstance(msg, CkptMsg):
+            self._store_event(msg, now - msg.start_age_s, now - msg.end_age_s)
+            return True
         start, end = now - msg.start_age_s, now - msg.end_age_s
         have = self.ckpts.get(msg.step)
         if have is not None:  # another rank's save of the same step: one save, widest span
@@ -235,14 +259,49 @@ class EventLog:
         self.dirty[msg.step] = None
         return True
 
+    def _store_event(self, msg: CkptBgMsg | ResumeMsg, start: float, end: float) -> None:
+        """The checkpoint store's records: a save's background phase folded per step as the
+        stalls are (widest span; each rank's latest tiers), written when the next step's
+        comes or the step ends; the launch's first resume written at once."""
+        if isinstance(msg, ResumeMsg):
+            if not self.resumed and not self.skipping:
+                self.resumed = True
+                self._write({"e": "resume", "launch": self.launch_no, "step": msg.step,
+                             "t0": round(start, 3), "t1": round(end, 3), "local": msg.local,
+                             "partner": msg.partner, "shared": msg.shared,
+                             "skipped": msg.skipped})
+            return
+        have = self.bgs.get(msg.step)
+        if have is not None:
+            have[0], have[1] = min(have[0], start), max(have[1], end)
+            have[2][msg.rank] = have[2].get(msg.rank, 0) | msg.tiers
+        else:
+            self._flush_bgs()
+            self.bgs[msg.step] = [start, end, {msg.rank: msg.tiers}]
+            while len(self.bgs) > CKPT_WINDOW:
+                del self.bgs[next(iter(self.bgs))]
+        self.bg_dirty[msg.step] = None
+
     def _flush_ckpts(self) -> None:
-        """One line per save changed since its last line."""
+        """One line per save changed since its last line (its stall; its background phase)."""
         for step in list(self.dirty):
             c = self.ckpts.get(step)
             if c is not None and not self.skipping:
                 self._write({"e": "ckpt", "launch": self.launch_no, "step": step,
                              "t0": round(c[0], 3), "t1": round(c[1], 3), "ranks": int(c[2])})
         self.dirty = {}
+        self._flush_bgs()
+
+    def _flush_bgs(self) -> None:
+        for step in list(self.bg_dirty):
+            b = self.bgs.get(step)
+            if b is not None and not self.skipping:
+                tiers = b[2].values()
+                self._write({"e": "ckpt_bg", "launch": self.launch_no, "step": step,
+                             "t0": round(b[0], 3), "t1": round(b[1], 3), "ranks": len(b[2]),
+                             **{t: sum(1 for v in tiers if v & bit)
+                                for t, bit in TIER_BITS.items()}})
+        self.bg_dirty = {}
 
     def signal(self, mono: float) -> None:
         if self.signal_mono is None:

@@ -2,6 +2,8 @@
 
     bvhb2 <rank> <node> <step> <pid> <seq> <age_ms> <state 0|1|2|3> <where> <mac>
     bvck1 <rank> <step> <pid> <seq> <start_age_ms> <end_age_ms> <mac>
+    bvcb1 <rank> <step> <pid> <seq> <start_age_ms> <end_age_ms> <tiers 0..7> <mac>
+    bvcr1 <rank> <step> <pid> <seq> <start_age_ms> <end_age_ms> <local> <partner> <shared> <skipped> <mac>
     bvag1 <node> <pid> <seq> <count> [<rank> <pid> <step> <age_ms> <state> <where>]*count <mac>
 
 A heartbeat (`Beat`, bluevela/runtime/heartbeat.py: `step` -1 when the caller gave none,
@@ -11,7 +13,12 @@ watched for hangs), 3 when it is over and it may have been at bv's checkpoint re
 rank acted on it, or a handler other than bv's had the signal: the job is requeued after a
 request; 2 means the training simply ended, and a request that came later is no reason to
 requeue), else 0, `where` its main thread's ``file:line:function``)
-and a checkpoint (`CkptMsg`: how long before the send a save started and ended). `mac` is
+and a checkpoint (`CkptMsg`: how long before the send a save started and ended: what the
+training loop waited for). The checkpoint store (bluevela/ckpt) sends two more: a save's
+background phase (`CkptBgMsg`: off the training path; `tiers` the places this rank's shard of
+the step is complete in, 1 node-local, 2 the partner's copy, 4 shared storage) and a resume
+(`ResumeMsg`, rank 0 for the job: how many ranks read their shard from each tier, how many
+copies were skipped). `mac` is
 `keys.mac` with the beat key over the rest of the line; `seq` counts the sending process's
 datagrams of that kind. Each kind is one `Form`: its magic word, its size cap and its
 fields' bounds; `sign_datagram` and `read_datagram` are the one writer and the one reader,
@@ -41,6 +48,8 @@ from bluevela.protocol.names import safe_name
 
 BEAT_MAGIC = "bvhb2"
 CKPT_MAGIC = "bvck1"
+CKPT_BG_MAGIC = "bvcb1"
+RESUME_MAGIC = "bvcr1"
 NUM_MAX_LEN = 20  # digits (and sign) of a number in a signed datagram: no 400-digit int()
 # Range checks (a signed datagram from our own ranks always passes them).
 MAX_RANK = 1 << 20
@@ -74,6 +83,9 @@ PID = (1, MAX_PID)
 SEQ = (0, MAX_STEP)
 BEAT = Form(BEAT_MAGIC, 512, (RANK, None, STEP, PID, SEQ, (0, BEAT_MAX_AGE_MS), None, None))
 CKPT = Form(CKPT_MAGIC, 256, (RANK, STEP, PID, SEQ, (0, CKPT_MAX_AGE_MS), (0, CKPT_MAX_AGE_MS)))
+CKPT_BG = Form(CKPT_BG_MAGIC, 256, (*CKPT.fields, (0, 7)))
+RESUME = Form(RESUME_MAGIC, 320, (*CKPT.fields, RANK, RANK, RANK, (0, MAX_RANK)))
+TIER_BITS = {"local": 1, "partner": 2, "shared": 4}  # a CkptBgMsg's `tiers`
 
 
 def bounded_int(word: str, low: int, high: int) -> int:
@@ -205,6 +217,71 @@ def parse_ckpt(data: bytes, key: bytes) -> CkptMsg | None:
         return None
     return CkptMsg(int(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4]) / 1000.0,
                    int(v[5]) / 1000.0)
+
+
+@dataclass(frozen=True)
+class CkptBgMsg:
+    """One save's background phase on one rank (off the training path): ages as `CkptMsg`,
+    `tiers` the places its shard of the step is complete in so far (`TIER_BITS`)."""
+
+    rank: int
+    step: int
+    pid: int
+    seq: int
+    start_age_s: float
+    end_age_s: float
+    tiers: int
+
+
+@dataclass(frozen=True)
+class ResumeMsg:
+    """One resume of the job (rank 0 sends it): the step, how long it took (ages), how many
+    ranks read their shard from each tier and how many copies were skipped on the way."""
+
+    rank: int
+    step: int
+    pid: int
+    seq: int
+    start_age_s: float
+    end_age_s: float
+    local: int
+    partner: int
+    shared: int
+    skipped: int
+
+
+def _ages(start_age_s: float, end_age_s: float) -> tuple[int, int]:
+    return max(0, int(start_age_s * 1000)), max(0, int(end_age_s * 1000))
+
+
+def format_ckpt_bg(msg: CkptBgMsg, key: bytes) -> bytes:
+    return sign_datagram(CKPT_BG, (msg.rank, msg.step, msg.pid, msg.seq,
+                                   *_ages(msg.start_age_s, msg.end_age_s), msg.tiers), key)
+
+
+def parse_ckpt_bg(data: bytes, key: bytes) -> CkptBgMsg | None:
+    """As `parse_ckpt`, for a save's background phase."""
+    v = read_datagram(CKPT_BG, data, key)
+    if v is None or int(v[5]) > int(v[4]):
+        return None
+    return CkptBgMsg(int(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4]) / 1000.0,
+                     int(v[5]) / 1000.0, int(v[6]))
+
+
+def format_resume(msg: ResumeMsg, key: bytes) -> bytes:
+    return sign_datagram(RESUME, (msg.rank, msg.step, msg.pid, msg.seq,
+                                  *_ages(msg.start_age_s, msg.end_age_s), msg.local,
+                                  msg.partner, msg.shared, msg.skipped), key)
+
+
+def parse_resume(data: bytes, key: bytes) -> ResumeMsg | None:
+    """As `parse_ckpt`, for a resume."""
+    v = read_datagram(RESUME, data, key)
+    if v is None or int(v[5]) > int(v[4]):
+        return None
+    n = [int(x) for x in v]
+    return ResumeMsg(n[0], n[1], n[2], n[3], n[4] / 1000.0, n[5] / 1000.0, n[6], n[7], n[8],
+                     n[9])
 
 
 # --------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bluevela.launch.events import TIERS
 from bluevela.launch.outcome import LossKind, StepEnd
 from bluevela.report.goodput_bounds import Allocation, allocation_of, bound_record
 
@@ -90,6 +91,35 @@ class Interruption:
 
 
 @dataclass
+class Background:
+    """The checkpoint store's background phases (node-local write, partner copy, drain to
+    shared storage) as the ranks reported them: off the training path, beside the stall
+    (the `checkpoint` phase). `complete`: saves whose every reporting rank's shard reached
+    each tier (node-local, the partner's copy, shared storage)."""
+
+    saves: int
+    seconds: float
+    complete: dict[str, int]
+
+    @property
+    def mean_s(self) -> float | None:
+        return self.seconds / self.saves if self.saves else None
+
+
+@dataclass
+class Resume:
+    """One launch's resume through the store: the step, how long it took, how many ranks read
+    their shard from each tier, how many copies were skipped (torn, corrupt, missing)."""
+
+    attempt: int
+    restart: int
+    step: int
+    seconds: float
+    tiers: dict[str, int]
+    skipped: int
+
+
+@dataclass
 class Ledger:
     job_id: int
     start: float  # submission (or first start when unknown)
@@ -110,6 +140,11 @@ class Ledger:
     #: False when no launch reported a step (a plain script: no bluevela.runtime.progress, no
     #: integration): start-up and training cannot be told apart, the ETTR is unknown
     steps_reported: bool = True
+    #: The checkpoint store's saves (bluevela/ckpt): their background phase, off the training
+    #: path and so in no phase (`Background`); None when no launch used the store
+    background: Background | None = None
+    #: Each launch's resume through the store: where its ranks read their shards (`Resume`)
+    resumes: list[Resume] = field(default_factory=list)
 
     @property
     def wall_s(self) -> float:
@@ -150,6 +185,10 @@ class Ledger:
             "pieces": [{**asdict(p), "seconds": p.seconds} for p in self.pieces],
             "notes": list(self.notes), "advice": dict(self.advice),
             "steps_reported": self.steps_reported,
+            "checkpoint_stall_s": self.phases["checkpoint"],
+            "checkpoint_background": None if self.background is None else {
+                **asdict(self.background), "mean_s": self.background.mean_s},
+            "resumes": [asdict(r) for r in self.resumes],
         }
 
 
@@ -249,6 +288,8 @@ class _Build:
     ckpt_durations: list[float] = field(default_factory=list)
     ckpt_gaps: list[float] = field(default_factory=list)
     spares_of: dict[tuple[int, int], int] = field(default_factory=dict)  # (restart, attempt)
+    background: Background | None = None
+    resumes: list[Resume] = field(default_factory=list)
 
     def to(self, phase: str, until: float | None, restart: int) -> None:
         self.line.to(phase, until, self.attempt, restart)
@@ -351,6 +392,7 @@ def _add_launch(b: _Build, att: _Attempts, rec: dict[str, Any], la: dict[str, An
     b.n_train = max(b.n_train, la["n_nodes"])
     b.spares_of[(k, b.attempt)] = la["spares"]
     last = la is rec["launches"][-1]
+    _add_store(b, la, k)
     b.to("startup" if la is rec["launches"][0] else "teardown_relaunch", la["start"], k)
     e = la["end"]
     batch_lost = e is None and last and rec["host"] in att.lost.get(k, ())
@@ -368,6 +410,25 @@ def _add_launch(b: _Build, att: _Attempts, rec: dict[str, Any], la: dict[str, An
     b.to("teardown_relaunch", e["gone"], k)
     if last and rec.get("requeue") is not None:
         b.to("teardown_relaunch", rec["requeue"], k)
+
+
+def _add_store(b: _Build, la: dict[str, Any], k: int) -> None:
+    """The checkpoint store's records of a launch: every save's background phase (whatever
+    became of the launch: it ran off the training path), and its resume."""
+    bgs, more = la.get("bgs") or [], la.get("bg_more") or [0, 0.0]
+    if bgs or more[0]:
+        if b.background is None:
+            b.background = Background(0, 0.0, dict.fromkeys(TIERS, 0))
+        bg = b.background
+        bg.saves += len(bgs) + int(more[0])
+        bg.seconds += sum(t1 - t0 for _, t0, t1, *_ in bgs) + float(more[1])
+        for _, _, _, ranks, *counts in bgs:
+            for tier, n in zip(TIERS, counts, strict=True):
+                bg.complete[tier] += int(n >= ranks)
+    r = la.get("resume")
+    if r is not None:
+        b.resumes.append(Resume(b.attempt, k, r["step"], r["t1"] - r["t0"],
+                                {t: r[t] for t in TIERS}, r["skipped"]))
 
 
 def _add_ended(b: _Build, la: dict[str, Any], e: dict[str, Any], k: int,
@@ -441,7 +502,8 @@ def _ledger_of(job_id: int, b: _Build, origin: float, gpus_per_node: int) -> Led
                   b.line.pieces, b.interruptions, len(durations),
                   sum(durations) / len(durations) if durations else None,
                   sum(gaps) / len(gaps) if gaps else None, b.notes,
-                  spare_node_s=spare_s, spares=max(b.spares_of.values(), default=0))
+                  spare_node_s=spare_s, spares=max(b.spares_of.values(), default=0),
+                  background=b.background, resumes=b.resumes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -616,6 +678,7 @@ def summary_lines(ledger: Ledger) -> list[str]:
     out.append(f"  checkpoints: {ledger.checkpoints}, mean cost "
                f"{fmt_s(ledger.checkpoint_mean_s)}, mean interval "
                f"{fmt_s(ledger.checkpoint_interval_s)}")
+    out.extend(store_lines(ledger))
     for i in ledger.interruptions:
         out.append(f"  interruption in attempt {i.attempt} (restart {i.restart}): {i.cause}; "
                    f"re-done {fmt_s(i.redone_s)}, lost in all {fmt_s(i.lost_s)}")
@@ -632,6 +695,37 @@ def summary_lines(ledger: Ledger) -> list[str]:
                        f"{sp['spare_swap_s']:g} s vs requeue {sp['requeue_s']:g} s + start-up "
                        f"{fmt_s(sp['startup_s'])})")
     out.extend(f"  note: {n}" for n in ledger.notes)
+    return out
+
+
+TIER_WORDS = {"local": "node-local", "partner": "partner", "shared": "shared"}
+
+
+def fmt_fine(s: float | None) -> str:
+    """`fmt_s`, in milliseconds below a second (a store's stall is tens of ms)."""
+    if s is not None and math.isfinite(s) and 0 <= s < 1:
+        return f"{s * 1000:.0f} ms"
+    return fmt_s(s)
+
+
+def store_lines(ledger: Ledger) -> list[str]:
+    """The checkpoint store's lines (none for a job that did not use it): the stall (the
+    training loop blocked: the `checkpoint` phase) and the background phase (off the training
+    path) as separate figures, and each resume's tiers."""
+    out = []
+    bg = ledger.background
+    if bg is not None:
+        out.append("  checkpoint stall (training blocked): "
+                   f"{fmt_fine(ledger.phases['checkpoint'])} in all, mean "
+                   f"{fmt_fine(ledger.checkpoint_mean_s)}")
+        out.append(f"  checkpoint background (off the training path): {bg.saves} save(s), "
+                   f"{fmt_fine(bg.seconds)} in all, mean {fmt_fine(bg.mean_s)}; complete in "
+                   + ", ".join(f"{TIER_WORDS[t]} {bg.complete[t]}" for t in TIERS))
+    for r in ledger.resumes:
+        where = ", ".join(f"{TIER_WORDS[t]} x{r.tiers[t]}" for t in TIERS if r.tiers[t])
+        out.append(f"  resume in attempt {r.attempt} (restart {r.restart}): step {r.step} in "
+                   f"{fmt_fine(r.seconds)} from {where or 'nowhere'}; "
+                   f"{r.skipped} cop{'y' if r.skipped == 1 else 'ies'} skipped")
     return out
 
 

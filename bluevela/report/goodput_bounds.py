@@ -137,6 +137,13 @@ def _bound_launch(la: dict[str, Any], c: _Clamp) -> dict[str, Any]:
     la["nodes"] = c.names(la["nodes"], "node names")
     la["ckpts"] = [[s, c.t(a, "times"), c.t(b, "times")] for s, a, b in la["ckpts"]]
     la["ckpt_more"] = [la["ckpt_more"][0], min(la["ckpt_more"][1], c.hi - c.lo)]
+    if la.get("bgs"):
+        la["bgs"] = [[s, c.t(a, "times"), c.t(b, "times"), *n] for s, a, b, *n in la["bgs"]]
+    if la.get("bg_more"):
+        la["bg_more"] = [la["bg_more"][0], min(la["bg_more"][1], c.hi - c.lo)]
+    if la.get("resume") is not None:
+        la["resume"] = {**la["resume"], "t0": c.t(la["resume"]["t0"], "times"),
+                        "t1": c.t(la["resume"]["t1"], "times")}
     if la["end"] is not None:
         la["end"] = _bound_end(la["end"], c)
     return la

@@ -30,10 +30,20 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 
 from bluevela.protocol.keys import beat_key, secret_from_env
-from bluevela.protocol.messages import Beat, CkptMsg, format_beat, format_ckpt
+from bluevela.protocol.messages import (
+    TIER_BITS,
+    Beat,
+    CkptBgMsg,
+    CkptMsg,
+    ResumeMsg,
+    format_beat,
+    format_ckpt,
+    format_ckpt_bg,
+    format_resume,
+)
 from bluevela.runtime.checkpoint import ended_unasked
 
 logger = logging.getLogger(__name__)
@@ -94,6 +104,7 @@ class _Sender:
         self.thread_pid: int | None = None  # the process whose thread runs (fork-safe)
         self.sock_pid: int | None = None  # the process whose socket `sock` is
         self.lock = threading.Lock()
+        self.ck_lock = threading.Lock()  # one checkpoint datagram numbered and sent at a time
 
     def progress(self, step: int | None) -> None:
         self.step = -1 if step is None else int(step)
@@ -144,20 +155,26 @@ class _Sender:
         """One signed datagram: a checkpoint of `step` ran from `started` to `ended`
         (monotonic). Non-blocking; a lost datagram loses this one record only. It starts no
         heartbeat: a script that never calls progress() is not watched for hangs."""
+        self._send_ck(lambda seq, now: format_ckpt(CkptMsg(
+            rank=_int_env("RANK", 0), step=-1 if step is None else int(step), pid=os.getpid(),
+            seq=seq, start_age_s=max(0.0, now - started), end_age_s=max(0.0, now - ended)),
+            self.key))
+
+    def _send_ck(self, build: Callable[[int, float], bytes]) -> None:
+        """Send the checkpoint-family datagram `build(seq, now)` makes. One sequence for the
+        family (the supervisor keeps one per rank and pid), numbered and sent under a lock:
+        the store's writer thread sends beside the training loop."""
         if self.sock_pid != os.getpid():
             with self.lock:
                 self._socket()
         if self.ck_target is None or self.sock is None:
             return
-        self.ck_seq += 1
-        now = time.monotonic()
-        msg = CkptMsg(rank=_int_env("RANK", 0), step=-1 if step is None else int(step),
-                      pid=os.getpid(), seq=self.ck_seq, start_age_s=max(0.0, now - started),
-                      end_age_s=max(0.0, now - ended))
-        try:
-            self.sock.sendto(format_ckpt(msg, self.key), self.ck_target)
-        except OSError:  # a full buffer or an unreachable supervisor: skip this record
-            pass
+        with self.ck_lock:
+            self.ck_seq += 1
+            try:
+                self.sock.sendto(build(self.ck_seq, time.monotonic()), self.ck_target)
+            except OSError:  # a full buffer or an unreachable supervisor: skip this record
+                pass
 
     def _connect(self, value: str) -> bool:
         secret = secret_from_env()
@@ -252,6 +269,40 @@ def checkpoint_saved(step: int | None = None, *, started: float | None = None) -
     try:
         now = time.monotonic()
         _SENDER.checkpoint(step, now if started is None else min(started, now), now)
+    except Exception:  # noqa: BLE001 - a record must never break training
+        logger.debug("checkpoint event failed", exc_info=True)
+
+
+def checkpoint_background(step: int, started: float, ended: float,
+                          tiers: Collection[str], *, rank: int | None = None) -> None:
+    """Tell bv a save's background phase (the checkpoint store's writes after the loop went
+    on) ran from `started` to `ended` (`time.monotonic()`), and in which places this rank's
+    shard of `step` is now complete ("local", "partner", "shared"). The ledger keeps it apart
+    from the stall. `rank`: the sender's (default: ``RANK``). One non-blocking datagram;
+    never raises."""
+    try:
+        bits = sum(TIER_BITS[t] for t in set(tiers) if t in TIER_BITS)
+        who = _int_env("RANK", 0) if rank is None else int(rank)
+        _SENDER._send_ck(lambda seq, now: format_ckpt_bg(CkptBgMsg(
+            who, int(step), os.getpid(), seq, max(0.0, now - started),
+            max(0.0, now - ended), bits), _SENDER.key))
+    except Exception:  # noqa: BLE001 - a record must never break training
+        logger.debug("checkpoint event failed", exc_info=True)
+
+
+def checkpoint_resumed(step: int, started: float, ended: float, tiers: Mapping[str, int],
+                       skipped: int, *, rank: int | None = None) -> None:
+    """Tell bv the job resumed `step` (one rank says it for all: the checkpoint store's rank
+    0), from `started` to `ended` (`time.monotonic()`), with `tiers` how many ranks read their
+    shard from each place ("local", "partner", "shared") and `skipped` how many copies were
+    passed over (torn, corrupt, missing). `rank`: the sender's (default: ``RANK``). One
+    non-blocking datagram; never raises."""
+    try:
+        who = _int_env("RANK", 0) if rank is None else int(rank)
+        _SENDER._send_ck(lambda seq, now: format_resume(ResumeMsg(
+            who, int(step), os.getpid(), seq, max(0.0, now - started),
+            max(0.0, now - ended), int(tiers.get("local", 0)), int(tiers.get("partner", 0)),
+            int(tiers.get("shared", 0)), int(skipped)), _SENDER.key))
     except Exception:  # noqa: BLE001 - a record must never break training
         logger.debug("checkpoint event failed", exc_info=True)
 
