@@ -331,59 +331,87 @@ def run_plan(plan: RunPlan, ctx: ProbeContext) -> HealthReport:
                 if chk is None:
                     results[name] = CheckResult(name, Status.UNKNOWN, f"no such check {name!r}")
                     continue
-                rfd, wfd = os.pipe()
-                pid = os.fork()
-                if pid == 0:  # child
-                    os.close(rfd)
-                    _child(chk, ctx, plan.retries, wfd)
-                os.close(wfd)
-                try:
-                    os.setpgid(pid, pid)
-                except OSError:
-                    pass  # already did it itself, or already gone
-                now = time.monotonic()
-                own = now + plan.timeout(name) + sleeps.get(name, 0.0)
-                ch = _Child(name, pid, rfd, now, min(own, hard_end), own > hard_end)
+                ch = _start(chk, name, plan, ctx, sleeps.get(name, 0.0), hard_end)
                 children.append(ch)
-                sel.register(rfd, selectors.EVENT_READ, ch)
-            pending = list(children)
-            while pending:
-                now = time.monotonic()
-                for ch in [c for c in pending if now >= c.deadline]:
-                    pending.remove(ch)
-                    sel.unregister(ch.fd)
-                    _reap(ch, settle_s=0)
-                    waited = now - ch.started
-                    why = (f"killed at the run's {plan.cap_s:g} s cap" if ch.capped
-                           else f"timed out after {plan.timeout(ch.name):g} s, killed")
-                    results[ch.name] = _timed_out(registry.get(ch.name), ctx, why,
-                                                  round(waited, 1) if ch.capped
-                                                  else plan.timeout(ch.name), waited)
-                    logger.warning("check %s %s", ch.name, why)
-                if not pending:
-                    break
-                wait = max(0.0, min(c.deadline for c in pending) - time.monotonic())
-                for key, _ in sel.select(timeout=wait):
-                    ch = key.data
-                    chunk = os.read(ch.fd, 1 << 16)
-                    if chunk:
-                        ch.buf += chunk
-                        continue
-                    pending.remove(ch)
-                    sel.unregister(ch.fd)
-                    status = _reap(ch, settle_s=min(1.0, max(0.0, ch.deadline - time.monotonic())))
-                    results[ch.name] = _parse(ch, status).with_duration(time.monotonic() - ch.started)
+                sel.register(ch.fd, selectors.EVENT_READ, ch)
+            _collect(plan, ctx, registry, children, sel, results)
     finally:
-        for ch in children:
-            try:
-                os.close(ch.fd)
-            except OSError:
-                pass
-            if ch.name not in results:  # interrupted: take the check down with us
-                _reap(ch, settle_s=0)
-        sel.close()
+        _close(children, results, sel)
     ordered = tuple(results[n] for n in dict.fromkeys(plan.checks) if n in results)
     return HealthReport(plan.tier, ordered, time.monotonic() - start, started_at)
+
+
+def _start(chk: Check, name: str, plan: RunPlan, ctx: ProbeContext, sleep_s: float,
+           hard_end: float) -> _Child:
+    """Fork the check's child in its own process group, its result coming back on a pipe;
+    its deadline is its own timeout (plus its deliberate sleep) or the run's cap."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(rfd)
+        _child(chk, ctx, plan.retries, wfd)
+    os.close(wfd)
+    try:
+        os.setpgid(pid, pid)
+    except OSError:
+        pass  # already did it itself, or already gone
+    now = time.monotonic()
+    own = now + plan.timeout(name) + sleep_s
+    return _Child(name, pid, rfd, now, min(own, hard_end), own > hard_end)
+
+
+def _collect(plan: RunPlan, ctx: ProbeContext, registry: Mapping[str, Check],
+             children: list[_Child], sel: selectors.BaseSelector,
+             results: dict[str, CheckResult]) -> None:
+    """Read every child's result until its pipe closes; one past its deadline is killed
+    and given its timed-out result."""
+    pending = list(children)
+    while pending:
+        _kill_overdue(plan, ctx, registry, pending, sel, results)
+        if not pending:
+            break
+        wait = max(0.0, min(c.deadline for c in pending) - time.monotonic())
+        for key, _ in sel.select(timeout=wait):
+            ch = key.data
+            chunk = os.read(ch.fd, 1 << 16)
+            if chunk:
+                ch.buf += chunk
+                continue
+            pending.remove(ch)
+            sel.unregister(ch.fd)
+            status = _reap(ch, settle_s=min(1.0, max(0.0, ch.deadline - time.monotonic())))
+            results[ch.name] = _parse(ch, status).with_duration(time.monotonic() - ch.started)
+
+
+def _kill_overdue(plan: RunPlan, ctx: ProbeContext, registry: Mapping[str, Check],
+                  pending: list[_Child], sel: selectors.BaseSelector,
+                  results: dict[str, CheckResult]) -> None:
+    """Kill each pending child past its deadline and record why (its timeout, or the cap)."""
+    now = time.monotonic()
+    for ch in [c for c in pending if now >= c.deadline]:
+        pending.remove(ch)
+        sel.unregister(ch.fd)
+        _reap(ch, settle_s=0)
+        waited = now - ch.started
+        why = (f"killed at the run's {plan.cap_s:g} s cap" if ch.capped
+               else f"timed out after {plan.timeout(ch.name):g} s, killed")
+        results[ch.name] = _timed_out(registry.get(ch.name), ctx, why,
+                                      round(waited, 1) if ch.capped
+                                      else plan.timeout(ch.name), waited)
+        logger.warning("check %s %s", ch.name, why)
+
+
+def _close(children: list[_Child], results: Mapping[str, CheckResult],
+           sel: selectors.BaseSelector) -> None:
+    """Close every child's pipe; a child without a result (the run interrupted) is killed."""
+    for ch in children:
+        try:
+            os.close(ch.fd)
+        except OSError:
+            pass
+        if ch.name not in results:  # interrupted: take the check down with us
+            _reap(ch, settle_s=0)
+    sel.close()
 
 
 def run_checks(
