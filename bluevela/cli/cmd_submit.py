@@ -11,7 +11,20 @@ from bluevela.cli import State
 from bluevela.cli.output import emit_json
 
 
-@click.command(context_settings={"allow_interspersed_args": False})
+class _SubmitCommand(click.Command):
+    """`--requeue=expedite` (Slurm 25.11+) beside the `--requeue/--no-requeue` flag: the value
+    is taken off bv's own options before click parses them (sbatch_opts.take_requeue_value)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        from bluevela.launch.sbatch_opts import take_requeue_value
+
+        takes_value = {name for p in self.params if isinstance(p, click.Option)
+                       and not p.is_flag and not p.count for name in (*p.opts, *p.secondary_opts)}
+        args, ctx.meta["bv.requeue_mode"] = take_requeue_value(args, takes_value)
+        return super().parse_args(ctx, args)
+
+
+@click.command(cls=_SubmitCommand, context_settings={"allow_interspersed_args": False})
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @click.option("-N", "--nodes", type=click.IntRange(min=1), default=1, show_default=True)
@@ -44,7 +57,9 @@ from bluevela.cli.output import emit_json
 @click.option("--max-restarts", type=click.IntRange(min=0), default=None,
               help="torchrun --max-restarts (default: site.yaml).")
 @click.option("--requeue/--no-requeue", default=None,
-              help="Let Slurm requeue the job (prolog failure, node failure). Default: site.yaml.")
+              help="Let Slurm requeue the job (prolog failure, node failure). Default: site.yaml. "
+                   "--requeue=expedite (Slurm 25.11+, where slurm.conf allows it): a requeued "
+                   "job is eligible at once, at the top of the queue.")
 @click.option("--signal-before", type=click.IntRange(min=0, max=65535), default=None,
               metavar="SECONDS",
               help="SIGUSR1 to every training process this long before the time limit (and on "
@@ -116,6 +131,18 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
         python=python, module=module, output=output, local_ranks_filter=local_ranks_filter,
         rank_log_dir=rank_log_dir, notes=notes,
     )
+    requeue_mode = click.get_current_context().meta.get("bv.requeue_mode")
+    if requeue_mode is not None:
+        import dataclasses
+
+        from bluevela.errors import LaunchError
+        from bluevela.launch.sbatch_opts import requeue_mode_problem
+
+        problem = requeue_mode_problem(requeue_mode, requeue)
+        if problem:
+            raise LaunchError(problem)
+        request = dataclasses.replace(
+            request, extra_sbatch=(*request.extra_sbatch, ("requeue", requeue_mode)))
     for line in choice.lines():
         if not (as_json and line.startswith("site file:")):  # --json: in the document
             click.echo(f"bv: {line}", err=True)
@@ -131,6 +158,13 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
     from bluevela.launch.submit import preflight
 
     preflight(request, site, cwd=os.getcwd(), check_python=not no_python_check)
+    if requeue_mode is not None:  # the running Slurm must take it (a dry run asks none)
+        from bluevela.errors import LaunchError
+        from bluevela.slurm.releases import expedite_problem_here
+
+        problem = expedite_problem_here()
+        if problem:
+            raise LaunchError(f"--requeue={requeue_mode}: {problem}")
     if retry_s is None and site is not None:
         retry_s = site.launch.submit_retry_s
     client = obj.client(retry_s=retry_s)

@@ -10,6 +10,8 @@ Every option of sbatch 22.05's `--help` and `--usage` is in exactly one of three
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
+
 # The Slurm release whose sbatch these sets classify completely. On another release an option
 # that is in none of the sets is refused by `--sbatch-arg` (unknown to bv), never passed on.
 CLASSIFIED_FOR = "22.05"
@@ -72,3 +74,50 @@ PASSTHROUGH: frozenset[str] = frozenset({
     "spread-job", "switches", "thread-spec", "threads-per-core", "time-min", "tmp",
     "use-min-nodes", "verbose", "wckey",
 })
+
+
+# `--requeue[=MODE]`: sbatch's --requeue takes an optional value from Slurm 25.11 on
+# (`--requeue=expedite`: a requeued job is immediately eligible and goes to the top of the
+# queue; slurm.conf SlurmctldParameters=enable_expedited_requeue must allow it).
+REQUEUE_MODES = ("expedite",)
+
+
+def take_requeue_value(args: Sequence[str], value_options: Collection[str]
+                       ) -> tuple[list[str], str | None]:
+    """`bv submit`'s argv with `--requeue=MODE` made a plain `--requeue`, and MODE (the last
+    one given; None: none). Only bv's own options are looked at: the scan stops at the first
+    word that is neither an option nor the value of one (SCRIPT: what follows is the
+    script's), or at `--`. `value_options`: the option strings that take a separate value
+    (`-N 2`, `--time 1:00:00`), so a value is never taken for SCRIPT."""
+    out: list[str] = []
+    mode: str | None = None
+    i = 0
+    while i < len(args):
+        word = args[i]
+        if word == "--" or not word.startswith("-") or word == "-":
+            out.extend(args[i:])
+            break
+        name, eq, value = word.partition("=")
+        if name == "--requeue" and eq:
+            mode = value
+            out.append("--requeue")
+        else:
+            out.append(word)
+            if not eq and word in value_options and i + 1 < len(args):
+                i += 1
+                out.append(args[i])
+        i += 1
+    return out, mode
+
+
+def requeue_mode_problem(mode: str, requeue: bool | None) -> str | None:
+    """Why `--requeue=MODE` (with the final --requeue/--no-requeue, None: not given) cannot
+    be asked for, None when it can (the running Slurm is asked by
+    `bluevela.slurm.releases.expedite_problem_here`)."""
+    if mode not in REQUEUE_MODES:
+        return (f"--requeue={mode}: the only value is expedite (Slurm 25.11 and later), "
+                "or give --requeue alone")
+    if requeue is False:
+        return f"--requeue={mode} and --no-requeue contradict each other: give one"
+    return None
+

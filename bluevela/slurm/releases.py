@@ -2,12 +2,14 @@
 
 Measured on the dev cluster on each release (docs/install.md, "Slurm releases"): the release
 table there and these rules come from the same runs. Pure functions of the config's
-``KEY -> value`` mapping; no Slurm is called here.
+``KEY -> value`` mapping, and `expedite_problem_here`, which reads the running config
+(`scontrol show config`) for `bv submit --requeue=expedite`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import subprocess
+from collections.abc import Callable, Mapping
 
 # The releases bv's Slurm-facing and cluster tests ran on (tests/data/slurm/<release>/ holds
 # what each one printed).
@@ -61,3 +63,40 @@ def expedite_state(config: Mapping[str, str]) -> str:
     if rel is None or rel < EXPEDITE_SINCE:
         return "unavailable"
     return "on" if EXPEDITE_PARAM in _words(config.get("SlurmctldParameters", "")) else "off"
+
+
+def expedite_problem(config: Mapping[str, str]) -> str | None:
+    """Why `sbatch --requeue=expedite` would not be taken on this Slurm, None when it would.
+    Before 25.11 sbatch refuses a value for --requeue ("doesn't allow an argument"); 25.11 and
+    later refuse the job unless SlurmctldParameters has enable_expedited_requeue (slurmctld's
+    job_mgr.c: "Expedited requeue requested but not enabled", ESLURM_NOT_SUPPORTED)."""
+    version = config.get("SLURM_VERSION", "").strip() or "(version unknown)"
+    state = expedite_state(config)
+    if state == "on":
+        return None
+    if state == "unavailable":
+        return (f"Slurm {version} has no expedited requeue (Slurm 25.11 and later); "
+                "submit with --requeue")
+    return (f"Slurm {version} refuses it: slurm.conf SlurmctldParameters lacks "
+            f"{EXPEDITE_PARAM} (`bv site validate --cluster` reports it)")
+
+
+def expedite_problem_here(
+    run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
+    timeout_s: float = 30.0,
+) -> str | None:
+    """Why the Slurm this login node talks to would not take `--requeue=expedite`, from its
+    running config (`scontrol show config`; `expedite_problem`), None
+    when it would. An unreadable config is a problem too: bv cannot tell, and says so."""
+    from bluevela.slurm.cli_client import parse_config
+
+    try:
+        proc = run(["scontrol", "show", "config"], capture_output=True, text=True,
+                   timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot read the running Slurm config (scontrol show config: {exc})"
+    if proc.returncode != 0:
+        err = (proc.stderr or "").strip().splitlines()
+        why = err[-1] if err else f"exit status {proc.returncode}"
+        return f"cannot read the running Slurm config (scontrol show config: {why})"
+    return expedite_problem(parse_config(proc.stdout))
