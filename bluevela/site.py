@@ -167,6 +167,9 @@ class Launch:
     # the guard cannot run (a site's wrapper, another environment's) runs unguarded, said in
     # the job's output, instead of failing the step.
     rdzv_guard: Literal["required", "optional"] = "required"
+    # The warm start (launch/warm.py): a pre-imported parent on every node of the job forks
+    # each step's ranks, so a relaunch pays no interpreter start and no torch import.
+    warm_start: bool = False
     # The job's Python (the batch script's `exec` line; `bv submit --python`): a command on
     # the job's PATH or an absolute path, >= 3.11 with this bluevela (checked at submit).
     python: Annotated[str, _Checked(_python_command)] = "python3"

@@ -72,18 +72,39 @@ def _finish(proc: subprocess.Popen[str], timeout: float) -> str:
     return out
 
 
+def _warm_processes(job_id: str) -> list[int]:
+    """The job's warm servers and zygotes still running (launch/warm.py), from the host's
+    /proc (it sees every node's namespace)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes()
+            env = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if b"bluevela.launch.warm" in cmd and f"\0SLURM_JOB_ID={job_id}\0".encode() in b"\0" + env:
+            found.append(int(entry.name))
+    return found
+
+
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("spare", [1, 0], ids=["spare", "no-spare"])
+@pytest.mark.parametrize("spare,warm", [(1, False), (0, False), (1, True)],
+                         ids=["spare", "no-spare", "spare-warm"])
 def test_node_crash_resumes_from_checkpoint_on_healthy_nodes(devcluster: DevCluster,
-                                                             tmp_path: Path, spare: int) -> None:
+                                                             tmp_path: Path, spare: int,
+                                                             warm: bool) -> None:
     """spare: a new step in the same allocation (no Slurm requeue). no-spare (the default):
     the job lets go of the dead node and is requeued through Slurm at once. Then the job's
-    goodput ledger (tests/goodput_checks.py): the phases, the crash and the re-done work."""
+    goodput ledger (tests/goodput_checks.py): the phases, the crash and the re-done work.
+    spare-warm: the same with the warm start (launch/warm.py): the relaunch's ranks are
+    forked by the survivor's warm parent, none of attempt 1's ranks is in attempt 2, and no
+    warm process of the job outlives it."""
     devcluster.resume_all()
     devcluster.wait_idle(timeout=120)
     ckpt = tmp_path / "ckpt"
     with goodput_events(devcluster) as events:
-        job = Job(devcluster, tmp_path, events, "-N", "2", "--spare-nodes", str(spare),
+        job = Job(devcluster, tmp_path, events, *(["--env", "BV_WARM_START=1"] if warm else []),
+                  "-N", "2", "--spare-nodes", str(spare),
                   "--procs-per-node", "1", str(REPO / "examples" / "train_ddp.py"),
                   "--ckpt-dir", str(ckpt), "--steps", "24", "--step-s", str(STEP_S),
                   "--ckpt-every", "4")
@@ -138,6 +159,11 @@ def test_node_crash_resumes_from_checkpoint_on_healthy_nodes(devcluster: DevClus
         check_crash_ledger(devcluster, job, crashed=crashed, crash_at=crash_at,
                            last_ckpt=last_ckpt, step_s=STEP_S, spare=spare)
         check_fleet(devcluster, tmp_path, {job.job_id(): "node failure"}, page=False)
+    if warm:
+        assert f"agent on {second_nodes[0]}: ranks forked by the node's warm parent" in part2, \
+            part2
+        _wait_for("the job's warm processes to end",
+                  lambda: not _warm_processes(banners[0][1]), 60)
 
 
 @pytest.mark.timeout(400)

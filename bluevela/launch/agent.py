@@ -47,6 +47,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
+from bluevela.launch import warm
 from bluevela.launch.events_copy import CopyWriter
 from bluevela.launch.proctree import (
     catches,
@@ -340,7 +341,8 @@ class Agent:
         self.ping_s = min(30.0, max(0.2, _seconds(env.get(PING_ENV), PING_S)))
         self.phase = Phase.WAITING
         self.code = 1  # the exit status, once DONE
-        self.proc: subprocess.Popen[bytes] | None = None  # torchrun, once the supervisor says go
+        # torchrun once the supervisor says go (or the warm start's ranks: launch/warm.py)
+        self.proc: subprocess.Popen[bytes] | warm.WarmRun | None = None
         self.want_usr1 = False
         self.usr1_at: float | None = None
         self.signalled: set[int] = set()  # workers sent SIGUSR1
@@ -458,6 +460,8 @@ class Agent:
             return
         if start.note and self.node == self.rdzv_node:  # said once a step, not once a node
             _log(f"agent on {safe_name(self.node)}: {start.note}")
+        if warm.enabled(self.env) and self._start_warm(port, start.env):
+            return
         try:
             self.proc = subprocess.Popen(
                 start.argv, start_new_session=True,
@@ -473,13 +477,40 @@ class Agent:
             return
         self.phase = Phase.RUNNING
 
+    def _start_warm(self, port: int, guard_env: Mapping[str, str]) -> bool:
+        """The warm start (site.yaml launch.warm_start; launch/warm.py): this node's ranks
+        forked by its warm parent (else one started here, cold). False when the command is
+        one only torchrun runs (the same answer on every node: torchrun then runs)."""
+        env = {**training_env(self.env, self.torchrun), **guard_env,
+               **endpoint_env(self.rdzv_node, port), **self._beat_env()}
+        go = {"node_rank": getattr(self, "node_rank", None),
+              "nnodes": getattr(self, "nnodes", None)}
+        try:
+            run = warm.launch(self.torchrun, env, go, self.node, self.rdzv_node, port)
+        except OSError as exc:  # no zygote here: torchrun here alone would split the step
+            why = f"no warm start on {safe_name(self.node)}: {exc.strerror or exc}"
+            _log(f"agent: {why}")
+            self._finish(126, why)
+            return True
+        if isinstance(run, str):
+            if self.node == self.rdzv_node:
+                _log(f"agent on {safe_name(self.node)}: torchrun, not the warm start: {run}")
+            return False
+        if self.node == self.rdzv_node or run.how != "warm":
+            _log(f"agent on {safe_name(self.node)}: ranks forked "
+                 + ("by the node's warm parent" if run.how == "warm"
+                    else "by a cold parent (no warm one ready)"))
+        self.proc = run
+        self.phase = Phase.RUNNING
+        return True
+
     def _beat_env(self) -> dict[str, str]:
         """The ranks beat to this agent; their checkpoint datagrams go to the supervisor."""
         if self.beats is None:
             return {}
         return {ENV_ADDR: self.beats.addr(), CKPT_ENV: self.env.get(ENV_ADDR, "")}
 
-    def _watch(self, proc: subprocess.Popen[bytes]) -> None:
+    def _watch(self, proc: subprocess.Popen[bytes] | warm.WarmRun) -> None:
         """RUNNING or ABORTING: forward SIGUSR1, kill an aborted tree, report torchrun's end."""
         if self.want_usr1:
             self._forward_usr1(proc)
@@ -490,7 +521,7 @@ class Agent:
         if rc is not None:
             self._finish(rc if rc >= 0 else 128 - rc)
 
-    def _forward_usr1(self, proc: subprocess.Popen[bytes]) -> None:
+    def _forward_usr1(self, proc: subprocess.Popen[bytes] | warm.WarmRun) -> None:
         """A worker still importing has no handler yet and SIGUSR1 would kill it: wait for its
         handler (bluevela.runtime, or bv's framework integration), `usr1_wait` at most; a
         worker that never installs one is not killed by a signal it did not ask for: torchrun
@@ -499,7 +530,8 @@ class Agent:
             self.usr1_at = time.monotonic()
         late = time.monotonic() - self.usr1_at > self.usr1_wait
         uncaught = 0
-        for pid in worker_pids(proc.pid):
+        for pid in (proc.workers() if isinstance(proc, warm.WarmRun)
+                    else worker_pids(proc.pid)):
             if pid in self.signalled:
                 continue
             if catches(pid, signal.SIGUSR1):

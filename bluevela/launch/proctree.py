@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 from pathlib import Path
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +21,21 @@ logger = logging.getLogger(__name__)
 # a hung NFS or GPU driver call) may never go: it is left to Slurm's own kill (proctrack,
 # UnkillableStepTimeout) rather than hold the agent or the supervisor forever.
 KILLED_WAIT_S = 10.0
+
+
+class Proc(Protocol):
+    """What the stopping functions need of a process: torchrun's Popen, or the warm start's
+    stand-in for it (launch/warm.py `WarmRun`, whose pid leads the ranks' process group)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` now."""
+    return _children(pid)
 
 
 def _children(pid: int) -> list[int]:
@@ -92,7 +108,7 @@ def signal_pid(pid: int, sig: int) -> bool:
     return True
 
 
-def kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+def kill_group(proc: Proc, sig: int) -> None:
     """`sig` to the process group `proc` leads (started with ``start_new_session``)."""
     try:
         os.killpg(proc.pid, sig)
@@ -103,7 +119,7 @@ def kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
             raise
 
 
-def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+def kill_tree(proc: Proc) -> None:
     """SIGKILL everything under `proc` and its group: the workers may sit in sessions of
     their own, so by pid first, then the group."""
     for pid in descendants(proc.pid):
@@ -120,7 +136,7 @@ def reap(proc: subprocess.Popen[bytes], wait_s: float) -> None:
         wait_killed(proc)
 
 
-def wait_killed(proc: subprocess.Popen[bytes], wait_s: float = KILLED_WAIT_S) -> bool:
+def wait_killed(proc: Proc, wait_s: float = KILLED_WAIT_S) -> bool:
     """Wait up to `wait_s` for a process sent SIGKILL; False (and a warning) when it is still
     there: stuck in the kernel, it is left to Slurm rather than waited for without end."""
     try:

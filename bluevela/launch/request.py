@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from bluevela import __version__
 from bluevela.errors import LaunchError
 from bluevela.launch.rdzv_guard import GUARD_ENV
+from bluevela.launch.warm import WARM_ENV
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TIME = re.compile(r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2}|UNLIMITED|INFINITE)$")
@@ -118,6 +119,7 @@ class SubmitRequest:
     hang_timeout: float = 0.0  # seconds without progress from any rank; 0: no watchdog
     grow_deadline: float = 0.0  # seconds to wait for a node grown in place of a lost one; 0: off
     rdzv_guard: str = "required"  # site.yaml launch.rdzv_guard: "optional" lets torchrun run unguarded
+    warm_start: bool = False  # site.yaml launch.warm_start: ranks forked by warm parents
     cpus_per_task: int | None = None
     mem: str | None = None
     exclusive: bool = False
@@ -346,6 +348,8 @@ class SubmitRequest:
             # the site allows it (bluevela/launch/rdzv_guard.py).
             f"export {GUARD_ENV}={self.rdzv_guard}",
         ]
+        if self.warm_start:  # the site's word: ranks forked by warm parents (launch/warm.py)
+            lines.append(f"export {WARM_ENV}=1")
         # The supervisor is the job's main process (it receives --signal=B:USR1): exec.
         lines.append("exec " + " ".join(shlex.quote(w) for w in self.supervisor_argv()))
         return "\n".join(lines) + "\n"

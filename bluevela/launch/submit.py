@@ -142,6 +142,7 @@ def build_request(
                       else (launch.hang_timeout_s if launch else 0.0)),
         grow_deadline=launch.grow_deadline_s if launch else 0.0,
         rdzv_guard=launch.rdzv_guard if launch else "required",
+        warm_start=launch.warm_start if launch else False,
         cpus_per_task=cpus_per_task,
         mem=mem,
         exclusive=exclusive,

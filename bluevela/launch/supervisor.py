@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
+from bluevela.launch import warm
 from bluevela.launch.agent import (
     PING_ENV,
     RDZV_ENDPOINT_ENV,
@@ -307,6 +308,8 @@ class Supervisor:
         self.clock = LimitClock(self.slurm.time_left)
         self.phase = Phase.LAUNCHING
         self.grown: Grown | None = None  # the last grow's outcome (the attempt's record)
+        # The warm servers' step (site.yaml launch.warm_start; launch/warm.py), for the job.
+        self.warm_servers: subprocess.Popen[bytes] | None = None
 
     def _to(self, phase: Phase) -> None:
         check_transition(TRANSITIONS, self.phase, phase)
@@ -343,6 +346,7 @@ class Supervisor:
         finally:
             if self.phase is not Phase.EXITING:
                 self._to(Phase.EXITING)
+            warm.stop_servers(self.warm_servers)
             self.events.close()
             self.close()
 
@@ -350,6 +354,9 @@ class Supervisor:
         signals, _ = self.start()
         signals.install()
         self.events = EventLog.open(self.env, self.host)
+        # Before the first step: every node of the allocation, spares included, gets its
+        # warm parent while the first step runs, so that a relaunch finds it ready.
+        self.warm_servers = warm.start_servers(self.alloc, self.env)
         attempt, cause = self._history()
         if self.opts.grow_deadline > 0 and attempt > 0:
             # An earlier run of this job (same id) killed mid-grow may have left a helper job

@@ -270,6 +270,22 @@ def render_html(rep: dict[str, Any], top: int = 20) -> str:
     Raises:
         ReportError: matplotlib is not installed.
     """
+    parts = [
+        *_head(rep),
+        *_worst_section(rep, top),
+        *_interruptions_section(rep),
+        *_mtbf_section(rep),
+        *_rts_section(rep),
+        *_goodput_section(rep),
+        *_ledger_section(rep),
+        '<p class="note">Definitions and sources: docs/report.md. Produced by '
+        "<code>bv report fleet</code>.</p>",
+    ]
+    return page.document("Fleet reliability report", parts)
+
+
+def _head(rep: dict[str, Any]) -> list[str]:
+    """The title, the window and sources, the tiles and the nodes still out of service."""
     w, fl, rts, g = rep["window"], rep["fleet"], rep["return_to_service"], rep["goodput"]
     out_now = fl["out_now"]
     tiles = [
@@ -297,10 +313,14 @@ def render_html(rep: dict[str, Any], top: int = 20) -> str:
             else ""
         parts.append(f'<p class="bad" id="out-now"><b>still out of service:</b> '
                      f"{shown}{esc(more)}</p>")
+    return parts
+
+
+def _worst_section(rep: dict[str, Any], top: int) -> list[str]:
     worst = rep["worst_nodes"][:top]
-    parts += [
-        f"<h2 id=\"worst\">Worst nodes (top {len(worst)} of {fl['nodes_failed']} that failed)"
-        "</h2>",
+    return [
+        f"<h2 id=\"worst\">Worst nodes (top {len(worst)} of {rep['fleet']['nodes_failed']} "
+        "that failed)</h2>",
         _table(["node", "class", "incidents", "events", "MTBF h", "out of service h",
                 "causes", "last failure (UTC)", "now"],
                [[n["node"], n["class"], n["incidents"], n["events"], _num(n["mtbf_h"]),
@@ -308,12 +328,22 @@ def render_html(rep: dict[str, Any], top: int = 20) -> str:
                  ", ".join(f"{c} x{k}" for c, k in n["causes"].items()),
                  n["last_failure_utc"] or "", "still out" if n["out_now"] else ""]
                 for n in worst], "worst"),
+    ]
+
+
+def _interruptions_section(rep: dict[str, Any]) -> list[str]:
+    return [
         "<h2 id=\"causes\">Interruptions</h2>",
         f"<p>{rep['interruptions']['total']} interruptions; requeued jobs: "
         f"{rep['requeues']['jobs_requeued']} (at least {rep['requeues']['requeues_min']} "
         "requeues).</p>",
         _causes_chart(rep),
         _time_chart(rep),
+    ]
+
+
+def _mtbf_section(rep: dict[str, Any]) -> list[str]:
+    return [
         "<h2 id=\"mtbf\">Mean time between failures</h2>",
         _table(["class", "nodes", "nodes that failed", "incidents", "in service h",
                 "MTBF h"],
@@ -321,11 +351,23 @@ def render_html(rep: dict[str, Any], top: int = 20) -> str:
                  _num(c["in_service_h"], 0), _num(c["mtbf_h"])]
                 for c in rep["mtbf"]["by_class"]]),
         _mtbf_chart(rep),
+    ]
+
+
+def _rts_section(rep: dict[str, Any]) -> list[str]:
+    rts = rep["return_to_service"]
+    return [
         "<h2 id=\"rts\">Return to service</h2>",
         f"<p>median {_num(rts['median_h'])} h, p90 {_num(rts['p90_h'])} h, "
         f"max {_num(rts['max_h'])} h; {rts['still_out']} still out. Measured to the node's "
         "next passing prolog report (the archive records no resume): an upper bound.</p>",
         _rts_chart(rep),
+    ]
+
+
+def _goodput_section(rep: dict[str, Any]) -> list[str]:
+    g = rep["goodput"]
+    return [
         "<h2 id=\"goodput\">Goodput</h2>",
         f"<p>{_num(g['goodput_pct'])} % of {_num(g['gpu_hours_total'], 0)} GPU hours "
         f"({_num(g['node_hours_total'], 0)} node hours) ran to completion; up to "
@@ -334,11 +376,7 @@ def render_html(rep: dict[str, Any], top: int = 20) -> str:
         f"{_num(g['lost_to_nodes_pct'])} % was lost to node failures (the whole job: the "
         "archive does not record checkpoint times).</p>",
         _goodput_chart(rep),
-        *_ledger_section(rep),
-        '<p class="note">Definitions and sources: docs/report.md. Produced by '
-        "<code>bv report fleet</code>.</p>",
     ]
-    return page.document("Fleet reliability report", parts)
 
 
 def write_html(rep: dict[str, Any], path: Path, top: int = 20) -> Path:
