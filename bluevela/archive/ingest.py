@@ -43,6 +43,7 @@ from bluevela.archive.reports import load_report
 from bluevela.archive.spool import (
     ReportError,
     SpoolDir,
+    SpoolScan,
     mark_done,
     prune_done,
     quarantine,
@@ -139,37 +140,18 @@ def ingest(
     with archive.writer(lock_wait_s) as w, SpoolDir(spool) as sd:
         now = time.time() if now is None else now
         scan = scan_spool(sd, job_id)
-        for name, reason in scan.refused:
-            quarantine(sd, name, reason)
-            result.quarantined.append((name, reason))
-        conflicts_before = len(result.conflicts)
-        by_job: dict[int, list[tuple[Any, dict[str, Any]]]] = defaultdict(list)
-        for entry in scan.entries:
-            try:
-                report = load_report(sd, entry)
-            except FileNotFoundError:
-                continue
-            except ReportError as exc:
-                quarantine(sd, entry.name, str(exc))
-                result.quarantined.append((entry.name, str(exc)))
-                continue
-            by_job[entry.job_id].append((entry, report))
+        by_job = _read_reports(sd, scan, result)
         logger.debug("read %d report(s) of %d job(s) from %s", len(scan.entries), len(by_job),
                      spool)
+        conflicts_before = len(result.conflicts)
         done_names = _archive(w, by_job, result, now=now, timeout_s=timeout_s,
                               prolog_only_timeout_s=prolog_only_timeout_s, spool=spool)
         for name, reason in result.conflicts[conflicts_before:]:
             if name and quarantine(sd, name, reason) is not None:
                 result.quarantined.append((name, reason))
         if scan.series:  # the epilogs' sampler windows -> <archive>/series/<job>.h5
-            from bluevela.archive.series_checks import SeriesLimits
-            from bluevela.archive.series_ingest import ingest_side_files
-
-            limits = series_limits if series_limits is not None else SeriesLimits.configured()
-            series_done, series_bad = ingest_side_files(w, sd, archive_dir, scan.series,
-                                                        limits=limits, now=now)
-            done_names += series_done
-            result.quarantined += series_bad
+            done_names += _ingest_series(w, sd, archive_dir, scan, result, series_limits,
+                                         now=now)
         mark_done(sd, done_names, delete=delete)
         logger.debug("moved %d spool file(s) out of %s", len(done_names), spool)
         if compact:
@@ -181,6 +163,42 @@ def ingest(
             prune_done(sd, done_retention_s)  # the timer's job: done/ may hold many files
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _read_reports(sd: SpoolDir, scan: SpoolScan, result: IngestResult
+                  ) -> dict[int, list[tuple[Any, dict[str, Any]]]]:
+    """The scanned reports by job id, each with its spool entry; a refused or malformed one
+    is quarantined (and counted), one gone meanwhile skipped."""
+    for name, reason in scan.refused:
+        quarantine(sd, name, reason)
+        result.quarantined.append((name, reason))
+    by_job: dict[int, list[tuple[Any, dict[str, Any]]]] = defaultdict(list)
+    for entry in scan.entries:
+        try:
+            report = load_report(sd, entry)
+        except FileNotFoundError:
+            continue
+        except ReportError as exc:
+            quarantine(sd, entry.name, str(exc))
+            result.quarantined.append((entry.name, str(exc)))
+            continue
+        by_job[entry.job_id].append((entry, report))
+    return by_job
+
+
+def _ingest_series(w: Writer, sd: SpoolDir, archive_dir: Path, scan: SpoolScan,
+                   result: IngestResult, series_limits: SeriesLimits | None, *,
+                   now: float) -> list[str]:
+    """The spooled series side files into `<archive>/series/<job>.h5`; the spool names now
+    done (the bad ones quarantined and counted)."""
+    from bluevela.archive.series_checks import SeriesLimits
+    from bluevela.archive.series_ingest import ingest_side_files
+
+    limits = series_limits if series_limits is not None else SeriesLimits.configured()
+    series_done, series_bad = ingest_side_files(w, sd, archive_dir, scan.series,
+                                                limits=limits, now=now)
+    result.quarantined += series_bad
+    return series_done
 
 
 def _archive(w: Writer, by_job: dict[int, list[tuple[Any, dict[str, Any]]]],
@@ -419,17 +437,7 @@ def _job_row(job_id: int, reports: list[dict[str, Any]], old: Archived | None,
              now: float) -> tuple[tuple[Any, ...], list[tuple[Any, ...]]]:
     """The job's new /jobs row and /job_nodes rows: the archived state plus `reports`."""
     expected, num_nodes = _expected(reports, old)
-    prolog: set[str] = {r["node"] for r in reports if r["phase"] == "prolog"}
-    epilog: set[str] = {r["node"] for r in reports if r["phase"] == "epilog"}
-    known: set[str] = set(prolog | epilog)
-    if old is not None:
-        for n in old.nodes:
-            node = bytes(n["node"]).rstrip(b"\0").decode()
-            known.add(node)
-            if n["has_prolog"]:
-                prolog.add(node)
-            if n["has_epilog"]:
-                epilog.add(node)
+    prolog, epilog, known = _seen_nodes(reports, old)
     if not expected:
         expected = set(known)
     complete = _complete(expected, num_nodes, epilog, known)
@@ -438,17 +446,6 @@ def _job_row(job_id: int, reports: list[dict[str, Any]], old: Archived | None,
     epilog_reports = [r for r in reports if r["phase"] == "epilog"]
     old_restarts = old.restarts if old is not None else 0
     restarts = max([old_restarts] + [_restart(r) for r in reports])
-    # The exit status is the latest attempt's: an earlier attempt's (killed by the requeue)
-    # is replaced once a later attempt's epilog is archived.
-    latest_epilogs = [r for r in epilog_reports if _restart(r) == restarts]
-    keep_old = old_restarts == restarts
-
-    def worst(key: str, old_value: int) -> int:
-        vals = [r[key] for r in latest_epilogs if r.get(key) is not None]
-        if old_value != S.MISSING_INT and keep_old:
-            vals.append(old_value)
-        return max(vals) if vals else S.MISSING_INT
-
     statuses = [r["health"]["status_code"] for r in reports
                 if r.get("health") and r["health"].get("status_code") is not None]
     o = old.row if old is not None else None
@@ -469,16 +466,48 @@ def _job_row(job_id: int, reports: list[dict[str, Any]], old: Archived | None,
         _nanmin(*times, float(o["first_report_unix_s"]) if o is not None else None),
         _nanmax(*times, float(o["last_report_unix_s"]) if o is not None else None),
         start, end, now,
-        worst("exit_code", int(o["exit_code"]) if o is not None else S.MISSING_INT),
-        worst("exit_signal", int(o["exit_signal"]) if o is not None else S.MISSING_INT),
-        worst("derived_exit_code",
-              int(o["derived_exit_code"]) if o is not None else S.MISSING_INT),
+        *_exit_fields(epilog_reports, o, restarts, keep_old=old_restarts == restarts),
         max(statuses) if statuses else -1, restarts,
         0, 0, 0, 0,
     )
     nodes = [(job_id, n.encode(), 1 if n in expected else 0, 1 if n in prolog else 0,
               1 if n in epilog else 0) for n in sorted(expected | known)]
     return row, nodes
+
+
+def _seen_nodes(reports: list[dict[str, Any]], old: Archived | None
+                ) -> tuple[set[str], set[str], set[str]]:
+    """The nodes with a prolog report, with an epilog report, and every node heard of: in
+    `reports` and in the archived revision `old`."""
+    prolog: set[str] = {r["node"] for r in reports if r["phase"] == "prolog"}
+    epilog: set[str] = {r["node"] for r in reports if r["phase"] == "epilog"}
+    known: set[str] = set(prolog | epilog)
+    if old is not None:
+        for n in old.nodes:
+            node = bytes(n["node"]).rstrip(b"\0").decode()
+            known.add(node)
+            if n["has_prolog"]:
+                prolog.add(node)
+            if n["has_epilog"]:
+                epilog.add(node)
+    return prolog, epilog, known
+
+
+def _exit_fields(epilog_reports: list[dict[str, Any]], o: Any, restarts: int, *,
+                 keep_old: bool) -> tuple[int, int, int]:
+    """exit_code, exit_signal and derived_exit_code: the worst of the latest attempt's
+    epilogs (and of the archived row `o` while that attempt is still the latest). An earlier
+    attempt's (killed by the requeue) is replaced once a later attempt's epilog is archived."""
+    latest_epilogs = [r for r in epilog_reports if _restart(r) == restarts]
+
+    def worst(key: str) -> int:
+        old_value = int(o[key]) if o is not None else S.MISSING_INT
+        vals = [r[key] for r in latest_epilogs if r.get(key) is not None]
+        if old_value != S.MISSING_INT and keep_old:
+            vals.append(old_value)
+        return max(vals) if vals else S.MISSING_INT
+
+    return worst("exit_code"), worst("exit_signal"), worst("derived_exit_code")
 
 
 def _tables(reports: list[dict[str, Any]], job_rows: list[tuple[Any, ...]],
