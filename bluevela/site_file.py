@@ -180,6 +180,16 @@ def parse_site(text: str, source: Path, *, strict: bool = False) -> Site:
     Raises:
         SiteConfigError: with `PATH:LINE: message` problems.
     """
+    root, data = _load_yaml(text, source)
+    site, unknown = _validate_site(data, root, source, strict=strict)
+    _set_source(site, source)
+    _set_unknown(site, unknown)
+    return site
+
+
+def _load_yaml(text: str, source: Path) -> tuple[Any, dict[Any, Any]]:
+    """The YAML node tree (for line numbers) and the parsed mapping; SiteConfigError when it
+    is not YAML, not a mapping, or not a site description (none of its content quoted)."""
     import yaml
 
     from bluevela.util.term import printable
@@ -205,7 +215,16 @@ def parse_site(text: str, source: Path, *, strict: bool = False) -> Site:
         msg = (f"{source}:1: not a bluevela site description (no 'cluster:' or "
                "'node_classes:' at the top level)")
         raise SiteConfigError(msg, [msg])
+    return root, data
+
+
+def _validate_site(data: dict[Any, Any], root: Any, source: Path, *,
+                   strict: bool) -> tuple[Site, list[str]]:
+    """The validated site and its unknown keys' lines (dropped, unless `strict`, when they
+    are the only problems); SiteConfigError with every problem's `PATH:LINE: message`."""
     from pydantic import ValidationError
+
+    from bluevela.util.term import printable
 
     def shown(part: object) -> str:
         """A location part as shown: a key of the file only when it looks like a name."""
@@ -237,9 +256,7 @@ def parse_site(text: str, source: Path, *, strict: bool = False) -> Site:
         except ValidationError as again:
             problems = [describe(err) for err in again.errors()]
             raise SiteConfigError(problems[0], problems) from again
-    _set_source(site, source)
-    _set_unknown(site, unknown)
-    return site
+    return site, unknown
 
 
 # pydantic's error types for a key a dataclass (extra="forbid") does not have.
