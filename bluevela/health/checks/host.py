@@ -147,29 +147,11 @@ def probe_mounts(root: Path, mounts: list[str], write_dirs: list[str],
     within `timeout_s` is SIGKILLed (a task blocked on a dead file server may stay in D: it is
     left for init to reap) and its mount reported hung."""
     under = {m: root / m.lstrip("/") for m in mounts}
-    writes: dict[str, Path] = {}
-    for d in write_dirs:
-        owner = max((m for m in mounts if d == m or d.startswith(m.rstrip("/") + "/")),
-                    key=len, default=None)
-        if owner is not None:
-            writes[owner] = root / d.lstrip("/")
+    writes = _write_dir_of(root, mounts, write_dirs)
     children: dict[int, tuple[str, int, float]] = {}
     results: dict[str, MountProbe] = {}
     for m in mounts:
-        rfd, wfd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # child: never returns
-            code = 0
-            try:
-                os.close(rfd)
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                err = _probe_one(under[m], writes.get(m))
-                os.write(wfd, json.dumps({"error": err}).encode())
-            except BaseException:  # noqa: BLE001 - report nothing: the parent says why
-                code = 1
-            finally:
-                os._exit(code)
-        os.close(wfd)
+        rfd, pid = _fork_probe(under[m], writes.get(m))
         children[rfd] = (m, pid, time.monotonic())
     end = time.monotonic() + timeout_s
     bufs: dict[int, bytearray] = {fd: bytearray() for fd in children}
@@ -186,37 +168,77 @@ def probe_mounts(root: Path, mounts: list[str], write_dirs: list[str],
                     bufs[fd] += chunk
                     continue
                 pending.discard(fd)
-                m, pid, started = children[fd]
-                try:
-                    answer = json.loads(bytes(bufs[fd]).decode() or "null")
-                except ValueError:
-                    answer = None
-                took = time.monotonic() - started
-                if not isinstance(answer, dict):
-                    results[m] = MountProbe(m, "error", "probe process gave no answer",
-                                            timeout_s, took)
-                elif answer.get("error"):
-                    results[m] = MountProbe(m, "error", str(answer["error"]), timeout_s, took)
-                else:
-                    results[m] = MountProbe(m, "ok", "", timeout_s, took)
+                m, _pid, started = children[fd]
+                results[m] = _answer(m, bytes(bufs[fd]), timeout_s, time.monotonic() - started)
     finally:
         for fd, (m, pid, _) in children.items():
             if fd in pending:
                 results[m] = MountProbe(m, "hung", f"no answer in {timeout_s:g} s", timeout_s,
                                         timeout_s)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
+            _end_probe(fd, pid, kill=fd in pending)
     return [results[m] for m in mounts]
+
+
+def _write_dir_of(root: Path, mounts: list[str], write_dirs: list[str]) -> dict[str, Path]:
+    """Each mount's directory to write in (under `root`): the write dir it holds, the
+    deepest mount holding it when several do."""
+    writes: dict[str, Path] = {}
+    for d in write_dirs:
+        owner = max((m for m in mounts if d == m or d.startswith(m.rstrip("/") + "/")),
+                    key=len, default=None)
+        if owner is not None:
+            writes[owner] = root / d.lstrip("/")
+    return writes
+
+
+def _fork_probe(path: Path, write_dir: Path | None) -> tuple[int, int]:
+    """Fork a child that probes `path` and writes its JSON answer on a pipe; (the pipe's read
+    end, the child's pid)."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns
+        code = 0
+        try:
+            os.close(rfd)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            err = _probe_one(path, write_dir)
+            os.write(wfd, json.dumps({"error": err}).encode())
+        except BaseException:  # noqa: BLE001 - report nothing: the parent says why
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(wfd)
+    return rfd, pid
+
+
+def _answer(mount: str, raw: bytes, timeout_s: float, took: float) -> MountProbe:
+    """A child's answer (read until its pipe closed) as the mount's probe result."""
+    try:
+        answer = json.loads(raw.decode() or "null")
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        return MountProbe(mount, "error", "probe process gave no answer", timeout_s, took)
+    if answer.get("error"):
+        return MountProbe(mount, "error", str(answer["error"]), timeout_s, took)
+    return MountProbe(mount, "ok", "", timeout_s, took)
+
+
+def _end_probe(fd: int, pid: int, *, kill: bool) -> None:
+    """Close a child's pipe and reap it if it is done; SIGKILL it first when it is hung."""
+    if kill:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
 
 
 def evaluate_mounts(probes: list[MountProbe]) -> list[tuple[Status, str]]:
