@@ -35,8 +35,9 @@ def wrote(*_):
 signal.signal(signal.SIGUSR1, wrote)
 info = {"name": __name__, "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
         "env": dict(os.environ), "pid": os.getpid()}
-with open(os.path.join(out, "rank-" + rank), "w") as fh:
+with open(os.path.join(out, ".rank-" + rank), "w") as fh:
     json.dump(info, fh)
+os.replace(os.path.join(out, ".rank-" + rank), os.path.join(out, "rank-" + rank))
 if os.environ.get("RAISE_" + rank):
     raise ValueError("a bad step")
 time.sleep(float(os.environ.get("SLEEP_" + rank, "0")))
@@ -96,7 +97,7 @@ def _warm_run(env: dict[str, str], extra: dict[str, str] | None = None,
     assert isinstance(request, dict)
     got = _until("a ready zygote", lambda: warm._from_server(warm.socket_path(env, NODE)))
     assert isinstance(got, tuple)
-    run = warm.WarmRun(got[0], got[1], "warm")
+    run = warm.WarmRun(got[0], got[1], "warm" if got[2] else "warming")
     warm.send_request(run, request)
     return run
 
@@ -401,3 +402,23 @@ def test_a_killed_servers_socket_is_cleared_by_the_next_jobs(env: dict[str, str]
             sock.bind(name)  # closed without a listener: as a SIGKILLed server leaves it
     assert warm.clear_stale(path) == [f"12.{NODE}.sock"]
     assert not os.path.exists(stale) and os.path.exists(other_node)
+
+
+def test_a_zygote_still_importing_is_handed_and_serves_once_imported(
+        env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sooner than a cold one started beside it (the first step, a spare's relaunch soon
+    after the job's start): the agent's request waits in the socket for the import's end."""
+    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(2)\n")
+    slow = {**env, warm.PREIMPORT_ENV: "slowmod", "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "bluevela.launch.warm", "serve"],
+                            env={**os.environ, **slow, "SLURMD_NODENAME": NODE})
+    try:
+        _until("the server's socket", lambda: os.path.exists(warm.socket_path(env, NODE)))
+        run = warm.launch([*ARGV, "script.py"], env, {"node_rank": 1, "nnodes": 2}, NODE, "n1",
+                          4242)
+        assert isinstance(run, warm.WarmRun) and run.how == "warming"
+        assert _end(run) == 0
+        assert {str(i["env"][warm.HOW_ENV]) for i in _ranks(env).values()} == {"warm"}  # type: ignore[index]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

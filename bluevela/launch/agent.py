@@ -497,9 +497,10 @@ class Agent:
                 _log(f"agent on {safe_name(self.node)}: torchrun, not the warm start: {run}")
             return False
         if self.node == self.rdzv_node or run.how != "warm":
-            _log(f"agent on {safe_name(self.node)}: ranks forked "
-                 + ("by the node's warm parent" if run.how == "warm"
-                    else "by a cold parent (no warm one ready)"))
+            _log(f"agent on {safe_name(self.node)}: ranks forked by "
+                 + {"warm": "the node's warm parent",
+                    "warming": "the node's warm parent (it was still importing)"}.get(
+                        run.how, "a cold parent (no warm one on the node)"))
         self.proc = run
         self.phase = Phase.RUNNING
         return True

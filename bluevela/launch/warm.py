@@ -10,10 +10,12 @@ Three processes, all the job's user's:
   new agents: only a step of its own outlives them). Standard library only. It listens on a
   unix socket in a directory only the job's user can reach (`socket_dir`: mode 0700, owned
   by the user, never through a link), refuses a peer of another uid (SO_PEERCRED), and
-  keeps one ZYGOTE ready. On a connection it answers ``handed`` (the zygote's pid) and
-  passes the connection itself to the zygote (SCM_RIGHTS), then starts a fresh zygote for
-  the next step. A zygote that dies is replaced (backing off to 30 s while they keep dying);
-  when none is ready it answers ``none`` at once.
+  keeps one ZYGOTE. On a connection it answers ``handed`` (the zygote's pid, and whether it
+  has finished its import) and passes the connection itself to the zygote (SCM_RIGHTS), then
+  starts a fresh zygote for the next step. A zygote still importing is handed too (it serves
+  the step once imported: sooner than a cold one started then, importing beside it). A
+  zygote that dies is replaced (backing off to 30 s while they keep dying); while there is
+  none it answers ``none`` at once.
 - the ZYGOTE (``... warm zygote``): imports torch (``BV_WARM_PREIMPORT``, comma-separated;
   no CUDA, no process group), then waits for one connection. It serves ONE step: reads the
   agent's request (bounded, with the agent's stdout and stderr as descriptors), forks the
@@ -29,8 +31,8 @@ Three processes, all the job's user's:
   script with runpy as ``__main__``; it exits as that interpreter would.
 
 The agent's side (`launch`, `WarmRun`): at ``go`` the agent asks its node's server; when no
-server answers (none on the node, or none ready) it starts the same zygote itself, COLD (it
-pays the import, as torchrun would). Either way every node of the step launches its ranks
+server answers (none on the node, or one with no zygote) it starts the same zygote itself,
+COLD (it pays the import, as torchrun would). Either way every node of the step launches its ranks
 the same way: their rendezvous is torch's ``env://`` (MASTER_ADDR: the step's rendezvous
 node, MASTER_PORT: the port its agent picked, rank 0's TCPStore there), so a node whose
 warm parent is gone still meets the others. A torchrun command this path cannot run
@@ -322,10 +324,11 @@ def request_of(torchrun: Sequence[str], env: Mapping[str, str], go: Mapping[str,
 
 
 class WarmRun:
-    """A step's ranks on this node, forked by a zygote (the node's warm one, or one the agent
-    started cold), standing in for torchrun's Popen: `pid` is the zygote's (it leads the
-    process group the ranks are in), `poll` gives its exit status (0, 1 when a rank failed,
-    -9 when the zygote vanished without saying), `workers` the ranks."""
+    """A step's ranks on this node, forked by a zygote (the node's warm one: `how` "warm", or
+    "warming" when it was still importing; or one the agent started: "cold"), standing in for
+    torchrun's Popen: `pid` is the zygote's (it leads the process group the ranks are in),
+    `poll` gives its exit status (0, 1 when a rank failed, -9 when the zygote vanished
+    without saying), `workers` the ranks."""
 
     def __init__(self, sock: socket.socket, pid: int, how: str,
                  popen: subprocess.Popen[bytes] | None = None) -> None:
@@ -411,9 +414,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _from_server(path: str) -> tuple[socket.socket, int] | None:
-    """A connection now owned by the node's ready zygote, and its pid; None when no server
-    answers, none is ready, or the peer is not this user."""
+def _from_server(path: str) -> tuple[socket.socket, int, bool] | None:
+    """A connection now owned by the node's zygote, its pid and whether it was ready (its
+    import done); None when no server answers, it has no zygote, or the peer is not this
+    user."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(CONNECT_S)
@@ -428,7 +432,7 @@ def _from_server(path: str) -> tuple[socket.socket, int] | None:
     if not msg or msg.get("t") != "handed" or not isinstance(pid, int) or pid <= 1:
         sock.close()
         return None
-    return sock, pid
+    return sock, pid, msg.get("ready") is True
 
 
 def zygote_argv(python: str = sys.executable) -> list[str]:
@@ -462,7 +466,7 @@ def connect(env: Mapping[str, str], node: str) -> WarmRun:
     except WarmError:
         pass
     if got is not None:
-        return WarmRun(got[0], got[1], "warm")
+        return WarmRun(got[0], got[1], "warm" if got[2] else "warming")
     sock, popen = _cold(os.environ)
     return WarmRun(sock, popen.pid, "cold", popen)
 
@@ -713,6 +717,9 @@ def zygote(link: int | None, conn_fd: int | None) -> RankJob | int:
     server = socket.socket(fileno=link)
     try:
         server.sendall(b"R")
+    except OSError:
+        pass  # handed over before its import ended: the server has let go of this link
+    try:
         _, fds, _, _ = socket.recv_fds(server, 16, 1)
     except OSError:
         return 0
@@ -813,7 +820,7 @@ def clear_stale(path: str) -> list[str]:
 
 
 class Server:
-    """One node's warm server: the socket, one ready zygote, the used ones reaped."""
+    """One node's warm server: the socket, one zygote, the used ones reaped."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -878,33 +885,51 @@ class Server:
         if data == b"R":
             self.ready, self.backoff = True, 1.0
             return
-        # The zygote died (or said nothing it should): replaced, later while they keep dying.
-        died_after = time.monotonic() - self.spawned_at
+        self._zygote_died()
+
+    def _zygote_died(self) -> None:
+        """Replaced: at once, or later while they keep dying within 5 s of their start."""
+        early = time.monotonic() - self.spawned_at < 5
         self._drop_zygote(kill=True)
-        self.next_spawn = time.monotonic() + (self.backoff if died_after < 5 else 0)
-        self.backoff = min(RESPAWN_MAX_S, self.backoff * 2) if died_after < 5 else 1.0
+        self.next_spawn = time.monotonic() + (self.backoff if early else 0)
+        self.backoff = min(RESPAWN_MAX_S, self.backoff * 2) if early else 1.0
 
     def on_accept(self) -> None:
         try:
             conn, _ = self.listener.accept()
         except OSError:
             return
-        try:
-            conn.settimeout(1.0)
-            if peer_uid(conn) != os.getuid():
-                _log("a connection from another user: refused")
+        with conn:
+            try:
+                conn.settimeout(1.0)
+                if peer_uid(conn) != os.getuid():
+                    _log("a connection from another user: refused")
+                    return
+                if self.zygote is None or self.link is None:
+                    conn.sendall(frame({"t": "none", "why": "no zygote (replacing a dead one)"}))
+                    return
+            except OSError:
                 return
-            if not self.ready or self.zygote is None or self.link is None:
-                conn.sendall(frame({"t": "none", "why": "no zygote ready"}))
+            # One still importing is handed too: it serves the step once imported, sooner
+            # than a cold one started now, which would import beside it on the same cores.
+            try:
+                socket.send_fds(self.link, [b"C"], [conn.fileno()])
+            except OSError:  # it died since: replaced, and this agent goes cold
+                self._zygote_died()
+                try:
+                    conn.sendall(frame({"t": "none", "why": "the zygote died"}))
+                except OSError:
+                    pass
                 return
-            conn.sendall(frame({"t": "handed", "pid": self.zygote.pid}))
-            socket.send_fds(self.link, [b"C"], [conn.fileno()])
-        except OSError:
-            return
-        finally:
-            conn.close()
-        self._drop_zygote(kill=False)
-        self.spawn()
+            pid, ready = self.zygote.pid, self.ready
+            self._drop_zygote(kill=False)  # the step's now, whatever the agent does next
+            self.spawn()
+            try:
+                # Said once the zygote holds the connection: it reads nothing before the
+                # request, which the agent sends only after this.
+                conn.sendall(frame({"t": "handed", "pid": pid, "ready": ready}))
+            except OSError:
+                pass
 
     def reap(self) -> None:
         self.used = [p for p in self.used if p.poll() is None]
