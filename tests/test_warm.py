@@ -422,3 +422,25 @@ def test_a_zygote_still_importing_is_handed_and_serves_once_imported(
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_a_script_that_handles_nothing_is_stopped_by_torchruns_sigterm(
+        env: dict[str, str], server: subprocess.Popen[bytes]) -> None:
+    """What the agent does for a worker with no SIGUSR1 handler (and at an abort): SIGTERM to
+    the zygote, as to torchrun, which stops its ranks; the status is torchrun's failure."""
+    script = Path("plain.py")
+    script.write_text("import os, time\nopen(os.path.join(os.environ['OUT'], 'up-' + "
+                      "os.environ['LOCAL_RANK']), 'w').close()\ntime.sleep(120)\n")
+    request = warm.request_of([*ARGV, "plain.py"], env, {"node_rank": 0, "nnodes": 2}, NODE,
+                              NODE, 4242)
+    assert isinstance(request, dict)
+    got = _until("a zygote", lambda: warm._from_server(warm.socket_path(env, NODE)))
+    assert isinstance(got, tuple)
+    run = warm.WarmRun(got[0], got[1], "warm")
+    warm.send_request(run, request)
+    _until("both ranks up", lambda: len(list(Path(env["OUT"]).glob("up-*"))) == 2)
+    ranks = run.workers()
+    assert len(ranks) == 2 and not any(catches(p, signal.SIGUSR1) for p in ranks)
+    os.kill(run.pid, signal.SIGTERM)
+    assert _end(run, 20) == 1
+    _until("the ranks' end", lambda: not any(_alive(p) for p in ranks), 10)

@@ -394,6 +394,7 @@ class WarmRun:
         """The ranks still running: the zygote's children it named."""
         from bluevela.launch.proctree import children
 
+        self._read()  # the zygote's "started" (the ranks' pids) may be waiting
         return sorted(set(self.ranks) & set(children(self.pid)))
 
     def close(self) -> None:
