@@ -111,6 +111,52 @@ sys.exit(1)
 """
 
 
+class AgentLine:
+    """The supervisor's side of one REAL node agent's channel, for a test that plays the
+    supervisor: listen (`BV_SUPERVISOR` = `address`, the job secret `secret`), then `accept`
+    the agent, challenge it and read its messages in order (`next`, `until`), `send` back."""
+
+    def __init__(self, timeout_s: float = 20.0) -> None:
+        from bluevela.protocol.keys import new_secret
+
+        self.secret = new_secret()
+        self.listen = socket.socket()
+        self.listen.bind(("127.0.0.1", 0))
+        self.listen.listen(1)
+        self.listen.settimeout(timeout_s)
+        self.address = f"127.0.0.1:{self.listen.getsockname()[1]}"
+        self._queue: list[dict[str, object]] = []
+
+    def accept(self, timeout_s: float = 30.0) -> None:
+        from bluevela.protocol.channel import Channel, challenge_line
+        from bluevela.protocol.keys import derive
+
+        self.sock, _ = self.listen.accept()
+        self.sock.settimeout(timeout_s)
+        nonce = os.urandom(16)
+        self.sock.sendall(challenge_line(nonce))
+        self.chan = Channel(self.sock, derive(bytes.fromhex(self.secret), b"line"), nonce, b"s")
+
+    def next(self) -> dict[str, object]:
+        while not self._queue:
+            data = self.sock.recv(65536)
+            assert data, "the agent closed its channel"
+            self._queue.extend(self.chan.feed(data))
+        return self._queue.pop(0)
+
+    def until(self, kind: str) -> dict[str, object]:
+        """Read past everything up to the first message of type `kind`; that message."""
+        while (msg := self.next())["t"] != kind:
+            pass
+        return msg
+
+    def send(self, msg: dict[str, object]) -> None:
+        self.chan.send(msg)
+
+    def close(self) -> None:
+        self.listen.close()
+
+
 def _script(path: Path, body: str) -> Path:
     path.write_text(f"#!{sys.executable} -P\n{body}")
     path.chmod(0o755)

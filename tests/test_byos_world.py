@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from bluevela import integrations
-from bluevela.protocol.channel import Channel, challenge_line
-from bluevela.protocol.keys import SECRET_ENV, derive, new_secret
+from bluevela.protocol.keys import SECRET_ENV
 from bluevela.runtime.world import boot_dir, nproc_from_argv, rank_env, training_env
 from tests.conftest import REPO
+from tests.supervisor_standins import AgentLine
 
 # What srun gives the node agent of a 2-node step in a 3-node allocation (one spare).
 SRUN_ENV = {
@@ -177,18 +176,14 @@ def test_agent_stops_a_worker_without_a_handler_with_sigterm(
     SIGTERM (it stops its workers, as at a Slurm stop), the worker is never sent SIGUSR1 (its
     default action would kill it), and the agent's exit message counts it and says the wait;
     torchrun got the training world in its environment."""
-    secret = new_secret()
-    listen = socket.socket()
-    listen.bind(("127.0.0.1", 0))
-    listen.listen(1)
-    listen.settimeout(20)
+    line = AgentLine()
     torchrun = tmp_path / "torchrun"
     torchrun.write_text(f"#!{sys.executable}\n{FAKE_TORCHRUN}")
     torchrun.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
-    env.update(SRUN_ENV, BV_SUPERVISOR=f"127.0.0.1:{listen.getsockname()[1]}",
+    env.update(SRUN_ENV, BV_SUPERVISOR=line.address,
                SLURMD_NODENAME="node1", BV_RDZV_NODE="node1", BV_RDZV_GUARD="optional",
-               PYTHONPATH=str(REPO), **{SECRET_ENV: secret})
+               PYTHONPATH=str(REPO), **{SECRET_ENV: line.secret})
     env.pop("BV_USR1_WAIT_S", None)
     if env_wait is not None:
         env["BV_USR1_WAIT_S"] = env_wait
@@ -196,36 +191,22 @@ def test_agent_stops_a_worker_without_a_handler_with_sigterm(
                               "--", str(torchrun), "--nproc-per-node=1", str(tmp_path)],
                              env=env, cwd=REPO)
     try:
-        sock, _ = listen.accept()
-        sock.settimeout(30)
-        nonce = os.urandom(16)
-        sock.sendall(challenge_line(nonce))
-        chan = Channel(sock, derive(bytes.fromhex(secret), b"line"), nonce, b"s")
-        queue: list[dict[str, object]] = []
-
-        def nxt() -> dict[str, object]:
-            while not queue:
-                data = sock.recv(65536)
-                assert data, "the agent closed its channel"
-                queue.extend(chan.feed(data))
-            return queue.pop(0)
-
-        hello = nxt()
-        chan.send({"t": "go", "port": hello["port"]})
+        line.accept()
+        hello = line.next()
+        line.send({"t": "go", "port": hello["port"]})
         deadline = time.monotonic() + 20
         while not (tmp_path / "ready").exists():
             assert time.monotonic() < deadline
             time.sleep(0.05)
         asked = time.monotonic()
-        chan.send({"t": "usr1", **({} if left_s is None else {"left_s": left_s})})
-        while (msg := nxt())["t"] != "exit":
-            pass
+        line.send({"t": "usr1", **({} if left_s is None else {"left_s": left_s})})
+        msg = line.until("exit")
         took = time.monotonic() - asked
     finally:
         if agent.poll() is None:
             agent.send_signal(signal.SIGKILL)
         agent.wait(timeout=20)
-        listen.close()
+        line.close()
         _kill_running(torchrun)  # torchrun leads its own session: a failed run must not leak it
     assert msg["termed"] == 1 and msg["signalled"] == 0 and msg["waited"] == wait, msg
     assert (tmp_path / "torchrun.sigterm").exists()

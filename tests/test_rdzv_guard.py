@@ -413,17 +413,13 @@ def _agent_run(tmp_path: Path, torchrun: Path, guard: str | None,
                node: str = "node1") -> tuple[dict[str, object], str]:
     """The real node agent on `torchrun` told `go` by a test supervisor: its exit message
     and its stderr (what lands in the job's output)."""
-    from bluevela.protocol.channel import Channel, challenge_line
-    from bluevela.protocol.keys import SECRET_ENV, derive, new_secret
+    from bluevela.protocol.keys import SECRET_ENV
+    from tests.supervisor_standins import AgentLine
 
-    secret = new_secret()
-    listen = socket.socket()
-    listen.bind(("127.0.0.1", 0))
-    listen.listen(1)
-    listen.settimeout(20)
+    line = AgentLine()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BV_")}
-    env.update(BV_SUPERVISOR=f"127.0.0.1:{listen.getsockname()[1]}", SLURMD_NODENAME=node,
-               BV_RDZV_NODE="node1", **{SECRET_ENV: secret})
+    env.update(BV_SUPERVISOR=line.address, SLURMD_NODENAME=node,
+               BV_RDZV_NODE="node1", **{SECRET_ENV: line.secret})
     if guard is not None:
         env["BV_RDZV_GUARD"] = guard
     err = tmp_path / f"agent-{guard}.err"
@@ -432,30 +428,16 @@ def _agent_run(tmp_path: Path, torchrun: Path, guard: str | None,
                                   str(torchrun), str(tmp_path)], env=env, stderr=errf,
                                  cwd=tmp_path)
         try:
-            sock, _ = listen.accept()
-            sock.settimeout(30)
-            nonce = os.urandom(16)
-            sock.sendall(challenge_line(nonce))
-            chan = Channel(sock, derive(bytes.fromhex(secret), b"line"), nonce, b"s")
-            queue: list[dict[str, object]] = []
-
-            def nxt() -> dict[str, object]:
-                while not queue:
-                    data = sock.recv(65536)
-                    assert data, "the agent closed its channel"
-                    queue.extend(chan.feed(data))
-                return queue.pop(0)
-
-            hello = nxt()
-            chan.send({"t": "go", "port": hello.get("port", 40000)})
-            while (msg := nxt())["t"] != "exit":
-                pass
+            line.accept()
+            hello = line.next()
+            line.send({"t": "go", "port": hello.get("port", 40000)})
+            msg = line.until("exit")
             agent.wait(timeout=30)
         finally:
             if agent.poll() is None:
                 agent.kill()
                 agent.wait()
-            listen.close()
+            line.close()
     return msg, err.read_text()
 
 
