@@ -15,6 +15,16 @@ So bv's start-up hook (boot.py) calls `patch()` when `accelerate.accelerator` is
 after a `load_state()` with no folder under automatic naming, the counter becomes the loaded
 number + 1 (never lowered: a script that set it itself, or an Accelerate that does it, keeps
 its own). A `load_state(folder)` the script names is its own choice, untouched.
+
+The node-local checkpoint tier (docs/checkpoints.md, "Frameworks"), when the site turns it on
+for this node and the script uses automatic naming: every `Accelerator` also opens a
+checkpoint store (`bluevela.ckpt.folder`, a collective, at the end of `__init__`) and links
+the newest save complete somewhere at ``<project_dir>/checkpoints/checkpoint_<n>`` (unless
+Accelerate's own folder of that number or a newer one is there), where the script's
+`load_state()` finds it; each automatic `save_state()` is written to this node's tier instead
+of ``project_dir`` and handed to the store (partner copy, drain every
+`checkpoint.drain_every`-th save and at bv's signal; at the process's exit the copies are
+waited for). A `save_state(folder)` the script names is Accelerate's own, untouched.
 """
 
 from __future__ import annotations
@@ -67,5 +77,64 @@ def patch(module: ModuleType) -> bool:
         return result
 
     cls.load_state = load_state
+    from bluevela.ckpt.folder import tier_on
+
+    if tier_on():
+        _patch_saves(cls)
     setattr(cls, _PATCHED, True)
     return True
+
+
+def _open_store(acc: Any) -> None:
+    """The Accelerator's checkpoint store, and the newest save complete somewhere linked where
+    `load_state()` looks. A store that cannot open leaves Accelerate's own saves (one line)."""
+    import atexit
+
+    from bluevela.ckpt.folder import FolderStore
+
+    try:
+        fs = FolderStore(acc.project_dir, "accelerate")
+        n = fs.restore("checkpoints/checkpoint_%d",
+                       newest(os.path.join(acc.project_dir, "checkpoints")))
+    except (OSError, ValueError) as exc:
+        import sys
+
+        sys.stderr.write(f"bv: no node-local checkpoint store for Accelerate ({exc}): its "
+                         "own saves\n")
+        return
+    acc._bv_folder = fs
+    atexit.register(fs.close)  # the background copies end before the process does
+    if n is not None and fs.store.rank == 0:
+        logger.warning("bv: checkpoint_%d from the checkpoint store, linked in %s/checkpoints "
+                       "(this node's copy)", n, acc.project_dir)
+
+
+def _patch_saves(cls: Any) -> None:
+    init, save = cls.__init__, cls.save_state
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        config = self.project_configuration
+        if config.automatic_checkpoint_naming and config.project_dir:
+            _open_store(self)
+
+    @functools.wraps(save)
+    def save_state(self: Any, output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        fs = getattr(self, "_bv_folder", None)
+        config = self.project_configuration
+        if fs is None or not config.automatic_checkpoint_naming:
+            return save(self, output_dir, *args, **kwargs)
+        n = self.save_iteration
+        work = fs.save_dir()
+        project = config.project_dir
+        config.project_dir = str(work)  # this save only, this node
+        try:
+            result = save(self, output_dir, *args, **kwargs)
+        finally:
+            config.project_dir = project
+        fs.save(n, work / "checkpoints" / f"checkpoint_{n}")
+        return result
+
+    cls.__init__ = __init__
+    cls.save_state = save_state

@@ -13,12 +13,26 @@ docs/byos.md says so.
 Injection (no line of the user's code): Transformers has no plugin entry point, so bv's
 start-up hook (boot.py) calls `patch()` when `transformers.trainer` is imported: every
 `Trainer.__init__` ends by adding the callback.
+
+The node-local checkpoint tier (docs/checkpoints.md, "Frameworks"), when the site turns it on
+for this node: every Trainer also opens a checkpoint store (`bluevela.ckpt.folder`, a
+collective, in `__init__`, after HF has set up torch.distributed) and first links the newest
+step complete somewhere at ``<output_dir>/checkpoint-N`` (unless HF's own folder of that step
+or a newer one is there), so ``get_last_checkpoint(output_dir)`` after the Trainer exists and
+``resume_from_checkpoint=True`` find it. Each save (`Trainer._save_checkpoint`, HF's one save
+path: periodic saves and bv's) is written to this node's tier instead of ``output_dir`` and
+handed to the store (partner copy, drain every `checkpoint.drain_every`-th save, at bv's
+signal and when `train()` returns). Not for hyper-parameter search runs (a trial's own
+directory) nor with ``load_best_model_at_end`` (HF keeps the best checkpoint's path): those
+keep HF's own saves.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+import re
 import sys
 from types import ModuleType
 from typing import Any
@@ -77,6 +91,9 @@ def patch(module: ModuleType) -> bool:
         return True
     callback_cls = _callback_class(transformers.TrainerCallback)
     original = trainer_cls.__init__
+    from bluevela.ckpt.folder import tier_on
+
+    tier = tier_on()
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -84,7 +101,75 @@ def patch(module: ModuleType) -> bool:
         if not any(type(cb).__name__ == callback_cls.__name__
                    for cb in self.callback_handler.callbacks):
             self.add_callback(callback_cls())
+        if tier and not getattr(self.args, "load_best_model_at_end", False):
+            _open_store(self)
 
     trainer_cls.__init__ = __init__
+    if tier:
+        _patch_saves(trainer_cls)
     setattr(trainer_cls, _PATCHED, True)
     return True
+
+
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # HF's PREFIX_CHECKPOINT_DIR-<global_step>
+
+
+def newest(output_dir: str) -> int | None:
+    """The highest step of a ``checkpoint-<step>`` folder in `output_dir`, or None."""
+    try:
+        names = os.listdir(output_dir)
+    except OSError:
+        return None
+    return max((int(m.group(1)) for n in names if (m := _CHECKPOINT.match(n))
+                and os.path.isdir(os.path.join(output_dir, n))), default=None)
+
+
+def _open_store(trainer: Any) -> None:
+    """The Trainer's checkpoint store, and the newest step complete somewhere linked where
+    HF's resume looks. A store that cannot open leaves HF's own saves (one line)."""
+    from bluevela.ckpt.folder import FolderStore
+
+    try:
+        _ = trainer.args.device  # HF sets up torch.distributed here: the store's collective
+        fs = FolderStore(trainer.args.output_dir, "hf")
+        step = fs.restore("checkpoint-%d", newest(trainer.args.output_dir))
+    except (OSError, ValueError) as exc:
+        sys.stderr.write(f"bv: no node-local checkpoint store for the Trainer ({exc}): HF's "
+                         "own saves\n")
+        return
+    trainer._bv_folder = fs
+    if step is not None and fs.store.rank == 0:
+        sys.stderr.write(f"bv: checkpoint-{step} from the checkpoint store, linked in "
+                         f"{trainer.args.output_dir} (this node's copy)\n")
+
+
+def _patch_saves(trainer_cls: Any) -> None:
+    save, train = trainer_cls._save_checkpoint, trainer_cls.train
+
+    @functools.wraps(save)
+    def _save_checkpoint(self: Any, model: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
+        fs = getattr(self, "_bv_folder", None)
+        if fs is None or trial is not None:
+            return save(self, model, trial, *args, **kwargs)
+        work = fs.save_dir()
+        folder = work / f"checkpoint-{self.state.global_step}"
+        folder.mkdir()
+        self._get_output_dir = lambda trial=None: str(work)  # this save only, this node
+        try:
+            result = save(self, model, trial, *args, **kwargs)
+        finally:
+            del self._get_output_dir
+        fs.save(int(self.state.global_step), folder)
+        return result
+
+    @functools.wraps(train)
+    def train_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = train(self, *args, **kwargs)
+        fs = getattr(self, "_bv_folder", None)
+        if fs is not None:
+            self._bv_folder = None  # later saves are HF's own: the store is closed
+            fs.store.finalize()  # drain the newest, wait for the copies
+        return result
+
+    trainer_cls._save_checkpoint = _save_checkpoint
+    trainer_cls.train = train_

@@ -25,6 +25,13 @@ The next attempt must start at that step whichever resume the script chose:
 - An explicit ``ckpt_path=<dirpath>/last.ckpt``: the same link.
 A ModelCheckpoint without ``save_last`` gets no ``last.ckpt`` from bv: its configuration says
 there is none, and Lightning's "last" finds none (it warns and starts over), as without bv.
+
+The node-local checkpoint tier (docs/checkpoints.md, "Frameworks"), when the site turns it on
+for this node: the callback's `setup` (every rank, after Lightning set up torch.distributed,
+before it restores a checkpoint) gives the strategy `StoreCheckpointIO` over a store draining
+to ``<default_root_dir>/bv-ckpt`` (bluevela/ckpt/lightning.py), unless the script chose a
+CheckpointIO of its own: every save (ModelCheckpoint's, bv's HPC one) then stalls only for
+staging, and every resume reads the newest verified copy from the fastest place.
 """
 
 from __future__ import annotations
@@ -125,11 +132,14 @@ def _callback_class(base: type) -> type:
         """bv's checkpoint signal -> HPC checkpoint at the agreed batch end, stop."""
 
         stopped_at: int | None = None
+        store_io: Any = None  # the StoreCheckpointIO given to the strategy, once
 
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             from bluevela import runtime
 
             runtime.install_signal_handler(signal.SIGUSR1)  # SIGTERM stays Lightning's
+            if self.store_io is None:
+                self.store_io = use_store(trainer)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
@@ -173,8 +183,36 @@ def _callback_class(base: type) -> type:
             # after the last batch): bv's supervisor learns which, and requeues only for the
             # first.
             runtime.finished()
+            if self.store_io is not None:  # the newest save drained, the copies waited for
+                self.store_io.store.finalize()
 
     return BvCheckpoint
+
+
+def use_store(trainer: Any) -> Any:
+    """With the node-local tier on, `StoreCheckpointIO` for the strategy (a collective: every
+    rank's `setup`), unless its CheckpointIO is one the script chose; returns it, else None.
+    A store that cannot open leaves Lightning's own (one line)."""
+    from bluevela.ckpt.folder import SHARED_SUBDIR, tier_on
+
+    strategy = trainer.strategy
+    current = getattr(strategy, "_checkpoint_io", None)
+    if current is not None and type(current).__name__ != "TorchCheckpointIO":
+        return None  # the script's own plugin
+    if not tier_on():
+        return None
+    from bluevela.ckpt.lightning import StoreCheckpointIO
+    from bluevela.ckpt.store import open_store
+
+    try:
+        store = open_store(Path(trainer.default_root_dir) / SHARED_SUBDIR, "lightning")
+    except (OSError, ValueError) as exc:
+        sys.stderr.write(f"bv: no node-local checkpoint store for Lightning ({exc}): its own "
+                         "CheckpointIO\n")
+        return None
+    io = StoreCheckpointIO(store)
+    strategy.checkpoint_io = io
+    return io
 
 
 def _make(package: str) -> list[Any]:
