@@ -494,3 +494,37 @@ def test_a_state_only_rank_0_saves_is_resumed_by_every_rank(tmp_path: Path) -> N
     _check(o1.state, 0, 4)
     assert n0.source == "local (own copy on this node)"
     assert n1.source == "local (held copy on this node)"
+
+
+def _spare_resume_with_budget(tmp: Path, budget: int) -> list[Any]:
+    def body(rank: int, coll: Any) -> Any:
+        s = make_store(tmp, rank, coll, node="n3" if rank == 1 else None, budget_bytes=budget)
+        try:
+            return s.load_latest(), s.kept_fetched
+        finally:
+            s.close()
+
+    return run_ranks(2, body)
+
+
+def test_a_fetched_shard_is_kept_within_the_budget_and_removes_nothing(tmp_path: Path) -> None:
+    """The spare fetches the lost node's shard of step 2 from the partner. It already holds
+    that rank's step 1 (an older copy a resume may fall back to). With room for one shard
+    the fetched copy is not kept (the resume goes on from memory) and step 1 stays; with
+    room for both it is kept beside step 1. Nothing is ever removed for a fetch."""
+    _save_steps(tmp_path, 2, [1, 2], shared_dir=None)
+    older = _shard(tmp_path, "n3", "own", 1, 1)
+    older.parent.mkdir(parents=True)
+    shutil.copy2(_shard(tmp_path, "n2", "own", 1, 1), older)
+    size = older.stat().st_size
+    shutil.rmtree(tmp_path / "local" / "n2")  # the node is lost with its disk
+    (r0, _), (r1, kept) = _spare_resume_with_budget(tmp_path, size + size // 2)
+    assert (r0.step, r1.step) == (2, 2) and r1.source == "partner (held copy on n1)"
+    _check(r1.state, 1, 2)
+    assert not _shard(tmp_path, "n3", "own", 2, 1).exists()  # over the budget: not kept
+    assert older.is_file()  # and nothing removed for it
+    assert kept == [(2, 1, f"node-local budget ({size + size // 2} bytes) full; nothing is "
+                              "removed for a fetch")], kept
+    (_, _), (r1, kept) = _spare_resume_with_budget(tmp_path, 3 * size)
+    assert r1.step == 2 and kept == [(2, 1, None)], kept
+    assert _shard(tmp_path, "n3", "own", 2, 1).is_file() and older.is_file()

@@ -163,6 +163,9 @@ class CheckpointStore:
         self._bad: set[tuple[int, int, Place]] = set()
         self._keepers: list[threading.Thread] = []
         self.shared_reads = 0  # listings and loads of shared storage by this rank's resumes
+        self._reserved = 0  # bytes of fetched shards being written to this node (`_lock`)
+        # (step, rank, None or why not) of each fetched shard: kept on this node or not
+        self.kept_fetched: list[tuple[int, int, str | None]] = []
         self._invs: list[NodeInv] = []
         self._shared: dict[int, frozenset[int]] = {}
         self.root = (layout.job_root(cfg.local_dir, cfg.job or "none")
@@ -258,9 +261,10 @@ class CheckpointStore:
     def _admit(self, step: int, rank: int, size: int) -> str | None:
         with self._lock:
             self._prune("held", rank, self.cfg.keep - 1)
-            if self.cfg.budget_bytes is not None and self._used() + size > self.cfg.budget_bytes:
+            budget = self.cfg.budget_bytes
+            if budget is not None and self._used() + self._reserved + size > budget:
                 self._prune("held", rank, 0)
-                if self._used() + size > self.cfg.budget_bytes:
+                if self._used() + self._reserved + size > budget:
                     return f"node-local budget ({self.cfg.budget_bytes} bytes) full"
         return None
 
@@ -392,6 +396,19 @@ class CheckpointStore:
             if not released:
                 self._free.release()
 
+    def _fetched_room(self, size: int) -> str | None:
+        """Why a fetched shard of `size` bytes cannot be kept on this node without removing
+        anything (None: it fits). Call under `_lock`."""
+        budget = self.cfg.budget_bytes
+        if budget is None:
+            return None  # the disk's own limit: a full disk fails the write, said
+        share = budget // max(1, self.local_ranks)
+        if size > share:
+            return f"{size} bytes over this rank's node-local budget ({share} bytes)"
+        if self._used() + self._reserved + size > budget:
+            return f"node-local budget ({budget} bytes) full; nothing is removed for a fetch"
+        return None
+
     def _room_for(self, size: int) -> None:
         keep = max(1, self.cfg.keep)
         with self._lock:
@@ -403,9 +420,9 @@ class CheckpointStore:
             if size > share:
                 raise _NoRoom(f"shard of {size} bytes over this rank's node-local budget "
                               f"({share} bytes)")
-            if self._used() + size > budget:
+            if self._used() + self._reserved + size > budget:
                 self._prune("own", self.rank, 0)
-                if self._used() + size > budget:
+                if self._used() + self._reserved + size > budget:
                     raise _NoRoom(f"node-local budget ({budget} bytes) full")
 
     def _send_partner(self, job: _Job, name: str) -> None:
@@ -639,8 +656,24 @@ class CheckpointStore:
 
     def _keep_fetched(self, step: int, rank: int, info: ShardInfo, payload: bytearray) -> None:
         """A node-local copy of a fetched shard (the next resume on this node reads it here),
-        written by a thread of its own: the resume goes on with the bytes in memory."""
+        written by a thread of its own: the resume goes on with the bytes in memory.
+
+        Within the node-local budget and at no other step's cost: the copy is kept only when
+        it fits beside everything the tier holds (`_fetched_room`); nothing is pruned for it.
+        A resume may still fall back to an older step held here, and the copy only speeds up
+        a later resume on this node (the partner still holds the shard, the next save's
+        `keep`/budget rules apply as usual)."""
         if self.root is None:
+            return
+        size = file_size(info.header)
+        with self._lock:
+            why = self._fetched_room(size)
+            if why is None:
+                self._reserved += size  # a second fetch at once counts this one
+        if why is not None:
+            logger.info("bv ckpt: rank %s step %s fetched, not kept on this node: %s", rank,
+                        step, why)
+            self.kept_fetched.append((step, rank, why))
             return
 
         def keep() -> None:
@@ -651,9 +684,14 @@ class CheckpointStore:
                                 digest_of=lambda: bytes.fromhex(info.digest))
                 finally:
                     os.close(fd)
+                self.kept_fetched.append((step, rank, None))
             except (OSError, ValueError) as exc:
                 logger.info("bv ckpt: no node-local copy of rank %s step %s: %s", rank, step,
                             _words(exc))
+                self.kept_fetched.append((step, rank, _words(exc)))
+            finally:
+                with self._lock:
+                    self._reserved -= size
 
         t = threading.Thread(target=keep, name="bv-ckpt-keep", daemon=True)
         t.start()
