@@ -23,7 +23,9 @@ RANK = {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "1",
         "BV_STEP_NODELIST": "node1", "BV_STEP_NUM_NODES": "1", "SLURM_JOB_NUM_NODES": "2",
         "SLURM_JOB_NODELIST": "node[1-2]"}
 
-LIGHTNING = """
+# A Lightning module that signals itself at step 2 (argv[2] "signal") as bv's node agent would,
+# and its data: the head of both Lightning scripts below.
+LIGHTNING_MODULE = """
 import os, signal, sys, torch
 import lightning as L
 from torch import nn
@@ -40,6 +42,9 @@ class M(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 data = DataLoader(TensorDataset(torch.randn(256, 4), torch.randn(256, 1)), batch_size=4)
+"""
+
+LIGHTNING = LIGHTNING_MODULE + """
 t = L.Trainer(accelerator=sys.argv[3], max_steps=6, default_root_dir=sys.argv[1], logger=False,
               enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
 t.fit(M(), data)
@@ -50,24 +55,8 @@ print(f"end_step={t.global_step} callbacks={[type(c).__name__ for c in t.callbac
 # As Lightning's docs say to resume: a ModelCheckpoint with `save_last=True` saving every 2
 # steps, and `fit(ckpt_path="last")` (argv[4] "last"), or the script's own explicit path to
 # that callback's `last.ckpt` (argv[4] "explicit").
-LIGHTNING_LAST = """
-import os, signal, sys, torch
-import lightning as L
+LIGHTNING_LAST = LIGHTNING_MODULE + """
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-class M(L.LightningModule):
-    def __init__(self):
-        super().__init__(); self.net = nn.Linear(4, 1)
-    def training_step(self, batch, i):
-        if self.global_step == 2 and sys.argv[2] == "signal":
-            os.kill(os.getpid(), signal.SIGUSR1)  # what bv's node agent sends
-        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
-    def on_train_start(self):
-        print(f"start_step={self.global_step}", flush=True)
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-data = DataLoader(TensorDataset(torch.randn(256, 4), torch.randn(256, 1)), batch_size=4)
 dirpath = os.path.join(sys.argv[1], "checkpoints")
 t = L.Trainer(accelerator=sys.argv[3], max_steps=6, default_root_dir=sys.argv[1], logger=False,
               enable_progress_bar=False, enable_model_summary=False,
