@@ -310,6 +310,7 @@ def test_a_zygote_that_dies_is_replaced(env: dict[str, str],
     first = _until("a zygote", lambda: children(server.pid))
     assert isinstance(first, list) and len(first) == 1
     os.kill(first[0], signal.SIGKILL)
+    _until("its replacement", lambda: set(children(server.pid)) - set(first))
     run = _warm_run(env)
     assert run.pid != first[0] and _end(run) == 0
 
@@ -444,3 +445,31 @@ def test_a_script_that_handles_nothing_is_stopped_by_torchruns_sigterm(
     os.kill(run.pid, signal.SIGTERM)
     assert _end(run, 20) == 1
     _until("the ranks' end", lambda: not any(_alive(p) for p in ranks), 10)
+
+
+def test_the_next_zygote_waits_to_import_unless_it_is_handed_over(
+        env: dict[str, str], tmp_path: Path) -> None:
+    """After a handover the step's ranks start on this node: their replacement's import waits
+    (RESPAWN_DELAY_S) rather than take the cores they start on; handed over, it imports at
+    once."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (tmp_path / "marker.py").write_text(
+        f"import os\nopen(os.path.join({str(marks)!r}, str(os.getpid())), 'w').close()\n")
+    proc = subprocess.Popen([sys.executable, "-m", "bluevela.launch.warm", "serve"],
+                            env={**os.environ, **env, warm.PREIMPORT_ENV: "marker",
+                                 "PYTHONPATH": str(tmp_path), "SLURMD_NODENAME": NODE})
+    try:
+        _until("the first zygote's import", lambda: list(marks.iterdir()))
+        first = _warm_run(env)
+        assert _end(first) == 0
+        _until("its replacement", lambda: set(children(proc.pid)) - {first.pid})
+        time.sleep(1.0)  # what must NOT happen within the delay: nothing to poll for
+        assert [p.name for p in marks.iterdir()] == [str(first.pid)]
+        second = _warm_run(env)
+        assert second.how == "warming" and _end(second) == 0
+        assert sorted(p.name for p in marks.iterdir()) == sorted([str(first.pid),
+                                                                  str(second.pid)])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -72,6 +72,9 @@ CONNECT_S = 1.0  # the server's answer is awaited this long, then the agent goes
 READ_S = 10.0  # a zygote waits this long for the request once it holds the connection
 STOP_GRACE_S = 30.0  # SIGTERM to the ranks, SIGKILL this long after (torchrun's 30 s)
 RESPAWN_MAX_S = 30.0
+# A zygote that replaces one just handed over waits this long before its import, unless it is
+# handed over first: the step just started needs the node's cores for its own start.
+RESPAWN_DELAY_S = 10.0
 _HEAD = struct.Struct("!I")
 
 
@@ -468,6 +471,11 @@ def connect(env: Mapping[str, str], node: str) -> WarmRun:
         pass
     if got is not None:
         return WarmRun(got[0], got[1], "warm" if got[2] else "warming")
+    return cold_run()
+
+
+def cold_run() -> WarmRun:
+    """A zygote started here, a child of the agent (it imports as torchrun would)."""
     sock, popen = _cold(os.environ)
     return WarmRun(sock, popen.pid, "cold", popen)
 
@@ -507,7 +515,15 @@ def launch(torchrun: Sequence[str], env: Mapping[str, str], go: Mapping[str, obj
     if isinstance(request, str):
         return request
     run = connect(env, node)
-    send_request(run, request)
+    try:
+        send_request(run, request)
+    except OSError:
+        if run.how == "cold":
+            raise
+        # The warm zygote died between the handover and the request: nothing of this step
+        # runs on this node yet, so a cold one is as good.
+        run = cold_run()
+        send_request(run, request)
     return run
 
 
@@ -696,9 +712,14 @@ def _serve_step(conn: socket.socket, how: str) -> RankJob | int:
     return _watch(conn, got)
 
 
-def zygote(link: int | None, conn_fd: int | None) -> RankJob | int:
+def zygote(link: int | None, conn_fd: int | None, delay: float = 0.0) -> RankJob | int:
     """The zygote's life: import, then one step (on the agent's connection, handed over by
-    the server through `link`, or given at the start: `conn_fd`, a cold start)."""
+    the server through `link`, or given at the start: `conn_fd`, a cold start). With a
+    `delay`, the import waits that long or until a connection is handed over."""
+    if link is not None and delay > 0:
+        import select
+
+        select.select([link], [], [], delay)
     try:
         _preimport(os.environ)
     except Exception as exc:  # noqa: BLE001 - said, and the step told why
@@ -851,10 +872,11 @@ class Server:
         self.sel.register(self.listener, selectors.EVENT_READ)
         self.stopping = False
 
-    def spawn(self) -> None:
+    def spawn(self, delay: float = 0.0) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        wait = ["--delay", f"{delay:g}"] if delay > 0 else []
         try:
-            self.zygote = subprocess.Popen([*zygote_argv(), "--link", str(theirs.fileno())],
+            self.zygote = subprocess.Popen([*zygote_argv(), "--link", str(theirs.fileno()), *wait],
                                            pass_fds=(theirs.fileno(),), start_new_session=True,
                                            stdin=subprocess.DEVNULL)
         except OSError as exc:
@@ -924,7 +946,7 @@ class Server:
                 return
             pid, ready = self.zygote.pid, self.ready
             self._drop_zygote(kill=False)  # the step's now, whatever the agent does next
-            self.spawn()
+            self.spawn(RESPAWN_DELAY_S)
             try:
                 # Said once the zygote holds the connection: it reads nothing before the
                 # request, which the agent sends only after this.
@@ -1037,15 +1059,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             _log(f"no warm server on {node}: {exc}")
             return 1
         return server.run()
+    delay = 0.0
+    if args[:1] == ["zygote"] and len(args) == 5 and args[1] == "--link" and args[3] == "--delay":
+        try:
+            delay = min(3600.0, max(0.0, float(args[4])))
+        except ValueError:
+            delay = 0.0
+        args = args[:3]
     if args[:1] == ["zygote"] and len(args) == 3 and args[1] in ("--link", "--conn") \
             and args[2].isdigit():
         fd = int(args[2])
-        got = zygote(fd if args[1] == "--link" else None, fd if args[1] == "--conn" else None)
+        got = zygote(fd if args[1] == "--link" else None, fd if args[1] == "--conn" else None,
+                     delay)
         if isinstance(got, RankJob):
             run_rank(got)
             return 0
         return got
-    _log("usage: python -m bluevela.launch.warm serve | zygote --link FD | zygote --conn FD")
+    _log("usage: python -m bluevela.launch.warm serve | zygote --link FD [--delay S] | "
+         "zygote --conn FD")
     return 2
 
 
