@@ -6,6 +6,8 @@ cluster running 25.11. Run it in that virtualenv's Python with the cluster on 25
 
 Skipped, with the reason, where pyslurm does not import or was built for another release than
 the cluster's; there the CLI client is the one bv uses (bluevela/slurm/connect.py get_client).
+tests/run-releases runs it on 25.11 in that Python with ``BV_PYSLURM_REQUIRED=1``: there a
+pyslurm that does not import or does not match fails the test, never skips it.
 """
 
 from __future__ import annotations
@@ -24,14 +26,21 @@ from tests.conftest import DevCluster
 pytestmark = pytest.mark.cluster
 
 
+def _not_here(why: str) -> None:
+    """Skip, or fail where the caller asked for pyslurm by name (BV_PYSLURM_REQUIRED=1)."""
+    if os.environ.get("BV_PYSLURM_REQUIRED") == "1":
+        pytest.fail(f"BV_PYSLURM_REQUIRED=1 but {why}")
+    pytest.skip(why)
+
+
 def _pyslurm(cluster: DevCluster) -> Any:
     # libslurm reads SLURM_CONF once, when pyslurm is first imported.
     os.environ["SLURM_CONF"] = cluster.env["SLURM_CONF"]
     try:
         import pyslurm
     except ImportError as exc:
-        pytest.skip(f"pyslurm does not import here ({exc}): run this in "
-                    "/opt/bluevela-ci/pyslurm-venv's Python")
+        _not_here(f"pyslurm does not import here ({exc}): run this in "
+                  "/opt/bluevela-ci/pyslurm-venv's Python")
     return pyslurm
 
 
@@ -59,8 +68,8 @@ def test_pyslurm_client_reads_jobs_as_the_cli_does(devcluster: DevCluster,
     os.environ["PATH"] = devcluster.env.get("PATH", os.environ["PATH"])
     cli = CliSlurmClient(retry_s=0)
     if not pyslurm_matches(cli):
-        pytest.skip(f"pyslurm {pyslurm.__version__} is not built for the cluster's Slurm "
-                    f"{'.'.join(map(str, cli.version()))}")
+        _not_here(f"pyslurm {pyslurm.__version__} is not built for the cluster's Slurm "
+                  f"{'.'.join(map(str, cli.version()))}")
     assert isinstance(get_client(), PySlurmClient)  # what bv picks when they match
     ps = PySlurmClient(fallback=cli)
     jobs = {
