@@ -15,6 +15,8 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -280,29 +282,38 @@ def test_shard_file_faults_are_named(tmp_path: Path) -> None:
         os.close(fd)
 
 
-def test_transfer_with_a_wrong_key_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+@contextmanager
+def _receiving_server(tmp_path: Path, step: int) -> Iterator[tuple[Path, int, tuple[str, int]]]:
+    """A shard server that takes puts into `tmp_path/held` and holds nothing to fetch, and a
+    shard of `step` (rank 0, payload b"abcd") in `tmp_path` to send it: (held, the shard's
+    directory fd, the server's address)."""
     from bluevela.ckpt.partner import ShardServer
 
     held = tmp_path / "held"
     held.mkdir()
     src = os.open(tmp_path, os.O_RDONLY)
-    write_shard(src, "rank-00000.bvck", {"step": 3, "rank": 0, "payload": 4}, [b"abcd"])
+    write_shard(src, "rank-00000.bvck", {"step": step, "rank": 0, "payload": 4}, [b"abcd"])
     server = ShardServer(KEY, lambda step: os.open(held, os.O_RDONLY),
                          lambda step, rank: None, lambda s, r, n: None, 1 << 20, "127.0.0.1")
     try:
-        with pytest.raises(TransferError, match="refused"):
-            send_shard(("127.0.0.1", server.port), b"x" * 32, src, "rank-00000.bvck", 3, 0)
-        assert list(held.iterdir()) == []
-        # The step and rank in the request must be the file's own.
-        with pytest.raises(TransferError, match="refused"):
-            send_shard(("127.0.0.1", server.port), KEY, src, "rank-00000.bvck", 4, 0)
-        assert send_shard(("127.0.0.1", server.port), KEY, src, "rank-00000.bvck", 3, 0) > 0
-        assert [p.name for p in held.iterdir()] == ["rank-00000.bvck"]
-        with pytest.raises(TransferError, match="does not hold it"):
-            fetch_shard(("127.0.0.1", server.port), KEY, 3, 0, src, "x.bvck")
+        yield held, src, ("127.0.0.1", server.port)
     finally:
         server.close()
         os.close(src)
+
+
+def test_transfer_with_a_wrong_key_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    with _receiving_server(tmp_path, 3) as (held, src, addr):
+        with pytest.raises(TransferError, match="refused"):
+            send_shard(addr, b"x" * 32, src, "rank-00000.bvck", 3, 0)
+        assert list(held.iterdir()) == []
+        # The step and rank in the request must be the file's own.
+        with pytest.raises(TransferError, match="refused"):
+            send_shard(addr, KEY, src, "rank-00000.bvck", 4, 0)
+        assert send_shard(addr, KEY, src, "rank-00000.bvck", 3, 0) > 0
+        assert [p.name for p in held.iterdir()] == ["rank-00000.bvck"]
+        with pytest.raises(TransferError, match="does not hold it"):
+            fetch_shard(addr, KEY, 3, 0, src, "x.bvck")
 
 
 def test_a_fetch_refuses_a_size_over_its_bound_before_reading(tmp_path: Path) -> None:
@@ -404,46 +415,37 @@ def test_garbage_and_idle_clients_do_not_stop_the_server(tmp_path: Path) -> None
     import socket
 
     from bluevela.ckpt import partner
-    from bluevela.ckpt.partner import ShardServer
 
-    held = tmp_path / "held"
-    held.mkdir()
-    src = os.open(tmp_path, os.O_RDONLY)
-    write_shard(src, "rank-00000.bvck", {"step": 1, "rank": 0, "payload": 4}, [b"abcd"])
-    server = ShardServer(KEY, lambda step: os.open(held, os.O_RDONLY),
-                         lambda step, rank: None, lambda s, r, n: None, 1 << 20, "127.0.0.1")
-    addr = ("127.0.0.1", server.port)
     idle: list[socket.socket] = []
-    try:
-        with socket.create_connection(addr, timeout=5) as s:  # a line far over the cap
-            s.recv(100)
-            s.sendall(b"x" * 10_000 + b"\n")
-            assert s.recv(100).startswith(b"err ")
-        assert send_shard(addr, KEY, src, "rank-00000.bvck", 1, 0) > 0
-        # Connections that say nothing hold a slot each until their deadline; over the cap
-        # a new one is closed at once (the sender fails fast and takes the next place).
-        idle = [socket.create_connection(addr, timeout=5) for _ in range(partner.MAX_CONN)]
-        for s in idle:
-            s.recv(100)
-        with pytest.raises(TransferError):
-            send_shard(addr, KEY, src, "rank-00000.bvck", 1, 0)
-        for s in idle:
-            s.close()
-        for _ in range(50):  # the slots come back as the server sees the closes
-            try:
-                assert send_shard(addr, KEY, src, "rank-00000.bvck", 1, 0) > 0
-                break
-            except TransferError:
-                import time
+    with _receiving_server(tmp_path, 1) as (_held, src, addr):
+        try:
+            with socket.create_connection(addr, timeout=5) as s:  # a line far over the cap
+                s.recv(100)
+                s.sendall(b"x" * 10_000 + b"\n")
+                assert s.recv(100).startswith(b"err ")
+            assert send_shard(addr, KEY, src, "rank-00000.bvck", 1, 0) > 0
+            # Connections that say nothing hold a slot each until their deadline; over the cap
+            # a new one is closed at once (the sender fails fast and takes the next place).
+            idle = [socket.create_connection(addr, timeout=5) for _ in range(partner.MAX_CONN)]
+            for s in idle:
+                s.recv(100)
+            with pytest.raises(TransferError):
+                send_shard(addr, KEY, src, "rank-00000.bvck", 1, 0)
+            for s in idle:
+                s.close()
+            for _ in range(50):  # the slots come back as the server sees the closes
+                try:
+                    assert send_shard(addr, KEY, src, "rank-00000.bvck", 1, 0) > 0
+                    break
+                except TransferError:
+                    import time
 
-                time.sleep(0.1)
-        else:
-            raise AssertionError("the server did not recover its slots")
-    finally:
-        for s in idle:
-            s.close()
-        server.close()
-        os.close(src)
+                    time.sleep(0.1)
+            else:
+                raise AssertionError("the server did not recover its slots")
+        finally:
+            for s in idle:
+                s.close()
 
 
 def test_config_from_site_and_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
