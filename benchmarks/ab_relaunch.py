@@ -9,6 +9,9 @@ agent starts them:
 
 - old (9058adc): ``torchrun`` as found on PATH, the rendezvous id and endpoint as flags, the
   environment as it is (``PYTHONPATH`` the old checkout);
+- ``--as-agent`` (issue 37): both sides exactly as their checkout's agent starts torchrun
+  (``supervisor.torchrun_step_argv``: static or c10d; ``rdzv_guard.torchrun_start``; the
+  go's node rank where static), so that two bv commits compare;
 - new: the argv of the new checkout's ``rdzv_guard.guarded_argv`` (torchrun through the guard),
   the environment of its ``runtime.world.training_env`` (the start-up hook first on
   ``PYTHONPATH``, ``BV_INTEGRATIONS=1``) and the rendezvous in ``PET_RDZV_ID`` /
@@ -77,6 +80,25 @@ sys.stdout.write(f"rank={rank} attempt=2 resumed_from_step=0\n"); sys.stdout.flu
 mark("resumed")
 dist.barrier()
 dist.destroy_process_group()
+'''
+
+# What a checkout's own agent runs (the supervisor's step argv, the guard, the node's part in
+# the rendezvous: is_host, and the go's node rank where the step is static): printed as JSON
+# by a child importing that checkout (--as-agent: both sides; issue 37).
+AGENT_SIDE = r'''
+import json, os, sys
+from bluevela.launch import agent
+from bluevela.launch.rdzv_guard import torchrun_start
+from bluevela.launch.supervisor import torchrun_step_argv
+from bluevela.runtime.world import training_env
+base, node, port = json.loads(sys.argv[1])
+argv = torchrun_step_argv(base, ["n0", "n1"])
+start = torchrun_start(argv, host=node == 0, env=os.environ)
+static = getattr(agent, "STATIC_FLAG", None) in argv
+where = (agent.endpoint_env("127.0.0.1", port, node) if static
+         else agent.endpoint_env("127.0.0.1", port))
+print(json.dumps({"argv": start.argv,
+                  "env": {**training_env(os.environ, argv), **start.env, **where}}))
 '''
 
 # What the new checkout's agent would run: printed as JSON by a child importing that checkout.
@@ -156,7 +178,14 @@ def _clean_env(checkout: Path) -> dict[str, str]:
 
 
 def commands(side: str, checkout: Path, script: Path, port: int, node: int,
-             rdzv_id: str) -> tuple[list[str], dict[str, str]]:
+             rdzv_id: str, as_agent: bool = False) -> tuple[list[str], dict[str, str]]:
+    if as_agent:
+        base = ["torchrun", "--nproc-per-node=1", "--max-restarts=0", str(script)]
+        out = subprocess.run([sys.executable, "-P", "-c", AGENT_SIDE,
+                              json.dumps([base, node, port])], env=_clean_env(checkout),
+                             check=True, capture_output=True, text=True).stdout
+        made = json.loads(out)
+        return made["argv"], {**made["env"], "PET_RDZV_ID": rdzv_id}
     conf = f"--rdzv-conf=is_host={1 if node == 0 else 0}"
     base = ["torchrun", "--nnodes=2", "--rdzv-backend=c10d", conf, "--nproc-per-node=1",
             "--max-restarts=0", str(script)]
@@ -171,9 +200,11 @@ def commands(side: str, checkout: Path, script: Path, port: int, node: int,
                           "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}"}
 
 
-def run_once(side: str, checkout: Path, script: Path, n: int) -> dict[str, float]:
+def run_once(side: str, checkout: Path, script: Path, n: int,
+             as_agent: bool = False) -> dict[str, float]:
     port = free_port()
-    cmds = [commands(side, checkout, script, port, node, f"bench{n}") for node in (0, 1)]
+    cmds = [commands(side, checkout, script, port, node, f"bench{n}", as_agent)
+            for node in (0, 1)]
     marks: dict[str, float] = {}
     cpu: dict[str, float] = {}  # CPU seconds: torchrun's own at its rank's exec, the rank's
     lines: list[str] = []
@@ -256,6 +287,9 @@ def main() -> int:
     ap.add_argument("--old", type=Path, required=True)
     ap.add_argument("--new", type=Path, default=REPO)
     ap.add_argument("--pairs", type=int, default=6)
+    ap.add_argument("--as-agent", action="store_true",
+                    help="both sides as their checkout's node agent starts torchrun (the old "
+                         "side too: its guard, its rendezvous backend)")
     args = ap.parse_args()
     if shutil.which("torchrun") is None:
         print("no torchrun on PATH", file=sys.stderr)
@@ -270,7 +304,8 @@ def main() -> int:
             got = {}
             for side in order:
                 checkout = args.old if side == "old" else args.new
-                got[side] = run_once(side, checkout, script, pair * 2 + (side == "new"))
+                got[side] = run_once(side, checkout, script, pair * 2 + (side == "new"),
+                                     args.as_agent)
                 runs[side].append(got[side])
             r_old = max(got["old"][f"resumed.{i}"] for i in (0, 1))
             r_new = max(got["new"][f"resumed.{i}"] for i in (0, 1))

@@ -110,6 +110,7 @@ class AgentModel:
     sock: socket.socket | None = None
     chan: Channel | None = None
     got: list[str] = field(default_factory=list)  # what the supervisor told it, in order
+    gos: list[dict[str, object]] = field(default_factory=list)  # its go messages, whole
     started = False
     usr1 = False
     gone = False  # dead, muted, or exited (its channel closed)
@@ -137,6 +138,8 @@ class AgentModel:
         for msg in self.chan.receive() or []:
             kind = str(msg.get("t"))
             self.got.append(kind)
+            if kind == "go":
+                self.gos.append(msg)
             if kind == "go" and "abort" not in self.got:
                 self.started = True
                 if self.usr1:

@@ -94,9 +94,9 @@ def test_hostile_values_run_nothing(value: str, tmp_path: Path) -> None:
     argv = out.read_bytes().decode().split("\0")[:-1]
     tail = argv[argv.index(f"dir {value}/train.py"):]
     assert tail == [f"dir {value}/train.py", value, "--x", value]
-    # c10d; nothing that names the store (id, endpoint, its node) on srun's argv: those go in
-    # the environment (issue 23).
-    assert "--rdzv-backend=c10d" in argv and "77" not in argv
+    # torch's static rendezvous (issue 37; --max-restarts 0); nothing that names the store
+    # (id, endpoint, its node) on srun's argv: those go in the environment (issue 23).
+    assert "--rdzv-backend=static" in argv and "77" not in argv
     assert not any(a.startswith(("--rdzv-endpoint", "--rdzv-id", "--rdzv-node")) for a in argv)
     assert "-P" in argv[:argv.index("bluevela.launch.agent")]
     assert Path(f"{out}.env").read_text() == value

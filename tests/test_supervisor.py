@@ -23,7 +23,13 @@ from bluevela.launch.attempts import END as END_RE
 from bluevela.launch.attempts import History, banner, end_line, previous_cause, read_history
 from bluevela.launch.policy import choose_nodes
 from bluevela.launch.proctree import catches
-from bluevela.launch.supervisor import new_rdzv_id, ranks_bound, rdzv_env, torchrun_step_argv
+from bluevela.launch.supervisor import (
+    max_restarts,
+    new_rdzv_id,
+    ranks_bound,
+    rdzv_env,
+    torchrun_step_argv,
+)
 from bluevela.launch.watchdog import RankBeat, find_hang
 from bluevela.protocol.channel import Channel, challenge_line
 from bluevela.protocol.keys import SECRET_ENV, beat_key, derive, mac, new_secret
@@ -67,9 +73,17 @@ def test_choose_nodes_spare_then_shrink_then_none() -> None:
 def test_torchrun_argv_per_step() -> None:
     base = ["torchrun", "--nproc-per-node=2", "--max-restarts=0", "train.py", "--x"]
     # The id and the endpoint name the store: the environment only (argv is world-readable).
+    # torch's static rendezvous: the supervisor knows the world, no join loop (issue 37)
     assert torchrun_step_argv(base, ["n3", "n4"]) == [
-        "torchrun", "--nnodes=2", "--rdzv-backend=c10d", "--nproc-per-node=2",
+        "torchrun", "--nnodes=2", "--rdzv-backend=static", "--nproc-per-node=2",
         "--max-restarts=0", "train.py", "--x"]
+    # In-place restarts need c10d's new round (static restarts one node's workers alone).
+    for restarts in (["--max-restarts=2"], ["--max_restarts", "1"], ["--max-restarts=0",
+                                                                     "--max-restarts=3"]):
+        argv = torchrun_step_argv(["torchrun", *restarts, "train.py"], ["n1"])
+        assert argv[:3] == ["torchrun", "--nnodes=1", "--rdzv-backend=c10d"], argv
+    assert max_restarts(["torchrun", "--max-restarts=3", "--max-restarts=0"]) == 0
+    assert max_restarts(["torchrun", "--max-restarts"]) == 0 == max_restarts(["torchrun"])
     rdzv_id = new_rdzv_id()
     assert re.fullmatch(r"[0-9a-f]{32}", rdzv_id) and new_rdzv_id() != rdzv_id  # 128 bits
     assert rdzv_env(rdzv_id, "n3") == {"PET_RDZV_ID": rdzv_id, "BV_RDZV_NODE": "n3"}

@@ -78,13 +78,20 @@ SUPERVISOR_ENV = "BV_SUPERVISOR"  # HOST:PORT of the supervisor's line channel
 # torchrun's rendezvous, in the environment only (/proc/PID/environ: the owner and root).
 RDZV_ENDPOINT_ENV = "PET_RDZV_ENDPOINT"
 RDZV_NODE_ENV = "BV_RDZV_NODE"  # the step's first node, where the store runs
+NODE_RANK_ENV = "PET_NODE_RANK"  # torchrun's --node-rank: this node's place in the step (go)
+STATIC_FLAG = "--rdzv-backend=static"  # on torchrun's argv: the supervisor's choice per step
 PING_S = 1.0
 PING_ENV = "BV_PING_S"  # seconds between pings (the supervisor's, from its node timeout)
 TICK_S = 0.2
 CONNECT_FOR_S = 30.0
 # An aborted step is broken (a peer is gone, or it hangs): no checkpoint can complete, so
-# torchrun's SIGTERM is followed by SIGKILL to everything under it soon after.
-ABORT_KILL_S = 0.5
+# torchrun's SIGTERM is followed by SIGKILL to everything under it soon after (bv's ranks
+# take SIGTERM as a checkpoint request and hold on up to their grace: nothing to wait for).
+# Issue 37: 0.5 s before, the largest part of a crash's step end.
+ABORT_KILL_S = 0.1
+# While aborting, the loop looks at torchrun this often (else every TICK_S): its end is the
+# step's end on this node, and nothing else wakes the loop for it.
+ABORT_TICK_S = 0.02
 # A node with a worker that never installed a SIGUSR1 handler gets torchrun's own stop
 # (SIGTERM to torchrun: forwarded to the workers, SIGKILL 30 s later), never SIGUSR1's kill:
 # after 30 s, the job's BV_USR1_WAIT_S, or what its time left allows (usr1_wait.py).
@@ -99,10 +106,28 @@ def agent_argv() -> list[str]:
     return [sys.executable, "-P", "-m", "bluevela.launch.agent", "--"]
 
 
-def endpoint_env(host: str, port: int) -> dict[str, str]:
-    """torchrun's ``--rdzv-endpoint``, through the environment (the agent adds it once the
-    rendezvous node's agent has found a free port there)."""
-    return {RDZV_ENDPOINT_ENV: f"{host}:{port}"}
+def endpoint_env(host: str, port: int, node_rank: int | None = None) -> dict[str, str]:
+    """torchrun's ``--rdzv-endpoint`` (the agent adds it once the rendezvous node's agent has
+    found a free port there) and, for its static rendezvous, ``--node-rank``: through the
+    environment."""
+    env = {RDZV_ENDPOINT_ENV: f"{host}:{port}"}
+    if node_rank is not None:
+        env[NODE_RANK_ENV] = str(node_rank)
+    return env
+
+
+def parse_go(msg: Mapping[str, object]) -> tuple[int, int | None, int | None] | None:
+    """A ``go``'s (port, node rank, node count), or None when it is malformed (then it is
+    ignored, as a go without a port always was). The supervisor sends all three (issue 37:
+    torch's static rendezvous); a go without the rank and count starts torchrun without them."""
+    port, rank, nnodes = msg.get("port"), msg.get("node_rank"), msg.get("nnodes")
+    if type(port) is not int or not 1 <= port <= 65535:
+        return None
+    if rank is None and nnodes is None:
+        return port, None, None
+    if type(rank) is not int or type(nnodes) is not int or not 0 <= rank < nnodes:
+        return None
+    return port, rank, nnodes
 
 
 def free_port() -> int:
@@ -343,6 +368,8 @@ class Agent:
         self.code = 1  # the exit status, once DONE
         # torchrun once the supervisor says go (or the warm start's ranks: launch/warm.py)
         self.proc: subprocess.Popen[bytes] | warm.WarmRun | None = None
+        self.node_rank: int | None = None  # this node's place in the step, from go
+        self.nnodes: int | None = None  # the step's node count, from go
         self.want_usr1 = False
         self.usr1_at: float | None = None
         self.signalled: set[int] = set()  # workers sent SIGUSR1
@@ -360,7 +387,8 @@ class Agent:
     def run(self) -> int:
         sel = self._install()
         while self.phase is not Phase.DONE:
-            self._tick({key.fileobj for key, _ in sel.select(TICK_S)})
+            tick = ABORT_TICK_S if self.phase is Phase.ABORTING else TICK_S
+            self._tick({key.fileobj for key, _ in sel.select(tick)})
         return self.code
 
     def _install(self) -> selectors.BaseSelector:
@@ -439,8 +467,9 @@ class Agent:
                 _log(f"agent on {safe_name(self.node)}: a checkpoint request with a bad "
                      "left_s: ignored")
         elif kind == "go" and self.phase is Phase.WAITING:
-            port = msg.get("port")
-            if isinstance(port, int) and 1 <= port <= 65535:
+            go = parse_go(msg)
+            if go is not None:
+                port, self.node_rank, self.nnodes = go
                 self._start(port)
         elif kind == "abort" and self.phase in (Phase.WAITING, Phase.RUNNING):
             self.phase = Phase.ABORTING
@@ -466,7 +495,7 @@ class Agent:
             self.proc = subprocess.Popen(
                 start.argv, start_new_session=True,
                 env={**training_env(self.env, self.torchrun), **start.env,
-                     **endpoint_env(self.rdzv_node, port), **self._beat_env()})
+                     **endpoint_env(self.rdzv_node, port, self.static_rank()), **self._beat_env()})
         except OSError as exc:
             # A missing or unrunnable torchrun is the step's failure (the shell's 127/126),
             # not a lost node: no relaunch or requeue would mend it.
@@ -504,6 +533,11 @@ class Agent:
         self.proc = run
         self.phase = Phase.RUNNING
         return True
+
+    def static_rank(self) -> int | None:
+        """The node rank torchrun is told: with the static rendezvous only (c10d, kept for
+        --max-restarts, assigns its own and warns about one given)."""
+        return self.node_rank if STATIC_FLAG in self.torchrun else None
 
     def _beat_env(self) -> dict[str, str]:
         """The ranks beat to this agent; their checkpoint datagrams go to the supervisor."""

@@ -34,6 +34,17 @@ guard, once torchrun's main has returned, adds itself to a count in the store
 c10d backend made, `hold_store`) until that count reaches ``--nnodes`` or ``LINGER_S`` passes.
 A one-node step, or torchrun ended by a failure or a signal, does not wait.
 
+Since issue 37 bv starts torchrun with torch's STATIC rendezvous (``--rdzv-backend=static``,
+each node's rank from the supervisor's ``go`` in ``PET_NODE_RANK``, the store at the endpoint):
+the supervisor knows the step's world, so no join loop polls the store once a second. That
+rendezvous keeps no pickled state (its agents put JSON role infos and a barrier count in the
+store), so the allow-listed unpickler is installed only for c10d, which bv still uses for a
+step with ``--max-restarts`` above 0 (supervisor.torchrun_step_argv says why). What still
+matters with static, and stays: the store's host is named, not guessed (node rank 0, the
+step's first node: its TCPStore binds the port or torchrun fails; every other node is a
+client), and the store outlives the other nodes' exit barrier (the static handler makes the
+store and keeps it: `hold_static_store`, then the same `finish_rendezvous`).
+
 torch is imported in `main` only: the node agent imports `guarded_argv` (standard library).
 """
 
@@ -60,6 +71,7 @@ ALLOWED = frozenset({
     ("datetime", "timedelta"),
 })
 C10D_BACKEND_MODULE = "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend"
+STATIC_MODULE = "torch.distributed.elastic.rendezvous.static_tcp_rendezvous"
 # How long the host's guard keeps the store for nodes that have not finished their shutdown:
 # they passed the same exit barrier, so they are milliseconds behind unless one died since.
 LINGER_S = 10.0
@@ -207,12 +219,51 @@ def _count(store: Any, key: str) -> int:
         return 0
 
 
-def _fixed_nnodes(torchrun_args: Sequence[str]) -> int:
-    """torchrun's ``--nnodes`` when it is one number (bv's supervisor passes one), else 0."""
+def hold_static_store(held: list[HeldStore]) -> list[Any]:
+    """The same for torch's static rendezvous (issue 37): its handler makes the store (the
+    server where its node rank is 0: the step's first node, named by bv) at its first
+    rendezvous and keeps it. Returns the list the handlers made in this process are added
+    to; `held_static` reads their stores once torchrun's main has returned. An empty list
+    stays empty when this torch makes its static handler another way."""
+    import importlib
+
+    module = importlib.import_module(STATIC_MODULE)
+    made: list[Any] = []
+    create = getattr(module, "create_rdzv_handler", None)
+    if create is None:
+        return made
+
+    def create_and_keep(params: Any) -> Any:
+        handler = create(params)
+        made.append(handler)
+        return handler
+
+    module.create_rdzv_handler = create_and_keep  # type: ignore[attr-defined]
+    return made
+
+
+def held_static(handlers: Sequence[Any]) -> list[HeldStore]:
+    """The stores the static handlers in `handlers` made (none before their rendezvous)."""
+    return [HeldStore(h._store, str(h.run_id), int(h.rank) == 0)
+            for h in handlers if getattr(h, "_store", None) is not None]
+
+
+@dataclasses.dataclass(frozen=True)
+class RdzvArgs:
+    """What the guard reads of torchrun's own options."""
+
+    backend: str
+    nnodes: int  # ``--nnodes`` when it is one number (bv's supervisor passes one), else 0
+
+
+def rdzv_args(torchrun_args: Sequence[str]) -> RdzvArgs:
+    """torchrun's rendezvous backend and fixed node count, as its own parser reads them
+    (its ``PET_*`` environment included)."""
     from torch.distributed.run import parse_args, parse_min_max_nnodes
 
-    low, high = parse_min_max_nnodes(parse_args(list(torchrun_args)).nnodes)
-    return int(high) if low == high else 0
+    args = parse_args(list(torchrun_args))
+    low, high = parse_min_max_nnodes(args.nnodes)
+    return RdzvArgs(str(args.rdzv_backend), int(high) if low == high else 0)
 
 
 # The line a console-script launcher runs its Python with when a #! line cannot (the path is
@@ -378,19 +429,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args:
         sys.stderr.write("bv rdzv_guard: no torchrun command\n")
         return 2
-    install()
+    rdzv = rdzv_args(args[1:])
     held: list[HeldStore] = []
-    if not hold_store(held) and os.environ.get(HOST_ENV) in ("0", "1"):
-        sys.stderr.write("bv rdzv_guard: this torch makes its c10d store another way: the "
-                         "store's host is torch's guess, not bv's (a taken port is joined)\n")
+    handlers: list[Any] = []
+    if rdzv.backend == "static":
+        # No pickled state: the static rendezvous keeps none (the agents exchange JSON role
+        # infos and a barrier count in the store). The store's host is node rank 0, named by
+        # bv's go; only the linger below still matters.
+        handlers = hold_static_store(held)
+    else:
+        install()
+        if not hold_store(held) and os.environ.get(HOST_ENV) in ("0", "1"):
+            sys.stderr.write("bv rdzv_guard: this torch makes its c10d store another way: the "
+                             "store's host is torch's guess, not bv's (a taken port is "
+                             "joined)\n")
     from torch.distributed.run import main as torchrun_main
 
     sys.argv = [args[0], *args[1:]]
     result = torchrun_main(args[1:])
     # Only a torchrun that returned: a failure or a signal ends without waiting for anyone.
-    nnodes = _fixed_nnodes(args[1:]) if held else 0
-    if nnodes > 1:
-        note = finish_rendezvous(held[0], nnodes)
+    held += held_static(handlers)
+    if rdzv.nnodes > 1 and held:
+        note = finish_rendezvous(held[0], rdzv.nnodes)
         if note:
             sys.stderr.write(note)
     return int(result) if isinstance(result, int) else 0

@@ -83,7 +83,18 @@ def export_lines(env: tuple[tuple[str, str], ...]) -> list[str]:
 
 
 RDZV_FLAGS = ("--rdzv-id", "--rdzv_id", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-backend",
-              "--rdzv_backend", "--standalone", "--nnodes")
+              "--rdzv_backend", "--standalone", "--nnodes",
+              # torch's static rendezvous (issue 37): bv names each node's rank and the store
+              "--node-rank", "--node_rank", "--master-addr", "--master_addr", "--master-port",
+              "--master_port")
+
+
+def rdzv_flag(word: str) -> bool:
+    """Whether `word` of the torchrun command sets the rendezvous: one of `RDZV_FLAGS`, or an
+    abbreviation argparse would take for one (torchrun's parser allows them: ``--node-r=1``)."""
+    name = word.split("=", 1)[0]
+    return name.startswith(RDZV_FLAGS) or (
+        len(name) > 3 and name.startswith("--") and any(f.startswith(name) for f in RDZV_FLAGS))
 
 
 @dataclass(frozen=True)
@@ -205,7 +216,7 @@ class SubmitRequest:
         for word in self.torchrun:
             # bv hands the rendezvous to torchrun per step, in the environment; a flag here
             # would override it (and put the store's name back on a world-readable argv).
-            if word.startswith(RDZV_FLAGS):
+            if rdzv_flag(word):
                 raise LaunchError(f"the torchrun command (site.yaml launch.torchrun) must not "
                                   f"set {word.split('=', 1)[0]}: bv sets the rendezvous per step")
         self._validate_resilience()
@@ -304,8 +315,9 @@ class SubmitRequest:
         return opts
 
     def torchrun_argv(self) -> list[str]:
-        """torchrun's argv as the supervisor receives it; it adds --nnodes and the c10d
-        rendezvous flags per step (first node of the step, which may be a spare)."""
+        """torchrun's argv as the supervisor receives it; it adds --nnodes and the rendezvous
+        backend per step (static; c10d with --max-restarts above 0: supervisor
+        torchrun_step_argv), the store on the step's first node (which may be a spare)."""
         argv = [
             *self.torchrun,
             f"--nproc-per-node={self.nproc_per_node}",

@@ -334,6 +334,15 @@ class StepState:
         self.progress[rank] = INF if beat.finished else beat.last_progress
 
 
+def go_message(st: StepState, node: str, port: int) -> dict[str, object]:
+    """What tells `node`'s agent to start torchrun: the store's port (on the step's first
+    node) and, since torch's static rendezvous needs no join (issue 37), the node's place in
+    the step (its node rank: its index in the step's node list, the store's host 0) and the
+    step's node count. Sent once the port is known (`StepState.rdzv_port`)."""
+    return {"t": "go", "port": port, "node_rank": st.node_index[node],
+            "nnodes": len(st.nodes)}
+
+
 class StepPhase(enum.Enum):
     """Where a step is. A phase changes only as `STEP_TRANSITIONS` allows (`Step._to`)."""
 
@@ -590,7 +599,10 @@ class Step:
             return
         for node in awaited:
             st.lost[node] = Loss.no_abort_answer()
-        reap(self.srun, 0.5)
+        # srun ends on its own once every node's agent has: not with a node lost (it waits
+        # for that node's tasks), so it is killed at once then (issue 37: 0.5 s of every
+        # crash's step end was this wait, always in vain).
+        reap(self.srun, 0.0 if st.lost else 0.5)
         hang = self.hang
         kind, rc, cause = self._ended_how(hang)
         self._done(StepResult(kind, rc, cause, dict(st.lost), hang.beat.node if hang else None,
@@ -821,7 +833,7 @@ class Step:
                 for c in st.conns if node == st.nodes[0] else [conn]:
                     if c.node is not None and not c.go_sent and not c.aborted \
                             and not c.closed:
-                        c.send({"t": "go", "port": st.rdzv_port})
+                        c.send(go_message(st, c.node, st.rdzv_port))
                         c.go_sent = True
             if self.phase is StepPhase.SIGNALLED:
                 conn.send(self._usr1_request())

@@ -71,6 +71,7 @@ from bluevela.launch.agent import (
     PING_ENV,
     RDZV_ENDPOINT_ENV,
     RDZV_NODE_ENV,
+    STATIC_FLAG,
     SUPERVISOR_ENV,
     agent_argv,
 )
@@ -123,6 +124,9 @@ ATTEMPT_ENV = "BV_ATTEMPT"
 UNSET_ON_RESIZE = ("SLURM_NPROCS", "SLURM_NTASKS", "SLURM_TASKS_PER_NODE")
 # torchrun's rendezvous, in the environment only (/proc/PID/environ: the owner and root).
 RDZV_ID_ENV = "PET_RDZV_ID"
+# torchrun's static rendezvous from the environment: the agent sets the node's rank; the
+# store's address is the endpoint. A job's own values would make another node the host.
+STATIC_ENV = ("PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
 REQUEUE_WAIT_S = 300.0  # after a requeue, for Slurm's SIGTERM
 
 
@@ -131,10 +135,34 @@ REQUEUE_WAIT_S = 300.0  # after a requeue, for Slurm's SIGTERM
 
 
 def torchrun_step_argv(base: Sequence[str], nodes: Sequence[str]) -> list[str]:
-    """torchrun's argv for one step: the node count and the c10d backend inserted after the
-    program word. Nothing that names the rendezvous store is on it (argv is world-readable in
-    /proc): its id and endpoint go in the environment (`rdzv_env`, `agent.endpoint_env`)."""
-    return [base[0], f"--nnodes={len(nodes)}", "--rdzv-backend=c10d", *base[1:]]
+    """torchrun's argv for one step: the node count and the rendezvous backend inserted after
+    the program word. Nothing that names the rendezvous store is on it (argv is world-readable
+    in /proc): its id and endpoint go in the environment (`rdzv_env`, `agent.endpoint_env`),
+    and each node's rank with the agent's ``go`` (``PET_NODE_RANK``).
+
+    The backend is torch's static rendezvous (issue 37): the supervisor knows the step's
+    world (its nodes in order, the store on the first), so each torchrun is told its node rank
+    and the first node's agent makes the store; no join loop polls it once a second. A command
+    with ``--max-restarts`` above 0 keeps c10d: a static rendezvous does not restart the other
+    nodes' workers with a failed node's (its ``num_nodes_waiting`` is always 0, and a restart
+    meets no barrier), so the restarted ranks' process group can form without their peers and
+    fail (gloo's connect gives up) where c10d's new round restarts every node together."""
+    backend = "--rdzv-backend=c10d" if max_restarts(base) > 0 else STATIC_FLAG
+    return [base[0], f"--nnodes={len(nodes)}", backend, *base[1:]]
+
+
+def max_restarts(argv: Sequence[str]) -> int:
+    """torchrun's ``--max-restarts`` in `argv` (either spelling, ``=N`` or a separate word;
+    the last one wins, as argparse's); 0 when absent or not a number."""
+    found = 0
+    for i, word in enumerate(argv):
+        name, eq, value = word.partition("=")
+        if name not in ("--max-restarts", "--max_restarts"):
+            continue
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        found = int(value) if value.isdigit() else 0
+    return found
 
 
 def new_rdzv_id() -> str:
@@ -290,7 +318,7 @@ class Supervisor:
         self.opts = opts
         self.env = dict(os.environ if env is None else env)
         # A step's secret and rendezvous are made by run_step, never inherited.
-        for name in (SECRET_ENV, RDZV_ID_ENV, RDZV_ENDPOINT_ENV, RDZV_NODE_ENV):
+        for name in (SECRET_ENV, RDZV_ID_ENV, RDZV_ENDPOINT_ENV, RDZV_NODE_ENV, *STATIC_ENV):
             self.env.pop(name, None)
         self.job = self.env.get("SLURM_JOB_ID", "0")
         self.host = socket.gethostname()
