@@ -9,8 +9,9 @@ free port for the c10d store on the rendezvous node), pings (every ``BV_PING_S``
 supervisor's fifth of its node timeout; else every second), and moves through
 four phases:
 
-- WAITING: no torchrun yet. ``go`` (with the store's port) starts torchrun; ``abort`` ends
-  the agent with 1.
+- WAITING: no torchrun yet. ``go`` (with the store's port, this node's rank in the step and
+  the node count: torch's static rendezvous, issue 37) starts torchrun; ``abort`` ends the
+  agent with 1.
 - RUNNING: torchrun runs. ``usr1`` (or a SIGUSR1 from srun) sends SIGUSR1 to every worker
   once it handles it (a worker that never does gets torchrun's SIGTERM stop after the wait
   of bluevela/launch/usr1_wait.py: ``BV_USR1_WAIT_S``, else what the job's time left allows

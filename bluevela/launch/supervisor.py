@@ -6,8 +6,9 @@
 It runs one training STEP at a time: ``srun`` starts one *node agent* per node
 (bluevela/launch/agent.py), each agent keeps a TCP connection to the supervisor (hello, a ping
 every fifth of the node timeout, 1-5 s, its exit status) and runs ``torchrun`` once told the rendezvous port. The
-supervisor adds torchrun's rendezvous flags per step: c10d on the step's first node, on a port
-that node's agent found free there. What it does (docs/resilience.md, "What bv does inside
+supervisor adds torchrun's rendezvous per step: torch's static rendezvous (c10d with
+``--max-restarts`` above 0), the store on the step's first node, on a port that node's agent
+found free there, each node told its rank with the go. What it does (docs/resilience.md, "What bv does inside
 the job"):
 
 - Only the step's own processes can speak to it (bluevela/launch/step.py, over
