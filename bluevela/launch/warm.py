@@ -16,8 +16,8 @@ Three processes, all the job's user's:
   the step once imported: sooner than a cold one started then, importing beside it). A
   zygote that dies is replaced (backing off to 30 s while they keep dying); while there is
   none it answers ``none`` at once.
-- the ZYGOTE (``... warm zygote``): imports torch (``BV_WARM_PREIMPORT``, comma-separated;
-  no CUDA, no process group), then waits for one connection. It serves ONE step: reads the
+- the ZYGOTE (``... warm zygote``): imports torch and torch._dynamo (``BV_WARM_PREIMPORT``,
+  comma-separated; no CUDA, no process group), then waits for one connection. It serves ONE step: reads the
   agent's request (bounded, with the agent's stdout and stderr as descriptors), forks the
   node's local ranks and watches them as torchrun's agent would: the first rank that fails
   ends the others (SIGTERM, SIGKILL `STOP_GRACE_S` later), a SIGTERM to it is forwarded to
@@ -64,7 +64,9 @@ from dataclasses import dataclass
 WARM_ENV = "BV_WARM_START"  # "1": the job runs its ranks through the warm start
 DIR_ENV = "BV_WARM_DIR"  # where the servers' sockets are (default: /tmp/bv-warm-<uid>)
 PREIMPORT_ENV = "BV_WARM_PREIMPORT"  # modules a zygote imports before it is needed
-DEFAULT_PREIMPORT = "torch"
+# torch._dynamo: DistributedDataParallel imports it (and sympy: 800+ modules, ~3 s on a busy
+# dev cluster) at its first construction, in every rank of every relaunch.
+DEFAULT_PREIMPORT = "torch,torch._dynamo"
 HOW_ENV = "BV_WARM_HOW"  # in each rank: "warm" (the node's warm parent) or "cold"
 MAX_MSG = 1 << 20  # one message's bytes at most (a request holds the step's environment)
 MAX_RANKS = 1024  # local ranks one request may ask for
