@@ -46,20 +46,10 @@ def _run_crash(cluster: DevCluster, workdir: Path, site: Path,
                options: Sequence[str] = ()) -> tuple[str, str, str]:
     """Submit (with `options`), crash the second node at step 9, wait for the end. (output,
     crashed node, job id). `before_crash`: a command run just before the crash."""
-    workdir.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bluevela", "submit", "--wait", "-N", "2", "--procs-per-node",
-         "1", *options, str(REPO / "examples" / "train_ddp.py"), "--ckpt-dir", str(workdir / "ckpt"),
-         "--steps", "24", "--step-s", "0.4", "--ckpt-every", "4"],
-        cwd=workdir, env=cluster.environ(BV_SITE=str(site)), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+    proc = submit_ddp(cluster, workdir, site, steps=24, options=options)
     crashed: str | None = None
     try:
-        _wait_for("step=9 of attempt 1", lambda: "step=9 attempt=1" in _output(workdir), 150,
-                  proc)
-        first = BANNER.search(_output(workdir))
-        assert first is not None
-        crashed = hostlist.expand_hostlist(first.group(3))[1]
+        job, crashed = second_node_at_step_9(workdir, proc)
         if before_crash:
             cluster.run(before_crash)
         cluster.run([sys.executable, str(DEVCLUSTER), "crash", crashed])
@@ -71,7 +61,30 @@ def _run_crash(cluster: DevCluster, workdir: Path, site: Path,
         if crashed is not None:
             cluster.run([sys.executable, str(DEVCLUSTER), "revive", crashed], check=False)
     text = _output(workdir)
-    return text, crashed, first.group(2)
+    return text, crashed, job
+
+
+def submit_ddp(cluster: DevCluster, workdir: Path, site: Path, *, steps: int,
+               options: Sequence[str] = ()) -> subprocess.Popen[str]:
+    """`bv submit --wait` (with `options`, site file `site`) of a 2-node examples/train_ddp.py,
+    one rank a node, 0.4 s a step, a checkpoint every 4 steps, in a new `workdir`."""
+    workdir.mkdir()
+    return subprocess.Popen(
+        [sys.executable, "-m", "bluevela", "submit", "--wait", "-N", "2", "--procs-per-node",
+         "1", *options, str(REPO / "examples" / "train_ddp.py"), "--ckpt-dir", str(workdir / "ckpt"),
+         "--steps", str(steps), "--step-s", "0.4", "--ckpt-every", "4"],
+        cwd=workdir, env=cluster.environ(BV_SITE=str(site)), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+
+
+def second_node_at_step_9(workdir: Path, proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """Once attempt 1 of the job in `workdir` is at step 9: (its job id, its second node),
+    the node a test then crashes."""
+    _wait_for("step=9 of attempt 1", lambda: "step=9 attempt=1" in _output(workdir), 150,
+              proc)
+    first = BANNER.search(_output(workdir))
+    assert first is not None
+    return first.group(2), hostlist.expand_hostlist(first.group(3))[1]
 
 
 def _check_resumed(cluster: DevCluster, text: str, job: str, crashed: str) -> list[str]:

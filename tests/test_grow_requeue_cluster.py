@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-import hostlist
 import pytest
 
-from tests.conftest import DEVCLUSTER, REPO, DevCluster
-from tests.test_grow_cluster import _site_with_grow
-from tests.test_recovery_cluster import BANNER, _finish, _output, _wait_for
+from tests.conftest import DEVCLUSTER, DevCluster
+from tests.test_grow_cluster import _site_with_grow, second_node_at_step_9, submit_ddp
+from tests.test_recovery_cluster import _finish, _output, _wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -34,21 +32,10 @@ def test_a_grown_nodes_epilog_after_a_requeue_is_its_attempts(devcluster: DevClu
     devcluster.wait_idle(timeout=120)
     site = _site_with_grow(tmp_path, 15)
     workdir = tmp_path / "job"
-    workdir.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bluevela", "submit", "--wait", "-N", "2", "--procs-per-node",
-         "1", str(REPO / "examples" / "train_ddp.py"), "--ckpt-dir", str(workdir / "ckpt"),
-         "--steps", "60", "--step-s", "0.4", "--ckpt-every", "4"],
-        cwd=workdir, env=devcluster.environ(BV_SITE=str(site)), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+    proc = submit_ddp(devcluster, workdir, site, steps=60)
     crashed: str | None = None
     try:
-        _wait_for("step=9 of attempt 1", lambda: "step=9 attempt=1" in _output(workdir), 150,
-                  proc)
-        first = BANNER.search(_output(workdir))
-        assert first is not None
-        job = first.group(2)
-        crashed = hostlist.expand_hostlist(first.group(3))[1]
+        job, crashed = second_node_at_step_9(workdir, proc)
         devcluster.run([sys.executable, str(DEVCLUSTER), "crash", crashed])
         # attempt 2 runs on the grown node; then bv's requeue (checkpoint, Slurm requeue)
         _wait_for("progress of attempt 2", lambda: re.search(
