@@ -473,3 +473,27 @@ def test_the_next_zygote_waits_to_import_unless_it_is_handed_over(
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_a_spares_first_zygote_waits_to_import_unless_it_is_handed_over(
+        env: dict[str, str], tmp_path: Path) -> None:
+    """Outside the first step (BV_WARM_LATER: the spares) the import waits: on a shared
+    machine it would take the cores the first step starts on."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (tmp_path / "marker.py").write_text(
+        f"import os\nopen(os.path.join({str(marks)!r}, str(os.getpid())), 'w').close()\n")
+    proc = subprocess.Popen([sys.executable, "-m", "bluevela.launch.warm", "serve"],
+                            env={**os.environ, **env, warm.PREIMPORT_ENV: "marker",
+                                 warm.LATER_ENV: f"n9,{NODE}", "PYTHONPATH": str(tmp_path),
+                                 "SLURMD_NODENAME": NODE})
+    try:
+        _until("a zygote", lambda: children(proc.pid))
+        time.sleep(1.0)  # what must NOT happen within the delay: nothing to poll for
+        assert not list(marks.iterdir())
+        run = _warm_run(env)
+        assert run.how == "warming" and _end(run) == 0
+        assert [p.name for p in marks.iterdir()] == [str(run.pid)]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

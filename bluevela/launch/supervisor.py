@@ -383,9 +383,6 @@ class Supervisor:
         signals, _ = self.start()
         signals.install()
         self.events = EventLog.open(self.env, self.host)
-        # Before the first step: every node of the allocation, spares included, gets its
-        # warm parent while the first step runs, so that a relaunch finds it ready.
-        self.warm_servers = warm.start_servers(self.alloc, self.env)
         attempt, cause = self._history()
         if self.opts.grow_deadline > 0 and attempt > 0:
             # An earlier run of this job (same id) killed mid-grow may have left a helper job
@@ -397,6 +394,9 @@ class Supervisor:
             log(f"the allocation has {len(self.alloc)} node(s) ({compress(self.alloc)}), "
                 f"the job needs {rules.min_nodes}")
             return 1
+        # Before the first step: every node of the allocation, spares included, gets its
+        # warm parent while the first step runs, so that a relaunch finds it ready.
+        self.warm_servers = warm.start_servers(self.alloc, self.env, first=nodes)
         launch = 0
         while True:
             launch += 1

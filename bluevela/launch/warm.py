@@ -77,6 +77,11 @@ RESPAWN_MAX_S = 30.0
 # A zygote that replaces one just handed over waits this long before its import, unless it is
 # handed over first: the step just started needs the node's cores for its own start.
 RESPAWN_DELAY_S = 10.0
+# The nodes of the allocation outside the first step (the spares): their first zygote waits
+# this long before its import, unless handed over first (a node of a step does not wait):
+# no relaunch can need it before the first step has started.
+LATER_ENV = "BV_WARM_LATER"
+LATER_DELAY_S = 30.0
 _HEAD = struct.Struct("!I")
 
 
@@ -964,7 +969,9 @@ class Server:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._stop)
-        self.spawn()
+        node = os.path.basename(self.path).split(".", 1)[1].removesuffix(".sock")
+        later = node in os.environ.get(LATER_ENV, "").split(",")
+        self.spawn(LATER_DELAY_S if later else 0.0)
         try:
             while not self.stopping:
                 for key, _ in self.sel.select(0.5):
@@ -1019,14 +1026,17 @@ def server_step_argv(alloc: Sequence[str], python: str = sys.executable) -> list
             "serve"]
 
 
-def start_servers(alloc: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes] | None:
+def start_servers(alloc: Sequence[str], env: Mapping[str, str],
+                  first: Sequence[str] = ()) -> subprocess.Popen[bytes] | None:
     """The warm servers' step, when the job asks for the warm start; None otherwise or when
-    srun cannot start (then every node starts its ranks cold: said once)."""
+    srun cannot start (then every node starts its ranks cold: said once). The nodes outside
+    `first` (the first step's) import later (`LATER_ENV`)."""
     if not enabled(env):
         return None
+    later = ",".join(n for n in alloc if first and n not in first)
     try:
-        return subprocess.Popen(server_step_argv(alloc), env=dict(env), stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        return subprocess.Popen(server_step_argv(alloc), env={**env, LATER_ENV: later},
+                                stdin=subprocess.DEVNULL, start_new_session=True)
     except OSError as exc:
         _log(f"no warm servers ({exc.strerror or exc}): the ranks start cold")
         return None
