@@ -15,7 +15,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,42 @@ class DevCluster:
             name = line.split()[0].partition("=")[2] if line.startswith("ReservationName=") else ""
             if name.startswith("bv-drain-"):
                 self.run(["scontrol", "delete", f"ReservationName={name}"], check=False)
+
+    @contextmanager
+    def clean(self, *, settle: bool = False, bv_resume: Sequence[str] = ()) -> Iterator[None]:
+        """The cluster idle with every node resumed before; every node's hook.env as it was,
+        and every node resumed, after. With `settle`, after: first wait until the nodes are
+        idle again, then `bv health resume` each of `bv_resume` (bv's own resume: it also
+        frees its fleet-breaker slot)."""
+        saved = {n: self.hook_env(n).read_text() for n in self.nodes}
+        self.wait_idle(timeout=120)
+        self.resume_all()
+        try:
+            yield
+        finally:
+            for n, text in saved.items():
+                self.hook_env(n).write_text(text)
+            try:
+                if settle:
+                    self.wait_idle(timeout=120)
+            finally:
+                for node in bv_resume:
+                    self.bv("health", "resume", node, check=False)
+                self.resume_all()
+
+
+@contextmanager
+def small_tmpfs(mnt: Path, options: str = "size=64k") -> Iterator[Path]:
+    """A small tmpfs (64 KiB) mounted at `mnt` (made here) for a full-disk test, unmounted
+    after; the test is skipped where this is not root (or there is no mount)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def _parse_env(text: str) -> dict[str, str]:

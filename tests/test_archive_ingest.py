@@ -23,6 +23,7 @@ from bluevela.archive.sample import sample_report
 from bluevela.archive.spool import DONE_DIR, write_report
 from bluevela.archive.store import FANOUT, MANIFEST, Archive
 from bluevela.errors import ArchiveError
+from tests.conftest import small_tmpfs
 
 REPO = Path(__file__).resolve().parent.parent
 T0 = 1_750_000_000.0
@@ -267,15 +268,8 @@ def test_kill_9_at_random_points_loses_and_doubles_nothing(dirs: tuple[Path, Pat
 
 @pytest.fixture()
 def tiny_fs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "tiny") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_disk_full_is_a_clear_error_keeps_the_spool_and_a_later_ingest_completes(

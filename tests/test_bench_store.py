@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -32,7 +30,7 @@ from bluevela.bench.store import (
 from bluevela.errors import ArchiveError
 from bluevela.fleet.nodestate import DrainOutcome
 from bluevela.site import Site, load_site
-from tests.conftest import DATA, REPO
+from tests.conftest import DATA, REPO, small_tmpfs
 
 BENCH = DATA / "bench"
 NODES = ("node1", "node2", "node3")
@@ -157,12 +155,8 @@ def test_bad_night_names_and_long_names_are_refused(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_full_disk_keeps_the_old_record(tmp_path: Path) -> None:
-    small = tmp_path / "full"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "full") as small:
         write_night(small, sample_record(slow=None))
         before = (small / "2026-11-20.h5").read_bytes()
         big = sample_record(slow="node3")
@@ -171,5 +165,3 @@ def test_full_disk_keeps_the_old_record(tmp_path: Path) -> None:
             write_night(small, big)
         assert (small / "2026-11-20.h5").read_bytes() == before
         assert sorted(p.name for p in small.iterdir()) == ["2026-11-20.h5"]
-    finally:
-        subprocess.run(["umount", str(small)], check=False)

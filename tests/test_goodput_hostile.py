@@ -26,7 +26,7 @@ from bluevela.launch import events_dir, events_epilog, events_log
 from bluevela.launch.outcome import Loss, LossKind, StepEnd
 from bluevela.protocol.keys import beat_key
 from bluevela.protocol.messages import CkptMsg, format_ckpt
-from tests.conftest import REPO
+from tests.conftest import REPO, small_tmpfs
 
 NOBODY = 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("runuser") is None,
@@ -350,15 +350,8 @@ def test_a_replayed_datagram_against_the_real_supervisor(tmp_path: Path,
 
 @pytest.fixture()
 def tiny_spool(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "spool"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "spool") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_a_full_spool_keeps_the_events_for_the_next_try(tmp_path: Path,

@@ -470,42 +470,10 @@ def test_cluster_node_with_an_nvlink_down_is_drained_and_the_job_runs_elsewhere(
     the job, which completes on node[2-3]. Old main: the gpu check read no NVLink state, the
     job ran on node1."""
     from tests.conftest import DevCluster
-    from tests.test_hooks_cluster import node_state
+    from tests.test_hooks_cluster import point_at, requeued_off_node1
 
     assert isinstance(devcluster, DevCluster)
-    cluster = devcluster
-    saved = {n: cluster.hook_env(n).read_text() for n in cluster.nodes}
-    cluster.wait_idle(timeout=120)
-    cluster.resume_all()
-
-    def point(node: str, fixture: str) -> None:
-        cluster.set_hook_env(node, SLURM_CONF=cluster.env["SLURM_CONF"], BV_NODE_CLASS="h100",
-                             BV_SYSFS_ROOT=str(FIXTURES / fixture / "root"),
-                             BV_NVML_SNAPSHOT=str(FIXTURES / fixture / "nvml.json"))
-
-    try:
-        point("node1", "h100-gpu-nvlink-down")
-        point("node2", "h100-healthy")
-        point("node3", "h100-healthy")
-        t0 = time.monotonic()
-        p = cluster.bv("submit", "--wait", "--json", "-N", "2", "--procs-per-node", "1",
-                       str(REPO / "examples" / "train_ddp.py"), cwd=tmp_path, timeout=300,
-                       check=False)
-        took = time.monotonic() - t0
-        assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
-        job = json.loads(p.stdout)
-        assert job["state"] == "COMPLETED" and sorted(job["nodes"]) == ["node2", "node3"], job
-        assert job["restarts"] >= 1
-        state, reason = node_state(cluster, "node1")
-        assert state == "drained" and reason == "bv: gpu: GPU 3 (0000:5D:00.0) NVLink 7 down", (
-            state, reason)
-        print(f"\njob {job['job_id']} requeued off node1, completed in {took:.0f} s; "
-              f"node1: {reason}")
-    finally:
-        for n, text in saved.items():
-            cluster.hook_env(n).write_text(text)
-        try:
-            cluster.wait_idle(timeout=120)
-        finally:
-            cluster.bv("health", "resume", "node1", check=False)
-            cluster.resume_all()
+    with devcluster.clean(settle=True, bv_resume=["node1"]):
+        point_at(devcluster, "node1", "h100-gpu-nvlink-down")
+        requeued_off_node1(devcluster, tmp_path, "bv: gpu: GPU 3 (0000:5D:00.0) NVLink 7 down",
+                           timeout=300)

@@ -263,39 +263,16 @@ def test_cluster_node_without_nvml_is_drained_and_the_job_requeued(devcluster: o
     prolog (run inside the node as slurmd runs it) drains it `NVML timed out after 3 s`.
     Old main: UNKNOWN, exit 0, the job ran on node1."""
     from tests.conftest import DevCluster
-    from tests.test_hooks_cluster import node_state, run_in_node
+    from tests.test_hooks_cluster import node_state, point_at, requeued_off_node1, run_in_node
 
     assert isinstance(devcluster, DevCluster)
     cluster = devcluster
-    saved = {n: cluster.hook_env(n).read_text() for n in cluster.nodes}
-    cluster.wait_idle(timeout=120)
-    cluster.resume_all()
-
-    def point(node: str, fixture: str) -> None:
-        cluster.set_hook_env(node, SLURM_CONF=cluster.env["SLURM_CONF"], BV_NODE_CLASS="h100",
-                             BV_SYSFS_ROOT=str(FIXTURES / fixture / "root"),
-                             BV_NVML_SNAPSHOT=str(FIXTURES / fixture / "nvml.json"))
-
-    try:
-        point("node1", "h100-gpu-nvml-driver-not-loaded")
-        point("node2", "h100-healthy")
-        point("node3", "h100-healthy")
-        t0 = time.monotonic()
-        p = cluster.bv("submit", "--wait", "--json", "-N", "2", "--procs-per-node", "1",
-                       str(REPO / "examples" / "train_ddp.py"), cwd=tmp_path, timeout=400,
-                       check=False)
-        took = time.monotonic() - t0
-        assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
-        job = json.loads(p.stdout)
-        assert job["state"] == "COMPLETED" and sorted(job["nodes"]) == ["node2", "node3"], job
-        assert job["restarts"] >= 1
-        state, reason = node_state(cluster, "node1")
-        assert state == "drained" and reason == "bv: gpu: NVML: Driver Not Loaded", (state, reason)
-        print(f"\njob {job['job_id']} requeued off node1, completed in {took:.0f} s; "
-              f"node1: {reason}")
+    with cluster.clean(settle=True, bv_resume=["node1"]):
+        point_at(cluster, "node1", "h100-gpu-nvml-driver-not-loaded")
+        requeued_off_node1(cluster, tmp_path, "bv: gpu: NVML: Driver Not Loaded", timeout=400)
 
         # The hang, through the real prolog inside node1 (its own hook.env), after a resume.
-        point("node1", "h100-gpu-nvml-hang")
+        point_at(cluster, "node1", "h100-gpu-nvml-hang")
         cluster.bv("health", "resume", "node1")  # ours: also frees its fleet-breaker slot
         assert node_state(cluster, "node1")[0] == "idle"
         t0 = time.monotonic()
@@ -307,14 +284,6 @@ def test_cluster_node_without_nvml_is_drained_and_the_job_requeued(devcluster: o
         state, reason = node_state(cluster, "node1")
         assert state == "drained" and reason == "bv: gpu: NVML timed out after 3 s", (state, reason)
         assert took < 15, took
-    finally:
-        for n, text in saved.items():
-            cluster.hook_env(n).write_text(text)
-        try:
-            cluster.wait_idle(timeout=120)
-        finally:
-            cluster.bv("health", "resume", "node1", check=False)
-            cluster.resume_all()
 
 
 @pytest.mark.gpu

@@ -37,15 +37,8 @@ FIXTURES = materialized()
 @pytest.fixture
 def cluster(devcluster: DevCluster) -> Iterator[DevCluster]:
     """The shared cluster, clean before and restored after (hook.env files, drains)."""
-    saved = {n: devcluster.hook_env(n).read_text() for n in devcluster.nodes}
-    devcluster.wait_idle(timeout=120)
-    devcluster.resume_all()
-    try:
+    with devcluster.clean():
         yield devcluster
-    finally:
-        for n, text in saved.items():
-            devcluster.hook_env(n).write_text(text)
-        devcluster.resume_all()
 
 
 def site_copy(tmp_path: Path, edit: dict[str, object], cpu: dict[str, object] | None = None,

@@ -46,6 +46,27 @@ def point_at(cluster: DevCluster, node: str, fixture: str) -> None:
     )
 
 
+def requeued_off_node1(cluster: DevCluster, cwd: Path, reason: str, timeout: float) -> None:
+    """A 2-node examples/train_ddp.py job while node1's hook.env fails its prolog (node2 and
+    node3 healthy): node1's prolog drains it with `reason`, Slurm requeues the job, and it
+    completes on node[2-3]."""
+    point_at(cluster, "node2", "h100-healthy")
+    point_at(cluster, "node3", "h100-healthy")
+    t0 = time.monotonic()
+    p = cluster.bv("submit", "--wait", "--json", "-N", "2", "--procs-per-node", "1",
+                   str(REPO / "examples" / "train_ddp.py"), cwd=cwd, timeout=timeout,
+                   check=False)
+    took = time.monotonic() - t0
+    assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
+    job = json.loads(p.stdout)
+    assert job["state"] == "COMPLETED" and sorted(job["nodes"]) == ["node2", "node3"], job
+    assert job["restarts"] >= 1
+    state, got = node_state(cluster, "node1")
+    assert state == "drained" and got == reason, (state, got)
+    print(f"\njob {job['job_id']} requeued off node1, completed in {took:.0f} s; "
+          f"node1: {got}")
+
+
 def node_state(cluster: DevCluster, node: str) -> tuple[str, str]:
     """sinfo's state and reason, the reason as bv reads it: none for a node in service (24.11
     keeps a resumed node's old drain reason)."""
@@ -71,21 +92,12 @@ def run_in_node(cluster: DevCluster, node: str, phase: str,
 
 @pytest.fixture
 def cluster(devcluster: DevCluster) -> Iterator[DevCluster]:
-    """The shared cluster, clean before and restored after (hook.env files, drains)."""
-    saved = {n: devcluster.hook_env(n).read_text() for n in devcluster.nodes}
-    devcluster.wait_idle(timeout=120)
-    devcluster.resume_all()  # a bv drain left by someone else would trip the fleet breaker
-    for c in CANARIES:
-        c.unlink(missing_ok=True)
-    try:
+    """The shared cluster, clean before and restored after (hook.env files, drains; a bv
+    drain left by someone else would trip the fleet breaker)."""
+    with devcluster.clean(settle=True):
+        for c in CANARIES:
+            c.unlink(missing_ok=True)
         yield devcluster
-    finally:
-        for n, text in saved.items():
-            devcluster.hook_env(n).write_text(text)
-        try:
-            devcluster.wait_idle(timeout=120)
-        finally:
-            devcluster.resume_all()
 
 
 def test_broken_node_drained_job_requeued_then_resumed(cluster: DevCluster, tmp_path: Path) -> None:
