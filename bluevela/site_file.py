@@ -1,4 +1,5 @@
-"""The site file: found, read, validated into the model (`bluevela.site`), cached.
+"""The site file: found, read, validated into the model (`bluevela.site_model`; both handed
+out by `bluevela.site`), cached.
 
 The file is found from `--site`, then `$BV_SITE`, then `/etc/bluevela/site.yaml`, then
 `./site.yaml` only where there is no system file (`choose_site`); root hooks never look in the
@@ -18,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bluevela import site as model
+from bluevela import site_model as model
 from bluevela.errors import BluevelaError, SiteConfigError
-from bluevela.site import Site, _annotation_names, to_dict
+from bluevela.site_model import Site, _annotation_names, to_dict
 
 logger = logging.getLogger(__name__)
 
