@@ -497,3 +497,31 @@ def test_a_spares_first_zygote_waits_to_import_unless_it_is_handed_over(
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_the_successor_of_a_zygote_handed_over_while_importing_waits_for_that_import(
+        env: dict[str, str], tmp_path: Path) -> None:
+    """Two imports at once on a node would slow the step just started (its ranks wait for the
+    first): the next zygote is started once the handed one has imported."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (tmp_path / "slowmark.py").write_text(
+        "import os, time\ntime.sleep(2)\n"
+        f"open(os.path.join({str(marks)!r}, str(os.getpid())), 'w').close()\n")
+    proc = subprocess.Popen([sys.executable, "-m", "bluevela.launch.warm", "serve"],
+                            env={**os.environ, **env, warm.PREIMPORT_ENV: "slowmark",
+                                 "PYTHONPATH": str(tmp_path), "SLURMD_NODENAME": NODE})
+    try:
+        _until("the server's socket", lambda: os.path.exists(warm.socket_path(env, NODE)))
+        run = _warm_run(env)
+        assert run.how == "warming"
+        deadline = time.monotonic() + 30
+        while not list(marks.iterdir()):  # importing: no successor yet
+            assert [p for p in children(proc.pid) if _alive(p)] == [run.pid]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        _until("the successor", lambda: set(children(proc.pid)) - {run.pid})
+        assert _end(run) == 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -81,7 +81,7 @@ RESPAWN_DELAY_S = 10.0
 # this long before its import, unless handed over first (a node of a step does not wait):
 # no relaunch can need it before the first step has started.
 LATER_ENV = "BV_WARM_LATER"
-LATER_DELAY_S = 30.0
+LATER_DELAY_S = 10.0
 _HEAD = struct.Struct("!I")
 
 
@@ -871,6 +871,9 @@ class Server:
         self.zygote: subprocess.Popen[bytes] | None = None
         self.link: socket.socket | None = None
         self.ready = False
+        # The link of a zygote handed over before its import ended: its successor is started
+        # when that import ends (two imports at once would slow the step just started).
+        self.importing: socket.socket | None = None
         self.used: list[subprocess.Popen[bytes]] = []
         self.backoff = 1.0
         self.next_spawn = 0.0
@@ -917,6 +920,16 @@ class Server:
             return
         self._zygote_died()
 
+    def on_imported(self) -> None:
+        """The zygote handed over while importing has imported (or died): its successor now,
+        after RESPAWN_DELAY_S as any successor."""
+        assert self.importing is not None
+        self.sel.unregister(self.importing)
+        self.importing.close()
+        self.importing = None
+        if self.zygote is None and not self.stopping:
+            self.spawn(RESPAWN_DELAY_S)
+
     def _zygote_died(self) -> None:
         """Replaced: at once, or later while they keep dying within 5 s of their start."""
         early = time.monotonic() - self.spawned_at < 5
@@ -952,8 +965,13 @@ class Server:
                     pass
                 return
             pid, ready = self.zygote.pid, self.ready
-            self._drop_zygote(kill=False)  # the step's now, whatever the agent does next
-            self.spawn(RESPAWN_DELAY_S)
+            if ready:
+                self._drop_zygote(kill=False)  # the step's now, whatever the agent does next
+                self.spawn(RESPAWN_DELAY_S)
+            else:
+                self.importing, self.link = self.link, None
+                self.used.append(self.zygote)
+                self.zygote, self.next_spawn = None, float("inf")
             try:
                 # Said once the zygote holds the connection: it reads nothing before the
                 # request, which the agent sends only after this.
@@ -979,6 +997,8 @@ class Server:
                         self.on_accept()
                     elif key.fileobj is self.link:
                         self.on_link()
+                    elif key.fileobj is self.importing:
+                        self.on_imported()
                 self.reap()
         finally:
             self.close()
@@ -994,6 +1014,8 @@ class Server:
         except OSError:
             pass
         self.listener.close()
+        if self.importing is not None:
+            self.importing.close()
         self._drop_zygote(kill=True)
         for popen in self.used:
             _killpg(popen.pid, signal.SIGKILL)
