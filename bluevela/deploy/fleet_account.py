@@ -115,15 +115,7 @@ def fleet_account(root: Path, old: Mapping[str, object] | None, result: Result, 
         st = None
     if st is None:
         if not dry_run:
-            parent = os.path.dirname(path)
-            os.makedirs(parent, 0o755, exist_ok=True)
-            os.mkdir(path, 0o700)  # opened to its final mode below, never wider meanwhile
-            fd = _open_dir_nofollow(path)
-            try:
-                os.fchown(fd, 0, gid if gid is not None else 0)
-                os.fchmod(fd, TEXTFILE_MODE)
-            finally:
-                os.close(fd)
+            _make_textfile_dir(path, gid)
         result.changes.append(Change("create", path, want))
         record["textfile_created"] = True
         return record
@@ -140,14 +132,27 @@ def fleet_account(root: Path, old: Mapping[str, object] | None, result: Result, 
     if not record["textfile_created"] and "textfile_was" not in record:
         record["textfile_was"] = {"gid": st.st_gid, "mode": old_mode}
     if not dry_run:
-        fd = _open_dir_nofollow(path)
-        try:
-            os.fchown(fd, 0, gid if gid is not None else st.st_gid)
-            os.fchmod(fd, TEXTFILE_MODE)
-        finally:
-            os.close(fd)
+        _set_dir(path, gid if gid is not None else st.st_gid, TEXTFILE_MODE)
     result.changes.append(Change("update", path, f"{want} (was gid {st.st_gid}, {old_mode})"))
     return record
+
+
+def _make_textfile_dir(path: str, gid: int | None) -> None:
+    """The textfile directory made (its parents 0755) and given root:`gid` and its mode,
+    never wider than 0700 meanwhile."""
+    os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
+    os.mkdir(path, 0o700)  # opened to its final mode below, never wider meanwhile
+    _set_dir(path, gid if gid is not None else 0, TEXTFILE_MODE)
+
+
+def _set_dir(path: str, gid: int, mode: int) -> None:
+    """The directory at `path` (never followed as a symlink) made root:`gid` `mode`."""
+    fd = _open_dir_nofollow(path)
+    try:
+        os.fchown(fd, 0, gid)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
 
 
 def remove_fleet_account(root: Path, record: object, result: Result, *, dry_run: bool,
@@ -169,12 +174,7 @@ def remove_fleet_account(root: Path, record: object, result: Result, *, dry_run:
                 result.notes.append(f"kept {path}/: not empty")
                 if (not dry_run and record.get("user_created") is True
                         and _gid(account.user) == st.st_gid):  # the group goes below
-                    fd = _open_dir_nofollow(path)
-                    try:
-                        os.fchown(fd, 0, 0)
-                        os.fchmod(fd, 0o755)
-                    finally:
-                        os.close(fd)
+                    _set_dir(path, 0, 0o755)
             else:
                 if not dry_run:
                     os.rmdir(path)
@@ -182,12 +182,7 @@ def remove_fleet_account(root: Path, record: object, result: Result, *, dry_run:
         elif isinstance(was, Mapping) and isinstance(was.get("gid"), int):
             mode = int(str(was.get("mode", "0755")), 8) & 0o7777
             if not dry_run:
-                fd = _open_dir_nofollow(path)
-                try:
-                    os.fchown(fd, 0, int(was["gid"]))
-                    os.fchmod(fd, mode)
-                finally:
-                    os.close(fd)
+                _set_dir(path, int(was["gid"]), mode)
             result.changes.append(Change("update", path, f"back to gid {was['gid']}, "
                                          f"{mode:04o}"))
     if record.get("user_created") is True and _user_exists(account.user):
