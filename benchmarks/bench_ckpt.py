@@ -6,6 +6,7 @@ memory over 100 saves in this process.
 
     BV_DEVCLUSTER_ID=7 python benchmarks/run.py ckpt          # 64 MB
     BV_CKPT_BENCH_MB=64,256 BV_DEVCLUSTER_ID=7 python benchmarks/run.py ckpt
+    BV_CKPT_BENCH_CRASH=1 BV_CKPT_BENCH_PAIRS=2 BV_CKPT_BENCH_MB=64 ... ckpt   # crash -> step
 
 The shared directory is a directory of this machine's disk, or with `BV_CKPT_BENCH_FS=gluster`
 a GlusterFS volume mounted on every node (slurm/devcluster-gfs); `BV_CKPT_BENCH_RATE=1gbit`
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,11 +81,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def cluster(mb: float, rounds: int) -> Iterator[Figure]:
-    subprocess.run([sys.executable, str(DEVCLUSTER), "up", "--nodes", "3"], check=True,
-                   capture_output=True, timeout=600)
-    env = _env()
-    work = Path(tempfile.mkdtemp(prefix="bv-ckpt-bench-"))
+def _shared_fs(work: Path) -> tuple[Path, list[str], str, str]:
+    """The shared directory (this machine's disk, or with BV_CKPT_BENCH_FS=gluster the dev
+    cluster's GlusterFS) and the nodes throttled to BV_CKPT_BENCH_RATE (the caller lifts it)."""
     shared = work / "shared"
     fs = os.environ.get("BV_CKPT_BENCH_FS", "local")
     rate = os.environ.get("BV_CKPT_BENCH_RATE", "")
@@ -97,6 +97,21 @@ def cluster(mb: float, rounds: int) -> Iterator[Figure]:
             subprocess.run([sys.executable, str(DEVCLUSTER), "throttle", node, rate],
                            check=True, capture_output=True, timeout=60)
             throttled.append(node)
+    return shared, throttled, fs, rate
+
+
+def _unthrottle(nodes: list[str]) -> None:
+    for node in nodes:
+        subprocess.run([sys.executable, str(DEVCLUSTER), "throttle", node, "off"],
+                       check=False, capture_output=True, timeout=60)
+
+
+def cluster(mb: float, rounds: int) -> Iterator[Figure]:
+    subprocess.run([sys.executable, str(DEVCLUSTER), "up", "--nodes", "3"], check=True,
+                   capture_output=True, timeout=600)
+    env = _env()
+    work = Path(tempfile.mkdtemp(prefix="bv-ckpt-bench-"))
+    shared, throttled, fs, rate = _shared_fs(work)
     t0 = time.monotonic()
     try:
         proc = subprocess.run(
@@ -106,9 +121,7 @@ def cluster(mb: float, rounds: int) -> Iterator[Figure]:
              "--rounds", str(rounds)], cwd=work, env=env, capture_output=True, text=True,
             timeout=1800, check=False)
     finally:
-        for node in throttled:
-            subprocess.run([sys.executable, str(DEVCLUSTER), "throttle", node, "off"],
-                           check=False, capture_output=True, timeout=60)
+        _unthrottle(throttled)
     text = "".join(p.read_text(errors="replace") for p in sorted(work.glob("bv-*.out")))
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark job failed ({proc.returncode}):\n{proc.stdout}\n{text}")
@@ -134,8 +147,109 @@ def cluster(mb: float, rounds: int) -> Iterator[Figure]:
     yield Figure(f"ckpt {tag} job wall", time.monotonic() - t0, "s", "", "")
 
 
+def _output(cwd: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted(cwd.glob("bv-*.out")))
+
+
+def _wait(cwd: Path, proc: subprocess.Popen[str], pattern: str, timeout: float,
+          after: int = 0) -> re.Match[str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = re.compile(pattern, re.M).search(_output(cwd), after)
+        if m:
+            return m
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"no {pattern!r} ({proc.poll()}):\n{_output(cwd)}")
+        time.sleep(0.05)
+
+
+def crash_one(mb: float, via: str, shared: Path, work: Path, env: dict[str, str]
+              ) -> tuple[float, float, str]:
+    """One job (benchmarks/ckpt_crash_job.py) on 2 nodes + a spare, its second node crashed
+    once checkpoint step 4 is complete (for the store: once the partner holds its copy) and
+    its node-local disk deleted: (crash -> the relaunched step's first step, every rank's
+    resume, where rank 0 resumed from)."""
+    import shutil
+
+    cwd = work / f"crash-{via}-{mb:g}"
+    cwd.mkdir()
+    local = cwd / "local"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bluevela", "submit", "--wait", "-N", "2", "--spare-nodes", "1",
+         "--procs-per-node", "1", "-t", "30", str(REPO / "benchmarks" / "ckpt_crash_job.py"),
+         "--shared", str(shared / f"{via}-{mb:g}"), "--local-base", str(local), "--via", via,
+         "--mb", f"{mb:g}", "--steps", "24"], cwd=cwd, env=env, text=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    crashed = ""
+    try:
+        banner = _wait(cwd, proc, r"^==== bv attempt 1 job \d+ nodes (\S+) ", 300)
+        import hostlist
+
+        keep, crashed = hostlist.expand_hostlist(banner.group(1))[:2]
+        _wait(cwd, proc, r"^checkpoint step=4$", 900)
+        if via == "store":  # the partner's copy of the crashed node's shard is complete
+            deadline = time.monotonic() + 900
+            while not list((local / keep).glob("bv-*/job-*/crash/held/step-00000004/*.bvck")):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("no partner copy of step 4")
+                time.sleep(0.05)
+        t_crash = time.time()
+        subprocess.run([sys.executable, str(DEVCLUSTER), "crash", crashed], check=True,
+                       capture_output=True, timeout=120, env=env)
+        shutil.rmtree(local / crashed, ignore_errors=True)
+        at = _output(cwd).index("==== bv attempt 1 job")
+        a2 = _wait(cwd, proc, r"^==== bv attempt 2 job", 600, at).start()
+        first = _wait(cwd, proc, r"^step=\d+ attempt=\d+ t=(\S+)$", 1200, a2)
+        resumed = _wait(cwd, proc, r"^resumed step=(\d+) via=\S+ in=(\S+) source=(\S+)$",
+                        60, a2)
+        proc.wait(timeout=1200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if crashed:
+            subprocess.run([sys.executable, str(DEVCLUSTER), "revive", crashed], check=False,
+                           capture_output=True, timeout=120, env=env)
+    return float(first.group(1)) - t_crash, float(resumed.group(2)), resumed.group(3)
+
+
+def crash_resume(sizes: list[float], pairs: int) -> Iterator[Figure]:
+    """Crash -> first resumed step on the spare, the store (the lost node's shard from its
+    partner) against torch.save/torch.load of the shared directory, interleaved pairs (the
+    order alternating); one figure per pair and the median ratio."""
+    subprocess.run([sys.executable, str(DEVCLUSTER), "up", "--nodes", "3"], check=True,
+                   capture_output=True, timeout=600)
+    env = _env()
+    work = Path(tempfile.mkdtemp(prefix="bv-ckpt-crash-"))
+    shared, throttled, fs, rate = _shared_fs(work)
+    tag = f"{fs}{' ' + rate if rate else ''}"
+    for mb in sizes:
+        got: dict[str, list[float]] = {"store": [], "torch": []}
+        for i in range(pairs):
+            for via in (("store", "torch") if i % 2 == 0 else ("torch", "store")):
+                sub = work / f"p{i}"
+                sub.mkdir(exist_ok=True)
+                try:
+                    total, resume_s, source = crash_one(mb, via, shared / f"p{i}", sub, env)
+                except BaseException:
+                    _unthrottle(throttled)
+                    raise
+                got[via].append(total)
+                yield Figure(f"ckpt crash->first step {mb:g} MB {tag} {via} (pair {i + 1})",
+                             total, "s", "", f"resume itself {resume_s:.2f} s from {source}")
+        ratios = sorted(t / s for s, t in zip(got["store"], got["torch"], strict=True))
+        goal = ">= 3" if mb >= 2000 else ">= 1" if mb <= 64 else ""  # issue 36's two goals
+        yield Figure(f"ckpt crash->first step {mb:g} MB {tag} torch / store",
+                     statistics.median(ratios),
+                     "ratio", goal,
+                     f"median of {pairs} pair(s), range {ratios[0]:.2f}-{ratios[-1]:.2f}")
+    _unthrottle(throttled)
+
+
 def figures(args: Any) -> Iterator[Figure]:
     sizes = [float(x) for x in os.environ.get("BV_CKPT_BENCH_MB", "64").split(",") if x]
+    if os.environ.get("BV_CKPT_BENCH_CRASH"):  # crash -> first resumed step only
+        yield from crash_resume(sizes, int(os.environ.get("BV_CKPT_BENCH_PAIRS", "1")))
+        return
     rounds = 3 if getattr(args, "quick", False) else 5
     yield from staging_memory(saves=30 if getattr(args, "quick", False) else 100)
     for mb in sizes:
