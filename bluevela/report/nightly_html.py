@@ -171,16 +171,7 @@ def histogram_svg(name: str, values: dict[str, float], floor: float, unit: str,
     of bounds, orange for the others (the worst)."""
     vals = sorted(v for v in values.values() if math.isfinite(v))
     ceiling = name in LOWER_IS_BETTER
-    lo, hi = (vals[0], vals[-1]) if vals else (0.0, 1.0)
-    # the floor widens the axis only when it is near the data; far off, it is an edge arrow
-    if floor > 0 and (lo - (hi - lo) * 0.5 <= floor <= hi + (hi - lo) * 0.5 or hi <= lo):
-        lo, hi = min(lo, floor), max(hi, floor)
-    if hi <= lo:
-        lo, hi = lo - 0.5 * (abs(lo) or 1), hi + 0.5 * (abs(hi) or 1)
-    span = hi - lo
-    lo, hi = lo - 0.02 * span, hi + 0.02 * span
-    if vals and vals[0] >= 0 and (floor >= 0):
-        lo = max(lo, 0.0)
+    lo, hi = _hist_range(vals, floor)
     counts = [0] * _BINS
     for v in vals:
         counts[max(0, min(_BINS - 1, int((v - lo) / (hi - lo) * _BINS)))] += 1
@@ -200,18 +191,49 @@ def histogram_svg(name: str, values: dict[str, float], floor: float, unit: str,
     ax.get_xticklabels()[0].set_horizontalalignment("left")
     ax.get_xticklabels()[-1].set_horizontalalignment("right")
     if floor > 0:
-        label = f'{"ceiling" if ceiling else "floor"} {_fmt(floor)}'
-        if lo <= floor <= hi:
-            ax.axvline(floor, color=page.BAD, ls=(0, (4, 3)), lw=1)
-            right = floor > (lo + hi) / 2
-            ax.text(floor, 0.97, f"{label} " if right else f" {label}", color=page.BAD,
-                    fontsize=8, ha="right" if right else "left", va="top",
-                    transform=ax.get_xaxis_transform())
-        else:
-            left = floor < lo
-            ax.text(0.005 if left else 0.995, 0.97, f"◂ {label}" if left else f"{label} ▸",
-                    color=page.BAD, fontsize=8, ha="left" if left else "right", va="top",
-                    transform=ax.transAxes)
+        _floor_mark(ax, floor, lo, hi, ceiling)
+    _marked_nodes(fig, ax, values, marked, failing, floor, ceiling, cmax, width, height)
+    return page.svg(fig, title, "hist")
+
+
+def _hist_range(vals: Sequence[float], floor: float) -> tuple[float, float]:
+    """The histogram's x range: the values', widened to the floor when it is near them, a
+    little margin, never below 0 for values and a floor that are not."""
+    lo, hi = (vals[0], vals[-1]) if vals else (0.0, 1.0)
+    # the floor widens the axis only when it is near the data; far off, it is an edge arrow
+    if floor > 0 and (lo - (hi - lo) * 0.5 <= floor <= hi + (hi - lo) * 0.5 or hi <= lo):
+        lo, hi = min(lo, floor), max(hi, floor)
+    if hi <= lo:
+        lo, hi = lo - 0.5 * (abs(lo) or 1), hi + 0.5 * (abs(hi) or 1)
+    span = hi - lo
+    lo, hi = lo - 0.02 * span, hi + 0.02 * span
+    if vals and vals[0] >= 0 and (floor >= 0):
+        lo = max(lo, 0.0)
+    return lo, hi
+
+
+def _floor_mark(ax: Any, floor: float, lo: float, hi: float, ceiling: bool) -> None:
+    """The floor (or ceiling): a dashed line with its label inside the range, else an arrow
+    at the edge it is beyond."""
+    label = f'{"ceiling" if ceiling else "floor"} {_fmt(floor)}'
+    if lo <= floor <= hi:
+        ax.axvline(floor, color=page.BAD, ls=(0, (4, 3)), lw=1)
+        right = floor > (lo + hi) / 2
+        ax.text(floor, 0.97, f"{label} " if right else f" {label}", color=page.BAD,
+                fontsize=8, ha="right" if right else "left", va="top",
+                transform=ax.get_xaxis_transform())
+    else:
+        left = floor < lo
+        ax.text(0.005 if left else 0.995, 0.97, f"◂ {label}" if left else f"{label} ▸",
+                color=page.BAD, fontsize=8, ha="left" if left else "right", va="top",
+                transform=ax.transAxes)
+
+
+def _marked_nodes(fig: Any, ax: Any, values: dict[str, float], marked: Sequence[str],
+                  failing: Collection[str], floor: float, ceiling: bool, cmax: int,
+                  width: int, height: int) -> None:
+    """The `marked` nodes as ticks (red: failing or out of bounds, orange: the worst) and
+    named below the axes, as many as fit the width."""
     bad_lab: list[str] = []
     worst_lab: list[str] = []
     ticks: dict[str, list[float]] = {page.BAD: [], page.WARN: []}
@@ -235,7 +257,6 @@ def histogram_svg(name: str, values: dict[str, float], floor: float, unit: str,
             more = f" (+{len(labels) - len(shown)})" if len(labels) > len(shown) else ""
             fig.text(4 / width, (20 - 12 * i) / height, f"{what}: {', '.join(shown)}{more}",
                      fontsize=9, color=color)
-    return page.svg(fig, title, "hist")
 
 
 def pairs_section(rec: NightRecord, floor_of: dict[tuple[str, str], float]) -> list[str]:
