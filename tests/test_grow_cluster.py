@@ -56,12 +56,19 @@ def _run_crash(cluster: DevCluster, workdir: Path, site: Path,
         out = _finish(proc, 240)
         assert proc.returncode == 0, out
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        if crashed is not None:
-            cluster.run([sys.executable, str(DEVCLUSTER), "revive", crashed], check=False)
+        stop_and_revive(cluster, proc, crashed)
     text = _output(workdir)
     return text, crashed, job
+
+
+def stop_and_revive(cluster: DevCluster, proc: subprocess.Popen[str], crashed: str | None
+                    ) -> None:
+    """A crash test's cleanup: its `bv submit --wait` killed if still running, the node it
+    crashed (if any still is) revived."""
+    if proc.poll() is None:
+        proc.kill()
+    if crashed is not None:
+        cluster.run([sys.executable, str(DEVCLUSTER), "revive", crashed], check=False)
 
 
 def submit_ddp(cluster: DevCluster, workdir: Path, site: Path, *, steps: int,

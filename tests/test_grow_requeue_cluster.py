@@ -19,7 +19,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DEVCLUSTER, DevCluster
-from tests.test_grow_cluster import _site_with_grow, second_node_at_step_9, submit_ddp
+from tests.test_grow_cluster import (
+    _site_with_grow,
+    second_node_at_step_9,
+    stop_and_revive,
+    submit_ddp,
+)
 from tests.test_recovery_cluster import _finish, _output, _wait_for
 
 pytestmark = pytest.mark.cluster
@@ -50,10 +55,7 @@ def test_a_grown_nodes_epilog_after_a_requeue_is_its_attempts(devcluster: DevClu
         out = _finish(proc, 400)
         assert proc.returncode == 0, out
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        if crashed is not None:
-            devcluster.run([sys.executable, str(DEVCLUSTER), "revive", crashed], check=False)
+        stop_and_revive(devcluster, proc, crashed)
     show = devcluster.run(["scontrol", "show", "job", job]).stdout
     assert "Restarts=1" in show, show
 
