@@ -28,19 +28,20 @@ from bluevela.bench.store import NightRecord, write_night
 from bluevela.errors import ArchiveError
 from bluevela.fleet.nodestate import DrainOutcome
 from bluevela.report.nightly_html import render_html, write_report
-from tests.test_bench_store import BENCH, _pair_facts, _site, sample_record
+from tests.test_bench_store import (
+    BENCH,
+    _pair_facts,
+    _site,
+    sample_record,
+    write_sample_nights,
+)
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-NIGHTS = ("2026-11-16", "2026-11-17", "2026-11-18", "2026-11-19")
 
 
 @pytest.fixture()
 def nightly_root(tmp_path: Path) -> Path:
-    root = tmp_path / "nightly"
-    for i, night in enumerate(NIGHTS):
-        write_night(root, sample_record(night, slow=None, scale=1.0 + 0.05 * i))
-    write_night(root, sample_record("2026-11-20", slow="node3"))
-    return root
+    return write_sample_nights(tmp_path / "nightly")
 
 
 def test_page_has_plots_failures_and_drained_nodes(nightly_root: Path, tmp_path: Path) -> None:

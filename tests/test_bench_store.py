@@ -84,6 +84,19 @@ def sample_record(night: str = "2026-11-20", slow: str | None = "node3",
     return to_record(sample_outcome(night, slow, scale), _site())
 
 
+# Four healthy nights before the judged one (the pages' history).
+NIGHTS = ("2026-11-16", "2026-11-17", "2026-11-18", "2026-11-19")
+
+
+def write_sample_nights(root: Path) -> Path:
+    """`NIGHTS` (each 5 % faster than the one before) and 2026-11-20, whose node3 is slow,
+    written under `root`; `root`."""
+    for i, night in enumerate(NIGHTS):
+        write_night(root, sample_record(night, slow=None, scale=1.0 + 0.05 * i))
+    write_night(root, sample_record("2026-11-20", slow="node3"))
+    return root
+
+
 def _same(a: float, b: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or a == b
 

@@ -20,12 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.bench.store import write_night
 from bluevela.report.nightly_html import write_report
-from tests.test_bench_store import sample_record
+from tests.test_bench_store import NIGHTS, write_sample_nights
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-NIGHTS = ("2026-11-16", "2026-11-17", "2026-11-18", "2026-11-19")
 # the same five nights rendered by 03ec1b1^'s hand-written SVG (measured with its checkout)
 SMALL_BEFORE_THE_MOVE = 29_616
 
@@ -52,11 +50,7 @@ document.body.appendChild(pre);
 
 @pytest.fixture()
 def nightly_root(tmp_path: Path) -> Path:
-    root = tmp_path / "nightly"
-    for i, night in enumerate(NIGHTS):
-        write_night(root, sample_record(night, slow=None, scale=1.0 + 0.05 * i))
-    write_night(root, sample_record("2026-11-20", slow="node3"))
-    return root
+    return write_sample_nights(tmp_path / "nightly")
 
 
 def _trends(text: str) -> list[str]:
