@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from bluevela.cli import State
 from bluevela.cli.output import emit_json
+
+if TYPE_CHECKING:
+    from bluevela.launch.request import SubmitRequest
+    from bluevela.site import Site
+    from bluevela.slurm.client import SlurmClient
 
 
 class _SubmitCommand(click.Command):
@@ -112,7 +118,7 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
             local_ranks_filter: str | None, rank_log_dir: str | None) -> None:
     """Submit SCRIPT [ARGS]... as a torchrun job: one srun task per node, c10d rendezvous on
     the first node of the allocation. With -m, SCRIPT is a module (bv submit -m pkg.train)."""
-    from bluevela.launch.submit import build_request, exit_status_for, follow, submit
+    from bluevela.launch.submit import build_request, submit
     from bluevela.site_file import choose_site
 
     if site_path:
@@ -133,21 +139,8 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
     )
     requeue_mode = click.get_current_context().meta.get("bv.requeue_mode")
     if requeue_mode is not None:
-        import dataclasses
-
-        from bluevela.errors import LaunchError
-        from bluevela.launch.sbatch_opts import requeue_mode_problem
-
-        problem = requeue_mode_problem(requeue_mode, requeue)
-        if problem:
-            raise LaunchError(problem)
-        request = dataclasses.replace(
-            request, extra_sbatch=(*request.extra_sbatch, ("requeue", requeue_mode)))
-    for line in choice.lines():
-        if not (as_json and line.startswith("site file:")):  # --json: in the document
-            click.echo(f"bv: {line}", err=True)
-    for note in notes:
-        click.echo(f"bv: note: {note}", err=True)
+        request = _with_requeue_mode(request, requeue_mode, requeue)
+    _say_site(choice.lines(), notes, as_json)
     where = {"site": str(choice.path) if choice.path else None}
     if dry_run:
         if as_json:
@@ -155,16 +148,7 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
         else:
             click.echo(request.materialize(), nl=False)
         return
-    from bluevela.launch.submit import preflight
-
-    preflight(request, site, cwd=os.getcwd(), check_python=not no_python_check)
-    if requeue_mode is not None:  # the running Slurm must take it (a dry run asks none)
-        from bluevela.errors import LaunchError
-        from bluevela.slurm.releases import expedite_problem_here
-
-        problem = expedite_problem_here()
-        if problem:
-            raise LaunchError(f"--requeue={requeue_mode}: {problem}")
+    _check_before_submit(request, site, requeue_mode, check_python=not no_python_check)
     if retry_s is None and site is not None:
         retry_s = site.launch.submit_retry_s
     client = obj.client(retry_s=retry_s)
@@ -176,12 +160,63 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
         else:
             click.echo(f"Submitted job {job_id}. Follow it: bv status {job_id} | bv logs {job_id} --follow")
         return
+    sys.exit(_follow_to_end(client, job_id, where, as_json))
+
+
+def _with_requeue_mode(request: SubmitRequest, requeue_mode: str,
+                       requeue: bool | None) -> SubmitRequest:
+    """`request` with `--requeue=MODE` among its sbatch options (LaunchError: not with
+    `--no-requeue`, or not a mode bv knows)."""
+    import dataclasses
+
+    from bluevela.errors import LaunchError
+    from bluevela.launch.sbatch_opts import requeue_mode_problem
+
+    problem = requeue_mode_problem(requeue_mode, requeue)
+    if problem:
+        raise LaunchError(problem)
+    return dataclasses.replace(
+        request, extra_sbatch=(*request.extra_sbatch, ("requeue", requeue_mode)))
+
+
+def _say_site(lines: list[str], notes: list[str], as_json: bool) -> None:
+    """The site file used (or passed over) and the request's notes, on stderr."""
+    for line in lines:
+        if not (as_json and line.startswith("site file:")):  # --json: in the document
+            click.echo(f"bv: {line}", err=True)
+    for note in notes:
+        click.echo(f"bv: note: {note}", err=True)
+
+
+def _check_before_submit(request: SubmitRequest, site: Site | None,
+                         requeue_mode: str | None, *, check_python: bool) -> None:
+    """What sbatch would not catch (the output directory, the job's Python) and, with
+    `--requeue=MODE`, whether the running Slurm takes it (a dry run asks none of these)."""
+    from bluevela.launch.submit import preflight
+
+    preflight(request, site, cwd=os.getcwd(), check_python=check_python)
+    if requeue_mode is not None:
+        from bluevela.errors import LaunchError
+        from bluevela.slurm.releases import expedite_problem_here
+
+        problem = expedite_problem_here()
+        if problem:
+            raise LaunchError(f"--requeue={requeue_mode}: {problem}")
+
+
+def _follow_to_end(client: SlurmClient, job_id: int, where: dict[str, str | None],
+                   as_json: bool) -> int:
+    """`--wait`: follow the job (progress and each attempt on stderr), print how it ended
+    and each earlier attempt's cause; the exit status `bv submit --wait` ends with."""
     from bluevela.cli.follow import Follower
+    from bluevela.launch.logs import with_causes
+    from bluevela.launch.submit import exit_status_for, follow
     from bluevela.slurm.client import JobInfo
     from bluevela.util.term import printable
 
     if not as_json:
         click.echo(f"Submitted job {job_id}.", err=True)
+
     def on_attempt(n: int, info: JobInfo) -> None:
         # stderr, like the progress lines (stdout stays the one JSON document with --json).
         where = f" on {','.join(info.nodes)}" if info.nodes else ""
@@ -190,8 +225,6 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
     with Follower(job_id, live=sys.stderr.isatty() and not as_json) as follower:
         info = follow(client, job_id, on_update=follower.update, on_attempt=on_attempt)
     code = exit_status_for(info)
-    from bluevela.launch.logs import with_causes
-
     info = with_causes(info)
     if as_json:
         emit_json({"job_id": job_id, **info.to_dict(), **where, "wait_exit_status": code})
@@ -202,4 +235,4 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
         click.echo(printable(f"Job {job_id} {info.state_name} (exit {info.exit_code}) on "
                              f"{','.join(info.nodes)}"
                              + (f" after {info.restarts} restart(s)" if info.restarts else "")))
-    sys.exit(code)
+    return code
