@@ -113,6 +113,9 @@ def test_submit_expedite_where_slurm_takes_it(tmp_path: Path) -> None:
     assert "#SBATCH --requeue=expedite" in lines and "#SBATCH --requeue" not in lines
     assert "#SBATCH --no-requeue" not in lines
     assert any(ln.endswith("t.py --requeue=x") for ln in lines)
+    # what it does to bv's own recovery (measured on 25.11.7) is said at the submit
+    assert "bv: note: --requeue=expedite does not fit bv's recovery yet" in proc.stderr
+    assert "REQUEUE_HOLD" in proc.stderr
 
 
 @pytest.mark.parametrize(("release", "params", "want"), [

@@ -140,6 +140,9 @@ def command(obj: State, script: str, args: tuple[str, ...], nodes: int,
     requeue_mode = click.get_current_context().meta.get("bv.requeue_mode")
     if requeue_mode is not None:
         request = _with_requeue_mode(request, requeue_mode, requeue)
+        from bluevela.launch.sbatch_opts import EXPEDITE_CAVEAT
+
+        notes.append(EXPEDITE_CAVEAT)
     _say_site(choice.lines(), notes, as_json)
     where = {"site": str(choice.path) if choice.path else None}
     if dry_run:

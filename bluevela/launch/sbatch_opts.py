@@ -80,6 +80,13 @@ PASSTHROUGH: frozenset[str] = frozenset({
 # (`--requeue=expedite`: a requeued job is immediately eligible and goes to the top of the
 # queue; slurm.conf SlurmctldParameters=enable_expedited_requeue must allow it).
 REQUEUE_MODES = ("expedite",)
+# What an expedited requeue does to bv's own recovery, as measured on 25.11.7 (docs/install.md
+# 4.7): said at every submit that asks for it, until the supervisor takes it into account.
+EXPEDITE_CAVEAT = (
+    "--requeue=expedite does not fit bv's recovery yet (measured on Slurm 25.11): after bv "
+    "lets go of a lost node and requeues, Slurm restarts the job at once on its old nodes, "
+    "the dead one included, until it declares that node DOWN; and a job that ends with a "
+    "non-zero exit is requeued held (REQUEUE_HOLD), not FAILED (docs/install.md 4.7)")
 
 
 def take_requeue_value(args: Sequence[str], value_options: Collection[str]
