@@ -245,63 +245,6 @@ def test_the_store_outlives_the_other_nodes_shutdown(tmp_path: Path, backend: st
     assert took < LINGER_S, took  # the host left once node 1 had finished, not at the bound
 
 
-RESTARTING_WORKER = """import os, sys, torch, torch.distributed as dist
-dist.init_process_group("gloo")
-attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-ones = torch.ones(1)
-dist.all_reduce(ones)
-if attempt == "0" and dist.get_rank() == 1:
-    os._exit(3)  # a rank failure: torchrun --max-restarts restarts the workers in place
-for _ in range(3):
-    ones = torch.ones(1)
-    dist.all_reduce(ones)
-print("rank", dist.get_rank(), "of", int(ones.item()), "done at restart", attempt, flush=True)
-dist.barrier()
-dist.destroy_process_group()
-"""
-
-
-@pytest.mark.timeout(240)
-def test_in_place_restarts_run_on_the_rendezvous_the_supervisor_picks(tmp_path: Path) -> None:
-    """torchrun --max-restarts on two real torchruns started as the node agents start them
-    (the supervisor's step argv, the guard, the go's node rank where the backend takes one):
-    a rank that fails is restarted with its peer and both finish. A static rendezvous would
-    restart the failed node's workers alone (no barrier, its `num_nodes_waiting` always 0):
-    their process group then forms without the peer and fails (gloo's connect gives up),
-    which is why such a step keeps c10d (issue 37: fails when the supervisor picks static)."""
-    torchrun = shutil.which("torchrun")
-    if torchrun is None or guarded_argv([torchrun]) is None:
-        pytest.skip("no torch torchrun for this Python")
-    from bluevela.launch.agent import STATIC_FLAG, endpoint_env
-    from bluevela.launch.supervisor import torchrun_step_argv
-
-    worker = tmp_path / "worker.py"
-    worker.write_text(RESTARTING_WORKER)
-    step = torchrun_step_argv([torchrun, "--nproc-per-node=1", "--max-restarts=1",
-                               "--monitor-interval=0.2", str(worker)], ["n1", "n2"])
-    port = _free_port()
-    procs = []
-    for node in (0, 1):
-        start = torchrun_start(step, host=node == 0, env=os.environ)
-        rank = node if STATIC_FLAG in step else None
-        env = {**os.environ, **start.env, **endpoint_env("127.0.0.1", port, rank),
-               "PET_RDZV_ID": f"restart{port}"}
-        with open(tmp_path / f"node{node}.log", "wb") as log:
-            procs.append(subprocess.Popen(start.argv, stdout=log, stderr=subprocess.STDOUT,
-                                          env=env, cwd=tmp_path))
-    try:
-        codes = [p.wait(200) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    logs = "".join((tmp_path / f"node{n}.log").read_text(errors="replace") for n in (0, 1))
-    assert codes == [0, 0], logs
-    for rank in (0, 1):
-        assert f"rank {rank} of 2 done at restart 1" in logs, logs
-
-
 def test_the_host_waits_at_most_the_bound_and_a_late_node_finds_no_store() -> None:
     dist = pytest.importorskip("torch.distributed")
     port = _free_port()
