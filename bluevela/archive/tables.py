@@ -227,6 +227,57 @@ def _ranges(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.n
     return lo.astype(np.uint64), (hi - lo).astype(np.uint32)
 
 
+@dataclass
+class _Kept:
+    """Which reports a segment keeps: sorted by key (stable), the first of each key. A child
+    row (check, metric, telemetry) shares its owner's key."""
+
+    rk_all: np.ndarray  # every report's key, in `t`'s order
+    src: np.ndarray  # the kept reports' rows of `t`, in key order
+    keep: np.ndarray  # per row of `t`: kept
+    position: np.ndarray  # per row of `t`: its row in the segment (kept ones)
+
+    @classmethod
+    def of(cls, t: Tables, nodes: np.ndarray) -> _Kept:
+        import numpy as np
+
+        rk_all = _rkeys(t.reports, nodes)
+        order = np.argsort(rk_all, kind="stable")
+        rk_sorted = rk_all[order]
+        first = np.ones(len(order), dtype=bool)
+        first[1:] = rk_sorted[1:] != rk_sorted[:-1]
+        kept_src = order[first]
+        if (~first).any():
+            logger.warning("dropped %d duplicate report(s) while writing a segment",
+                           int((~first).sum()))
+        keep = np.zeros(len(t.reports), dtype=bool)
+        keep[kept_src] = True
+        position = np.zeros(len(t.reports), dtype=np.uint32)
+        position[kept_src] = np.arange(len(kept_src), dtype=np.uint32)
+        return cls(rk_all, kept_src, keep, position)
+
+    def children(self, arr: np.ndarray, src: np.ndarray, sort_cols: tuple[str, ...]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """The kept owners' children in sorted-owner order, and their owners' sorted keys."""
+        import numpy as np
+
+        if len(src) and bool(np.all(src[1:] >= src[:-1])):
+            # Each owner's children are one block already in order (what from_reports and
+            # from_segment produce): gather the kept owners' blocks in sorted-owner order.
+            counts = np.bincount(src, minlength=len(self.keep))
+            starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+            c = counts[self.src]
+            block = np.repeat(starts[self.src] - np.concatenate(([0], np.cumsum(c)[:-1])), c)
+            idx = block + np.arange(int(c.sum()))
+        else:
+            idx = np.flatnonzero(self.keep[src])
+            idx = idx[np.lexsort(tuple(arr[c][idx] for c in reversed(sort_cols))
+                                 + (self.rk_all[src[idx]],))]
+        out = arr[idx]
+        out["report_row"] = self.position[src[idx]]
+        return out, self.rk_all[src[idx]]
+
+
 def finalize(t: Tables) -> dict[str, np.ndarray]:
     """Sort, deduplicate and index the tables into the datasets of one segment file.
 
@@ -240,45 +291,12 @@ def finalize(t: Tables) -> dict[str, np.ndarray]:
     if len(nodes) >= 1 << (64 - _NODE_SHIFT):
         raise ValueError("too many distinct nodes for one segment")
 
-    # Reports: stable sort, keep the first of each key. A child row shares its owner's key.
-    rk_all = _rkeys(t.reports, nodes)
-    order = np.argsort(rk_all, kind="stable")
-    rk_sorted = rk_all[order]
-    first = np.ones(len(order), dtype=bool)
-    first[1:] = rk_sorted[1:] != rk_sorted[:-1]
-    kept_src = order[first]
-    if (~first).any():
-        logger.warning("dropped %d duplicate report(s) while writing a segment", int((~first).sum()))
-    keep = np.zeros(len(t.reports), dtype=bool)
-    keep[kept_src] = True
-    reports = t.reports[kept_src].copy()
-    rk = rk_sorted[first]
+    kept = _Kept.of(t, nodes)
+    reports, rk = t.reports[kept.src].copy(), kept.rk_all[kept.src]
 
-    position = np.zeros(len(t.reports), dtype=np.uint32)
-    position[kept_src] = np.arange(len(kept_src), dtype=np.uint32)
-
-    def children(arr: np.ndarray, src: np.ndarray, sort_cols: tuple[str, ...]
-                 ) -> tuple[np.ndarray, np.ndarray]:
-        """The kept owners' children in sorted-owner order, and their owners' sorted keys."""
-        if len(src) and bool(np.all(src[1:] >= src[:-1])):
-            # Each owner's children are one block already in order (what from_reports and
-            # from_segment produce): gather the kept owners' blocks in sorted-owner order.
-            counts = np.bincount(src, minlength=len(keep))
-            starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-            c = counts[kept_src]
-            block = np.repeat(starts[kept_src] - np.concatenate(([0], np.cumsum(c)[:-1])), c)
-            idx = block + np.arange(int(c.sum()))
-        else:
-            idx = np.flatnonzero(keep[src])
-            idx = idx[np.lexsort(tuple(arr[c][idx] for c in reversed(sort_cols))
-                                 + (rk_all[src[idx]],))]
-        out = arr[idx]
-        out["report_row"] = position[src[idx]]
-        return out, rk_all[src[idx]]
-
-    checks, chk_rk = children(t.checks, t.checks_src, ("ordinal",))
-    metrics, met_rk = children(t.check_metrics, t.metrics_src, ("check_ordinal", "ordinal"))
-    telemetry, tel_rk = children(t.telemetry, t.telemetry_src, ("ordinal",))
+    checks, chk_rk = kept.children(t.checks, t.checks_src, ("ordinal",))
+    metrics, met_rk = kept.children(t.check_metrics, t.metrics_src, ("check_ordinal", "ordinal"))
+    telemetry, tel_rk = kept.children(t.telemetry, t.telemetry_src, ("ordinal",))
     reports["check_first"], reports["check_count"] = _ranges(chk_rk, rk)
     reports["telemetry_first"], reports["telemetry_count"] = _ranges(tel_rk, rk)
     if len(metrics):
