@@ -435,6 +435,41 @@ def _vtext(value: bytes | str | None) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
+class _CheckColumns:
+    """/checks and /check_metrics rows as Python lists (converted once: most of a query's
+    cost), turned back into each report's checks."""
+
+    def __init__(self, checks: np.ndarray, metrics: np.ndarray, metric_base: int) -> None:
+        self.name = _names(checks["name"].tolist())
+        self.status, self.dur = checks["status"].tolist(), checks["duration_s"].tolist()
+        self.summary, self.ordinal = checks["summary"].tolist(), checks["ordinal"].tolist()
+        self.mf, self.mc = checks["metric_first"].tolist(), checks["metric_count"].tolist()
+        self.m_name, self.m_val = _names(metrics["name"].tolist()), metrics["value"].tolist()
+        self.metric_base = metric_base
+
+    def checks(self, first: int, count: int, nonnumeric: dict[str, Any],
+               extra: dict[str, Any]) -> list[dict[str, Any]]:
+        """Rows `first` .. `first + count` as check dicts, each with its metrics, its
+        non-numeric metrics and its extra fields (both by ordinal)."""
+        nan_none = (lambda v: None if v != v else v)  # noqa: E731 - NaN -> None
+        out = []
+        for j in range(first, first + count):
+            o = self.ordinal[j]
+            mf = self.mf[j] - self.metric_base
+            ms: dict[str, Any] = {self.m_name[k]: nan_none(self.m_val[k])
+                                  for k in range(mf, mf + self.mc[j])}
+            ms.update(nonnumeric.get(str(o), {}))
+            code = self.status[j]
+            out.append({
+                "name": self.name[j],
+                "status": S.STATUS_NAMES.get(code) if code >= 0 else None,
+                "status_code": code if code >= 0 else None,
+                "summary": _vtext(self.summary[j]) or None, "duration_s": nan_none(self.dur[j]),
+                "metrics": ms, **extra.get(str(o), {}),
+            })
+        return out
+
+
 def build_reports(reps: np.ndarray, checks: np.ndarray, metrics: np.ndarray,
                   telemetry: np.ndarray, *, check_base: int = 0, metric_base: int = 0,
                   telemetry_base: int = 0, jobs: dict[int, dict[str, Any]] | None = None
@@ -449,11 +484,7 @@ def build_reports(reps: np.ndarray, checks: np.ndarray, metrics: np.ndarray,
     nan_none = (lambda v: None if v != v else v)  # noqa: E731 - NaN -> None
     r = {k: reps[k].tolist() for k in reps.dtype.names or ()}
     nodes, tiers = _names(r["node"]), _names(r["health_tier"])
-    c_name = _names(checks["name"].tolist())
-    c_status, c_dur = checks["status"].tolist(), checks["duration_s"].tolist()
-    c_sum, c_ord = checks["summary"].tolist(), checks["ordinal"].tolist()
-    c_mf, c_mc = checks["metric_first"].tolist(), checks["metric_count"].tolist()
-    m_name, m_val = _names(metrics["name"].tolist()), metrics["value"].tolist()
+    cols = _CheckColumns(checks, metrics, metric_base)
     t_name, t_val = _names(telemetry["name"].tolist()), telemetry["value"].tolist()
     status_names = S.STATUS_NAMES
     out = []
@@ -488,20 +519,7 @@ def build_reports(reps: np.ndarray, checks: np.ndarray, metrics: np.ndarray,
         if status < 0 and not cc and not tiers[i] and not health_extra:
             rep["health"] = None
         else:
-            clist = []
-            for j in range(cf, cf + cc):
-                o = c_ord[j]
-                mf = c_mf[j] - metric_base
-                ms: dict[str, Any] = {m_name[k]: nan_none(m_val[k])
-                                      for k in range(mf, mf + c_mc[j])}
-                ms.update(nonnumeric.get("checks", {}).get(str(o), {}))
-                code = c_status[j]
-                clist.append({
-                    "name": c_name[j], "status": status_names.get(code) if code >= 0 else None,
-                    "status_code": code if code >= 0 else None,
-                    "summary": _vtext(c_sum[j]) or None, "duration_s": nan_none(c_dur[j]),
-                    "metrics": ms, **checks_extra.get(str(o), {}),
-                })
+            clist = cols.checks(cf, cc, nonnumeric.get("checks", {}), checks_extra)
             rep["health"] = {
                 "status": status_names.get(status) if status >= 0 else None,
                 "status_code": status if status >= 0 else None,
