@@ -382,3 +382,45 @@ def test_sigterm_requests_a_checkpoint_then_ends_after_the_grace() -> None:
     assert out.splitlines() == ["requested SIGTERM"]
     assert proc.returncode == -signal.SIGTERM
     assert 1.2 < elapsed < 10
+
+
+def test_wait_stops_on_a_held_job_and_says_how_it_runs_again() -> None:
+    """An expedited requeue that ends non-zero is requeued held (docs/install.md 4.7), as is a
+    job an operator `scontrol requeuehold`s: Slurm never starts it by itself, and `bv submit
+    --wait` polled it for ever. Now it waits the requeue grace, then returns the held job;
+    the 24.11+ state list ["PENDING", "REQUEUE_HOLD"] is read as REQUEUE_HOLD."""
+    from bluevela.launch.submit import exit_status_for, follow, is_held
+    from bluevela.slurm.cli_client import parse_squeue_job
+    from bluevela.slurm.client import JobInfo
+
+    raw = {"job_id": 9, "job_state": ["PENDING", "REQUEUE_HOLD"], "restart_cnt": 1,
+           "requeue": True, "state_reason": "JobHeldAdmin", "nodes": ""}
+    held = parse_squeue_job(raw)
+    assert held.state is JobState.REQUEUE_HOLD and is_held(held)
+    running = JobInfo(9, JobState.RUNNING, "RUNNING", None, None, ("n1",), requeue=True)
+    pending = JobInfo(9, JobState.PENDING, "PENDING", None, None, (), reason="Priority")
+    user_hold = JobInfo(9, JobState.PENDING, "PENDING", None, None, (), reason="JobHeldUser")
+    assert not is_held(pending) and is_held(user_hold) and not is_held(running)
+
+    class Client:
+        def __init__(self, states: list[JobInfo]) -> None:
+            self.states = states
+
+        def job(self, job_id: int) -> JobInfo:
+            return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    got = follow(Client([running, held]), 9, poll_s=1.0, requeue_grace_s=5.0,  # type: ignore[arg-type]
+                 timeout_s=3600.0, sleep=sleep, clock=lambda: now[0])
+    assert got.state is JobState.REQUEUE_HOLD and 5.0 < now[0] < 10.0
+    assert exit_status_for(got) == 1
+    # released within the grace: waiting goes on, to the job's real end
+    done = JobInfo(9, JobState.COMPLETED, "COMPLETED", 0, None, ("n1",))
+    now[0] = 0.0
+    got = follow(Client([held, held, pending, running, done]), 9, poll_s=1.0,  # type: ignore[arg-type]
+                 requeue_grace_s=5.0, timeout_s=3600.0, sleep=sleep, clock=lambda: now[0])
+    assert got.state is JobState.COMPLETED

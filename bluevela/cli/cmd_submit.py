@@ -213,7 +213,7 @@ def _follow_to_end(client: SlurmClient, job_id: int, where: dict[str, str | None
     and each earlier attempt's cause; the exit status `bv submit --wait` ends with."""
     from bluevela.cli.follow import Follower
     from bluevela.launch.logs import with_causes
-    from bluevela.launch.submit import exit_status_for, follow
+    from bluevela.launch.submit import exit_status_for, follow, is_held
     from bluevela.slurm.client import JobInfo
     from bluevela.util.term import printable
 
@@ -238,4 +238,8 @@ def _follow_to_end(client: SlurmClient, job_id: int, where: dict[str, str | None
         click.echo(printable(f"Job {job_id} {info.state_name} (exit {info.exit_code}) on "
                              f"{','.join(info.nodes)}"
                              + (f" after {info.restarts} restart(s)" if info.restarts else "")))
+    if is_held(info):  # said on stderr with --json too: the one JSON document stays on stdout
+        click.echo(printable(f"job {job_id} is held ({info.reason or info.state_name}): Slurm "
+                             f"starts it again only once released (scontrol release {job_id}); "
+                             "bv stopped waiting"), err=True)
     return code

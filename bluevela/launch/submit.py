@@ -226,9 +226,12 @@ def follow(
                 info.state in (JobState.RUNNING, JobState.COMPLETING) or info.state.is_terminal()):
             seen_attempts.add(attempt_no)
             on_attempt(attempt_no, info)
-        if info.state.is_terminal():
-            if not (info.requeue and info.state.may_requeue()):
+        if info.state.is_terminal() or is_held(info):
+            if info.state.is_terminal() and not (info.requeue and info.state.may_requeue()):
                 return info
+            # A requeue may still follow; a held job runs again only when someone releases
+            # it (an expedited requeue that ended non-zero, `scontrol requeuehold`, `--hold`):
+            # both are waited for `requeue_grace_s`, then returned as they are.
             now = clock()
             maybe_final_since = maybe_final_since or now
             if now - maybe_final_since > requeue_grace_s:
@@ -238,6 +241,18 @@ def follow(
         if timeout_s is not None and clock() - start > timeout_s:
             raise SlurmError(f"job {job_id} still {info.state_name} after {timeout_s:.0f} s")
         sleep(poll_s)
+
+
+HELD_REASONS = frozenset({"JobHeldUser", "JobHeldAdmin"})  # squeue's reason for a held job
+
+
+def is_held(info: JobInfo) -> bool:
+    """A job that Slurm will not start again by itself: requeued held (REQUEUE_HOLD, e.g. an
+    expedited requeue that ended non-zero: docs/install.md 4.7) or pending on a hold."""
+    from bluevela.slurm.states import JobState
+
+    return info.state is JobState.REQUEUE_HOLD or (
+        info.state is JobState.PENDING and info.reason in HELD_REASONS)
 
 
 def requeue_with_checkpoint(client: SlurmClient, job_id: int) -> JobInfo:

@@ -84,6 +84,8 @@ def parse_squeue_job(raw: dict[str, Any]) -> JobInfo:
     state_raw = raw.get("job_state", "UNKNOWN")
     state_name = state_raw[0] if isinstance(state_raw, list) and state_raw else str(state_raw)
     state = JobState.from_slurm(state_name)
+    if state is JobState.PENDING and isinstance(state_raw, list) and "REQUEUE_HOLD" in state_raw:
+        state = JobState.REQUEUE_HOLD  # 24.11+: ["PENDING", "REQUEUE_HOLD"], held until released
     exit_raw = raw.get("exit_code")
     exit_code: int | None
     signal: int | None = None
