@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -44,13 +43,9 @@ def test_hf_trainer_saves_to_the_node_local_tier_and_resumes_from_it(tmp_path: P
     link = out / "checkpoint-3"
     assert link.is_symlink() and local in link.resolve().parents, link.resolve()
     assert (link / "trainer_state.json").is_file() and (link / "rng_state.pth").is_file()
-    # train() returned: the newest (step 6) drained.
+    # train() returned: the newest (step 6) drained, where a new allocation (the node-local
+    # tier gone) resumes from (the store's fallback: tests/test_ckpt_store.py).
     assert _shards(out / "bv-ckpt", "hf") == ["step-00000003", "step-00000006"]
-    # A new allocation: the epilog removed the node-local tier (the link now dangles).
-    shutil.rmtree(local)
-    third = _run(HF, out, "run", env, "cpu", "true")
-    assert re.search(r"^start_step=6$", third, re.M), third  # from shared storage
-    assert "bv ckpt: resumed step 6" in third and "from shared x1" in third, third
     # (Without the tier HF's own folders stay in output_dir: tests/test_byos_frameworks.py.)
 
 
