@@ -33,7 +33,11 @@ from tests.test_recovery_cluster import BANNER, END, _finish, _output, _wait_for
 pytestmark = pytest.mark.cluster
 
 
-def _site_with_grow(tmp_path: Path, deadline_s: float) -> Path:
+def ready_to_grow(cluster: DevCluster, tmp_path: Path, deadline_s: float = 15) -> Path:
+    """Every node resumed and the cluster idle; a copy of the repo's site.yaml with the grow
+    deadline `deadline_s` (its path)."""
+    cluster.resume_all()
+    cluster.wait_idle(timeout=120)
     data = yaml.safe_load((REPO / "site.yaml").read_text())
     data.setdefault("launch", {})["grow_deadline_s"] = deadline_s
     path = tmp_path / "site-grow.yaml"
@@ -119,9 +123,7 @@ def _check_resumed(cluster: DevCluster, text: str, job: str, crashed: str) -> li
 @pytest.mark.timeout(900)
 def test_lost_node_without_spare_grows_the_job_else_requeues(devcluster: DevCluster,
                                                              tmp_path: Path) -> None:
-    devcluster.resume_all()
-    devcluster.wait_idle(timeout=120)
-    site = _site_with_grow(tmp_path, 15)
+    site = ready_to_grow(devcluster, tmp_path)
     problem = grow_problem(devcluster)
     if problem is not None:
         # 24.11 and later: bv does not grow there (bluevela/slurm/releases.py); node3 free,

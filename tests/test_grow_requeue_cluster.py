@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import DEVCLUSTER, DevCluster
 from tests.test_grow_cluster import (
-    _site_with_grow,
+    ready_to_grow,
     second_node_at_step_9,
     stop_and_revive,
     submit_ddp,
@@ -33,9 +33,7 @@ pytestmark = pytest.mark.cluster
 @pytest.mark.timeout(900)
 def test_a_grown_nodes_epilog_after_a_requeue_is_its_attempts(devcluster: DevCluster,
                                                                tmp_path: Path) -> None:
-    devcluster.resume_all()
-    devcluster.wait_idle(timeout=120)
-    site = _site_with_grow(tmp_path, 15)
+    site = ready_to_grow(devcluster, tmp_path)
     workdir = tmp_path / "job"
     proc = submit_ddp(devcluster, workdir, site, steps=60)
     crashed: str | None = None
