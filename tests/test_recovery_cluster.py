@@ -166,7 +166,6 @@ def test_node_crash_resumes_from_checkpoint_on_healthy_nodes(devcluster: DevClus
                   lambda: not _warm_processes(banners[0][1]), 60)
 
 
-@pytest.mark.timeout(400)
 def grow_problem(cluster: DevCluster) -> str | None:
     """Why the cluster's Slurm cannot grow a job for bv (None: it can): 22.05 grows; on 24.11
     and later bv does not (bluevela/slurm/releases.py) and falls back, saying why."""
@@ -176,6 +175,7 @@ def grow_problem(cluster: DevCluster) -> str | None:
     return support_problem(parse_config(cluster.run(["scontrol", "show", "config"]).stdout))
 
 
+@pytest.mark.timeout(400)
 def test_hung_rank_is_named_and_the_step_relaunched_in_place(devcluster: DevCluster,
                                                             tmp_path: Path) -> None:
     import yaml
