@@ -186,6 +186,21 @@ class DevCluster:
             time.sleep(0.5)
         raise AssertionError(f"nodes not idle after {timeout}s: {out}")
 
+    def wait_in_service(self, nodes: list[str] | None = None, timeout: float = 90) -> None:
+        """Wait until the nodes are plainly idle: responding (no `*`), not drained, not down,
+        not reserved. `wait_idle` takes idle* (a revived node whose slurmd Slurm has not heard
+        from yet) and drained; a job submitted then lands elsewhere than the test expects."""
+        deadline = time.monotonic() + timeout
+        want = nodes or self.nodes
+        while True:
+            out = self.run(["sinfo", "-h", "-N", "-o", "%N %T"]).stdout
+            states = dict(line.split() for line in out.splitlines() if line.strip())
+            if all(states.get(n) == "idle" for n in want):
+                return
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"nodes not in service after {timeout}s: {out}")
+            time.sleep(0.5)
+
     def resume_all(self) -> None:
         """Resume every node and free the fleet breaker's slots (bluevela.fleet.nodestate): a slot
         left by a test would hold the next test's drains."""
@@ -206,6 +221,7 @@ class DevCluster:
         saved = {n: self.hook_env(n).read_text() for n in self.nodes}
         self.wait_idle(timeout=120)
         self.resume_all()
+        self.wait_in_service()
         try:
             yield
         finally:
@@ -262,6 +278,13 @@ def devcluster() -> Iterator[DevCluster]:
     env = _parse_env(env_out)
     cluster = DevCluster(state_dir=Path(env["BV_DEVCLUSTER_DIR"]), env=env,
                          nodes=["node1", "node2", "node3"])
+    # The suite starts on an empty queue: slurmctld recovers an earlier session's jobs from its
+    # state dir, and one still pending started on node[1-2] as they came back (a test's job
+    # then landed elsewhere than it expects).
+    left = cluster.run(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
+    if left:
+        cluster.run(["scancel", *left], check=False)
+        cluster.wait_idle(timeout=120)
     yield cluster
     if not was_up:
         subprocess.run([sys.executable, str(DEVCLUSTER), "down"], capture_output=True,

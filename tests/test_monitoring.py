@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -257,8 +258,12 @@ def _hook_file(tmp: Path, root: Path, nvml: Path, kmsg: Path | None = None) -> s
 
 
 def _series_text(v: float) -> str:
-    text = str(int(v)) if float(v).is_integer() else repr(float(v))
-    assert "e" not in text, text  # promtool's a+bxN notation has no exponent form
+    """A sample value in promtool's a+bxN notation, which has no exponent form: a tiny value
+    of the live machine (9.9e-05, a ratio from its own clock) written out in full."""
+    if float(v).is_integer():
+        return str(int(v))
+    text = format(Decimal(repr(float(v))), "f")  # the shortest repr's digits, no exponent
+    assert "e" not in text.lower(), text
     return text
 
 

@@ -99,7 +99,8 @@ def test_rendezvous_id_and_endpoint_are_on_no_command_line(tmp_path: Path,
     assert re.fullmatch(r"[0-9a-f]{32}", rdzv_id), rdzv_id
     host, _, port = endpoint.rpartition(":")
     assert host == "n1" and port.isdigit(), endpoint
-    assert {(tmp_path / f"rdzv-backend.{n}").read_text() for n in job.nodes} == {"c10d"}
+    # torch's static rendezvous since issue 37 (c10d only for --max-restarts above 0)
+    assert {(tmp_path / f"rdzv-backend.{n}").read_text() for n in job.nodes} == {"static"}
     words = [rdzv_id, endpoint, f":{port}", "--rdzv-id", "--rdzv_id", "--rdzv-endpoint",
              "--rdzv_endpoint", "--rdzv-node"]
     for seen in (scan_as(None, words), scan_as(user, words)):
@@ -185,8 +186,9 @@ for key in keys:
 """
 
 
-def test_real_torchrun_store_is_unnamed_and_runs_no_pickle(tmp_path: Path,
-                                                           jobs: list[Job]) -> None:
+@pytest.mark.parametrize("restarts", [1, 0], ids=["c10d", "static"])
+def test_real_torchrun_store_is_unnamed_and_runs_no_pickle(tmp_path: Path, jobs: list[Job],
+                                                           restarts: int) -> None:
     """The REAL torchrun (torch's c10d rendezvous, a real TCPStore) started by the real
     supervisor and agent. First: it rendezvouses with the id and endpoint from PET_RDZV_ID and
     PET_RDZV_ENDPOINT (no flag names them), and another uid finds neither in /proc. Then the
@@ -194,7 +196,9 @@ def test_real_torchrun_store_is_unnamed_and_runs_no_pickle(tmp_path: Path,
     rendezvous store, lists its keys, and writes a pickle that would run code under the
     state's key. 9058adc: the next keep-alive unpickled it in torchrun and the code ran as the
     job's user. Now torchrun unpickles the state through an allow-list
-    (bluevela/launch/rdzv_guard.py): nothing runs.
+    (bluevela/launch/rdzv_guard.py): nothing runs. c10d is what bv runs for --max-restarts
+    above 0; by default (issue 37) torch's static rendezvous keeps no pickled state at all:
+    the stranger finds no such key, and its write runs nothing either.
 
     The stranger is another process that uses nothing but the store's TCP port; it runs as
     root here only because no other uid can import this machine's torch (under /root, 0700).
@@ -210,7 +214,8 @@ def test_real_torchrun_store_is_unnamed_and_runs_no_pickle(tmp_path: Path,
     job = Job(tmp_path, (node,), argv=[
         sys.executable, "-P", "-m", "bluevela.launch.supervisor", "--nodes=1", "--",
         str(torchrun), "--nproc-per-node=1", "--monitor-interval=0.1",
-        "--rdzv-conf=keep_alive_interval=1", str(worker), str(tmp_path)])
+        f"--max-restarts={restarts}", "--rdzv-conf=keep_alive_interval=1", str(worker),
+        str(tmp_path)])
     jobs.append(job)
     job.start()
     job.wait_for(f"real.{node}", timeout=120)
@@ -234,7 +239,10 @@ def test_real_torchrun_store_is_unnamed_and_runs_no_pickle(tmp_path: Path,
                              *map(str, ports)],
                             capture_output=True, text=True, timeout=60, cwd="/")
     assert attack.returncode == 0, attack.stderr
-    assert f"torch.rendezvous.{rdzv_id}" in attack.stdout  # the store told it the key
+    if restarts:  # c10d: the store told it the key
+        assert f"torch.rendezvous.{rdzv_id}" in attack.stdout
+    else:  # static: there is no pickled state to name
+        assert "torch.rendezvous." not in attack.stdout, attack.stdout
     time.sleep(4.0)  # four keep-alives: each reads the state back from the store
     assert not marker.exists(), f"the pickle ran as the job's user in pid {marker.read_text()}"
     job.finish()
