@@ -204,13 +204,15 @@ def test_merging_the_copies_counts_every_event_once() -> None:
     assert la["end"] is not None and [c[0] for c in la["ckpts"]] == [4, 8]
 
 
-def test_a_shared_events_directory_leaves_the_keepers_copy_to_the_keepers_epilog(
+def test_a_shared_events_directory_leaves_each_keepers_copy_to_its_own_epilog(
         tmp_path: Path) -> None:
     """One events directory seen by every node (one /tmp, as on the dev cluster, or a network
-    file system): the supervisor's node b1 finds beside its own file the copy n2's agent keeps
-    of it. b1's epilog reads and removes its own file only; the copy stays for n2's epilog,
-    which ran after b1's in the CI run that failed test_grow_requeue_cluster: before, b1 read
-    the copy too and removed it, and n2's report had no record."""
+    file system): beside the supervisor's own file on b1 lie the copies n2's agent kept (the
+    first step's keeper) and n3's (the relaunch's, after n2 was lost and came back). Each
+    node's epilog reads and removes only what its own node wrote: b1 its own file, n2 and n3
+    their own copies, in whatever order they run. The CI runs that failed
+    test_grow_requeue_cluster: b1's epilog (once) and the revived n2's (once) read n3's copy
+    first and removed it, and n3's report had no record."""
     ev = _events_dir(tmp_path)
     env = {"BV_EVENTS_DIR": str(ev)}
     uid = os.getuid()
@@ -221,14 +223,21 @@ def test_a_shared_events_directory_leaves_the_keepers_copy_to_the_keepers_epilog
     own = ev / f"bv-goodput.77.r0.u{uid}.{'a' * 16}.jsonl"
     own.write_bytes(b"".join(lines))
     own.chmod(0o600)
-    w = events_copy.CopyWriter(env, "n2")
-    for n, line in enumerate(lines):
-        for m in events_copy.copy_messages(n, line):
-            w.feed(m)
-    (copy,) = _files(ev, copy=True)
+    copies = {}
+    for keeper in ("n2", "n3"):
+        w = events_copy.CopyWriter(env, keeper)
+        for n, line in enumerate(lines):
+            for m in events_copy.copy_messages(n, line):
+                w.feed(m)
+        copies[keeper] = ev / w.name
+    assert len(_files(ev, copy=True)) == 2
+    rec_n2 = events_epilog.collect(77, 0, "n2", uid, env, remove=True)
+    assert rec_n2 is not None and rec_n2["copy_on"] == "n2"
+    assert not copies["n2"].exists() and copies["n3"].exists() and own.exists()
     rec_b1 = events_epilog.collect(77, 0, "b1", uid, env, remove=True)
     assert rec_b1 is not None and rec_b1["host"] == "b1" and "copy_on" not in rec_b1
-    assert not own.exists() and copy.exists()  # n2's copy is n2's epilog's
-    rec_n2 = events_epilog.collect(77, 0, "n2", uid, env, remove=True)
-    assert rec_n2 is not None and rec_n2["host"] == "b1" and rec_n2["copy_on"] == "n2"
-    assert rec_n2["launches"] == rec_b1["launches"] and not copy.exists()
+    assert not own.exists() and copies["n3"].exists()
+    rec_n3 = events_epilog.collect(77, 0, "n3", uid, env, remove=True)
+    assert rec_n3 is not None and rec_n3["host"] == "b1" and rec_n3["copy_on"] == "n3"
+    assert rec_n3["launches"] == rec_b1["launches"] == rec_n2["launches"]
+    assert _files(ev, copy=True) == []

@@ -34,6 +34,7 @@ from bluevela.launch.events_dir import (
     MAX_SCAN,
     create_file,
     events_dir,
+    node_tag,
     open_user_dir,
     unlink_own,
 )
@@ -138,7 +139,10 @@ class CopyWriter:
         if head.get("e") != "job" or not (0 <= job < 10**12 and 0 <= restart < 10**5):
             return
         uid = os.getuid()
-        name = f"bv-goodput.{job}.r{restart}.u{uid}.{secrets.token_hex(8)}.copy.jsonl"
+        # the random part begins with this node's tag: on an events directory several nodes
+        # share, only this node's epilog reads it (events_dir.copy_is_from)
+        name = (f"bv-goodput.{job}.r{restart}.u{uid}.{node_tag(self.node)}"
+                f"{secrets.token_hex(4)}.copy.jsonl")
         try:
             self.fd = create_file(self.env, name)
         except OSError as exc:

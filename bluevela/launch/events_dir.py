@@ -31,6 +31,22 @@ FILE_NAME_RE = re.compile(
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def node_tag(node: str) -> str:
+    """The first 8 hex digits of a keeper's copy's random part: which node's agent wrote it
+    (`events_copy.CopyWriter`). Where one events directory is seen by several nodes (one
+    /tmp, a network file system), each node's epilog reads only the copies its own node's
+    agent kept, never another keeper's (docs/resilience.md, goodput events)."""
+    import hashlib
+
+    return hashlib.sha256(node.encode("utf-8", "surrogateescape")).hexdigest()[:8]
+
+
+def copy_is_from(name: str, node: str) -> bool:
+    """Whether the copy file `name` (FILE_NAME_RE, ``.copy``) was kept by `node`'s agent."""
+    parts = name.split(".")
+    return len(parts) == 7 and parts[4].startswith(node_tag(node))
+
+
 def events_dir(env: Mapping[str, str]) -> str:
     value = env.get(EVENTS_DIR_ENV, "")
     return value if value.startswith("/") and "\0" not in value else DEFAULT_DIR

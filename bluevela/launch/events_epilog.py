@@ -30,6 +30,7 @@ from bluevela.launch.events_dir import (
     FILE_NAME_RE,
     MAX_SCAN,
     EventsDirError,
+    copy_is_from,
     events_dir,
     open_user_dir,
     unlink_own,
@@ -140,6 +141,10 @@ def _read_attempt(dfd: int, names: list[str], job_id: int, restart: int, node: s
         # A copy (a keeper agent's, of another node's supervisor) names that node as its
         # host; where it lies is root's word.
         copy = name.endswith(".copy.jsonl")
+        if copy and not copy_is_from(name, node):
+            # another node's keeper wrote it, on an events directory several nodes share (one
+            # /tmp, a network file system): that node's epilog reads it. Left alone.
+            continue
         try:
             rec = _read_one(dfd, name, uid)
             if (rec["host"] != node and not copy) or rec["job"] != job_id \
@@ -148,12 +153,6 @@ def _read_attempt(dfd: int, names: list[str], job_id: int, restart: int, node: s
                                   f"{rec['host']}, not this node's attempt")
         except (OSError, EventsError) as exc:
             logger.warning("goodput events %s left out: %s", name, exc)
-            continue
-        if copy and rec["host"] == node:
-            # A keeper never runs on its supervisor's node (`keeper_of`), so a copy of this
-            # node's own events lies here only when the directory is shared between nodes
-            # (one /tmp, a network file system): it is the keeper's node's to read, and
-            # reading it here would remove it before that node's epilog runs. Left alone.
             continue
         read.append(name)
         if copy:
