@@ -315,3 +315,19 @@ def standin_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str,
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("BV_TEST_LOG", str(log))
     return log
+
+
+@pytest.fixture
+def io() -> Iterator[tuple[Any, Any]]:
+    """A step's signal pipe and one node's listening endpoints (bluevela.launch.step's
+    Signals and Endpoints), closed after the test: the Step tests driven by
+    tests/step_script.py take them."""
+    from bluevela.launch.step import Endpoints, Signals
+
+    signals = Signals()
+    ends = Endpoints(["n1"], "localhost", signals)
+    try:
+        yield signals, ends
+    finally:
+        ends.close()
+        signals.close()

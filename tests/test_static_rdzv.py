@@ -7,8 +7,6 @@ tests/test_rdzv_guard.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from bluevela.errors import LaunchError
@@ -19,17 +17,6 @@ from bluevela.launch.request import SubmitRequest, rdzv_flag
 from bluevela.launch.step import Endpoints, Signals, StepState, go_message
 from bluevela.launch.supervisor import STATIC_ENV, Options, Supervisor
 from tests.step_script import FakeTime, NodeScript, StepDriver
-
-
-@pytest.fixture
-def io() -> Iterator[tuple[Signals, Endpoints]]:
-    signals = Signals()
-    ends = Endpoints(["n1"], "localhost", signals)
-    try:
-        yield signals, ends
-    finally:
-        ends.close()
-        signals.close()
 
 
 def test_each_agent_is_told_its_node_rank_and_the_node_count(

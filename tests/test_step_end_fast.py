@@ -5,8 +5,6 @@ gets its 0.5 s to end by itself. The real `Step` over scripted agents (tests/ste
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from bluevela.launch.events_log import EventLog
@@ -23,17 +21,6 @@ class RecordingSrun(FakeSrun):
     def wait(self, timeout: float | None = None) -> int:
         self.waits.append(timeout)
         return super().wait(timeout)
-
-
-@pytest.fixture
-def io() -> Iterator[tuple[Signals, Endpoints]]:
-    signals = Signals()
-    ends = Endpoints(["n1"], "localhost", signals)
-    try:
-        yield signals, ends
-    finally:
-        ends.close()
-        signals.close()
 
 
 @pytest.mark.parametrize(("scripts", "kind", "first_wait"), [

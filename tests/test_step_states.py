@@ -5,7 +5,7 @@ through the real `Step`/`Supervisor` with scripted agents, signals and grows
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -34,17 +34,6 @@ from tests.step_script import (
 
 N3 = ("n1", "n2", "n3")
 USR1, TERM = signal.SIGUSR1, signal.SIGTERM
-
-
-@pytest.fixture
-def io() -> Iterator[tuple[Signals, Endpoints]]:
-    signals = Signals()
-    ends = Endpoints(["n1"], "localhost", signals)
-    try:
-        yield signals, ends
-    finally:
-        ends.close()
-        signals.close()
 
 
 @dataclass(frozen=True)
