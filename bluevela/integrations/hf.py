@@ -25,10 +25,26 @@ handed to the store (partner copy, drain every `checkpoint.drain_every`-th save,
 signal and when `train()` returns). Not for hyper-parameter search runs (a trial's own
 directory) nor with ``load_best_model_at_end`` (HF keeps the best checkpoint's path): those
 keep HF's own saves.
+
+Published whole, or not at all (without the tier): HF writes ``checkpoint-N`` in place, file
+after file, and ``get_last_checkpoint`` takes the highest such folder whatever it holds. A save
+cut short (a peer lost mid-save, the step's abort killing a rank that was still writing, a
+full disk) left a folder HF's resume then loaded: without ``trainer_state.json`` (written last)
+HF starts again from step 0; with a truncated ``optimizer.pt`` the resume fails on every
+attempt. Each save is written in ``<output_dir>/.bv-saving/checkpoint-N`` (a name HF's resume
+never matches), then every rank meets in one barrier (all of them wrote their part), and the
+saving process (HF's ``should_save``: process 0, or each node's first with
+``save_on_each_node``) flushes the files and renames the folder into place. A rank that died
+before the barrier leaves only the staging folder, removed at the next save; the resume finds
+the previous complete checkpoint. HF's rotation (``save_total_limit``) then runs on
+``output_dir``. Not for hyper-parameter trials, ``load_best_model_at_end`` or
+``metric_for_best_model`` (HF keeps the best checkpoint's path) nor ``push_to_hub`` (it pushes
+the folder it saved): those keep HF's own in-place saves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -105,8 +121,7 @@ def patch(module: ModuleType) -> bool:
             _open_store(self)
 
     trainer_cls.__init__ = __init__
-    if tier:
-        _patch_saves(trainer_cls)
+    _patch_saves(trainer_cls, tier)
     setattr(trainer_cls, _PATCHED, True)
     return True
 
@@ -143,13 +158,120 @@ def _open_store(trainer: Any) -> None:
                          f"{trainer.args.output_dir} (this node's copy)\n")
 
 
-def _patch_saves(trainer_cls: Any) -> None:
+STAGING = ".bv-saving"  # in output_dir: where a save is written before it is published
+
+
+def _staged(trainer: Any, trial: Any) -> bool:
+    """Whether this save goes through the staging folder (see the module's doc)."""
+    args = trainer.args
+    return (trial is None and getattr(trainer, "hp_search_backend", None) is None
+            and not getattr(args, "load_best_model_at_end", False)
+            and not getattr(args, "metric_for_best_model", None)
+            and not getattr(args, "push_to_hub", False))
+
+
+def _barrier() -> None:
+    """Every rank wrote its part (a lost peer raises here: nothing is published)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _fsync_tree(folder: str) -> None:
+    """The saved files and their folders on disk before the rename makes them the newest."""
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(root)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(staged: str, target: str) -> None:
+    """Rename the complete `staged` folder to `target`; a `target` already there (the same
+    step saved before) is replaced, never mixed with."""
+    import shutil
+
+    _fsync_tree(staged)
+    old = None
+    if os.path.lexists(target):
+        old = f"{staged}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)
+    os.rename(staged, target)
+    _fsync_dir(os.path.dirname(target))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _clear(stage: str) -> None:
+    """What a save cut short left in the staging folder (any step)."""
+    import shutil
+
+    try:
+        names = os.listdir(stage)
+    except FileNotFoundError:
+        return
+    for name in names:
+        path = os.path.join(stage, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def _save_published(save: Any, self: Any, model: Any, trial: Any, *args: Any,
+                    **kwargs: Any) -> Any:
+    """HF's save into the staging folder, then published by the saving process once every
+    rank is done (the module's doc)."""
+    from transformers.trainer_utils import rotate_checkpoints
+
+    run_dir = self._get_output_dir(trial=trial)
+    stage = os.path.join(run_dir, STAGING)
+    name = f"checkpoint-{self.state.global_step}"
+    if self.args.should_save:
+        _clear(stage)
+        os.makedirs(stage, exist_ok=True)
+    _barrier()  # the staging folder is clear before any rank writes in it
+    self._get_output_dir = lambda trial=None: stage  # this save only
+    try:
+        result = save(self, model, trial, *args, **kwargs)
+    finally:
+        del self._get_output_dir
+    _barrier()  # every rank's part is written
+    if self.args.should_save:
+        publish(os.path.join(stage, name), os.path.join(run_dir, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(stage)
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                           best_model_checkpoint=self.state.best_model_checkpoint,
+                           use_mtime=True)
+    return result
+
+
+def _patch_saves(trainer_cls: Any, tier: bool) -> None:
+    """`Trainer._save_checkpoint` (HF's one save path: periodic saves and bv's) to the node's
+    tier when the store is open, else published whole; `train` finalizes the store."""
     save, train = trainer_cls._save_checkpoint, trainer_cls.train
 
     @functools.wraps(save)
     def _save_checkpoint(self: Any, model: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
         fs = getattr(self, "_bv_folder", None)
         if fs is None or trial is not None:
+            if _staged(self, trial):
+                return _save_published(save, self, model, trial, *args, **kwargs)
             return save(self, model, trial, *args, **kwargs)
         work = fs.save_dir()
         folder = work / f"checkpoint-{self.state.global_step}"
@@ -172,4 +294,5 @@ def _patch_saves(trainer_cls: Any) -> None:
         return result
 
     trainer_cls._save_checkpoint = _save_checkpoint
-    trainer_cls.train = train_
+    if tier:
+        trainer_cls.train = train_

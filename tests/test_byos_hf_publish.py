@@ -1,0 +1,131 @@
+"""A Hugging Face Trainer save that is cut short is never the one HF's resume loads.
+
+HF writes ``checkpoint-N`` in place and ``get_last_checkpoint`` takes the highest such folder
+whatever it holds. bv's integration (bluevela/integrations/hf.py) has each save written in a
+staging folder and published by a rename once every rank wrote its part. Here the cut is real:
+a rank SIGKILLs itself in the middle of HF's own save (after the model and optimizer, before
+its RNG state and the trainer state), in a fresh interpreter with bv's start-up hook, as in a
+rank whose node died mid-save (the CI failure of stop 39: a survivor's lone save after its
+peer was lost became the newest checkpoint). Without the cluster; skipped where transformers
+is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bluevela.integrations.hf import STAGING
+from bluevela.runtime.world import training_env
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                reason="transformers is not installed "
+                                       "(pip install -e '.[frameworks]')")
+
+# Saves every 2 steps, 6 steps. argv: output_dir, the rank that dies ("-": none), the step at
+# whose save it dies.
+SCRIPT = """
+import os, signal, sys, torch
+from torch import nn
+import transformers.trainer as T
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+out, who, at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rng = T.Trainer._save_rng_state
+def dying(self, folder):
+    if str(self.args.process_index) == who and self.state.global_step == at:
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-save: model and optimizer written
+    return rng(self, folder)
+T.Trainer._save_rng_state = dying
+class M(nn.Module):
+    def __init__(self):
+        super().__init__(); self.net = nn.Linear(4, 1)
+    def forward(self, x, labels):
+        return {"loss": nn.functional.mse_loss(self.net(x), labels)}
+class D(torch.utils.data.Dataset):
+    def __len__(self): return 256
+    def __getitem__(self, i): return {"x": torch.ones(4) * i / 256, "labels": torch.ones(1)}
+class Say(TrainerCallback):
+    def on_train_begin(self, args, state, control, **kw):
+        print(f"rank={args.process_index} start_step={state.global_step}", flush=True)
+args = TrainingArguments(output_dir=out, max_steps=6, save_steps=2, report_to=[], use_cpu=True,
+                         ddp_backend="gloo", ddp_timeout=60, disable_tqdm=True,
+                         per_device_train_batch_size=4, dataloader_num_workers=0)
+t = Trainer(model=M(), args=args, train_dataset=D(), callbacks=[Say()])
+last = get_last_checkpoint(out) if os.path.isdir(out) else None
+t.train(resume_from_checkpoint=last)
+print(f"rank={args.process_index} end_step={t.state.global_step}", flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _env(rank: int, world: int, port: int) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "BV_", "PL_"))}
+    base.pop("PYTHONPATH", None)  # bv as installed: its entry points are in its dist-info
+    base.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+                 "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SLURM_JOB_ID": "7",
+                 "BV_STEP_NODELIST": "node1", "BV_STEP_NUM_NODES": "1"})
+    return training_env(base, ["torchrun", f"--nproc-per-node={world}", "x.py"])
+
+
+def _ranks(out: Path, world: int, who: str, at: int) -> list[tuple[int, str]]:
+    """Run the script on `world` ranks: each rank's exit status and output."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(out), who, str(at)],
+                              env=_env(rank, world, port), cwd=out.parent,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world)]
+    try:
+        texts = [p.communicate(timeout=240)[0] for p in procs]
+        return [(p.returncode, text) for p, text in zip(procs, texts, strict=True)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _checkpoints(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-"))
+
+
+@pytest.mark.timeout(600)
+def test_a_save_killed_midway_is_not_resumed_from(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # One rank, killed in its save of step 4: checkpoint-2 stays the newest.
+    [(rc, text)] = _ranks(out, 1, "0", 4)
+    assert rc == -9 and "start_step=0" in text, text
+    assert _checkpoints(out) == ["checkpoint-2"], (sorted(os.listdir(out)), text)
+    # The next run resumes there (not from a folder without trainer_state.json: HF would start
+    # again at step 0), saves 4 and 6 whole, and leaves no staging folder behind.
+    [(rc, text)] = _ranks(out, 1, "-", 0)
+    assert rc == 0 and "rank=0 start_step=2" in text and "rank=0 end_step=6" in text, text
+    assert _checkpoints(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"], text
+    assert not (out / STAGING).exists()
+    assert (out / "checkpoint-4" / "trainer_state.json").is_file()
+
+
+@pytest.mark.timeout(600)
+def test_a_peer_lost_during_the_save_leaves_the_older_checkpoint_the_newest(
+        tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # Two ranks (gloo); rank 1 dies in the save of step 4 after rank 0 wrote its whole part
+    # (model, optimizer, RNG, trainer state): rank 0 alone does not publish it.
+    results = _ranks(out, 2, "1", 4)
+    assert results[1][0] == -9, results
+    assert results[0][0] != 0, results  # its barrier found the peer gone
+    assert _checkpoints(out) == ["checkpoint-2"], (sorted(os.listdir(out)), results)
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= set(
+        os.listdir(out / "checkpoint-2"))
