@@ -32,9 +32,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bluevela.launch import events as E  # noqa: E402
-from bluevela.launch import events_epilog, events_log  # noqa: E402
-from bluevela.launch.outcome import Loss, StepEnd  # noqa: E402
+from bluevela.goodput import events as E  # noqa: E402
+from bluevela.goodput import events_epilog  # noqa: E402
+from bluevela.goodput.outcome import Loss, StepEnd  # noqa: E402
+from bluevela.launch import events_log  # noqa: E402
 from bluevela.protocol.keys import beat_key, new_secret  # noqa: E402
 from bluevela.protocol.messages import CkptMsg, format_ckpt  # noqa: E402
 from bluevela.report import goodput as G  # noqa: E402

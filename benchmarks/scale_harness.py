@@ -43,7 +43,7 @@ from typing import Any
 
 from _common import loadavg
 
-from bluevela.launch.events_epilog import collect_files
+from bluevela.goodput.events_epilog import collect_files
 from bluevela.protocol.channel import Channel, ChannelError, parse_challenge
 from bluevela.protocol.keys import agg_key, beat_key, derive
 from bluevela.protocol.messages import Agg, AggRank, CkptMsg, format_agg, format_ckpt

@@ -24,10 +24,11 @@ from typing import Any
 
 import bluevela.launch.step as step_mod
 import bluevela.launch.supervisor as sup_mod
+from bluevela.goodput.outcome import Loss, StepEnd
 from bluevela.launch.events_log import EventLog
-from bluevela.launch.outcome import Loss, StepEnd, StepResult
 from bluevela.launch.policy import Grow, Grown
 from bluevela.launch.step import Conn, Endpoints, Signals, Step, StepConfig, StepState
+from bluevela.launch.step_result import StepResult
 from bluevela.protocol.channel import Channel
 from bluevela.protocol.keys import derive
 

@@ -282,16 +282,45 @@ def test_launch_reaches_slurm_through_the_seam(tmp_path: Path) -> None:
 
 
 def test_step_outcomes_and_the_relaunch_policy_are_leaves() -> None:
-    """`launch/outcome.py` (how a step ended, why a node was lost) is read by the supervisor,
-    the events record and the ledger: it imports nothing of bluevela. `launch/policy.py`
-    decides from it alone: no socket, no process, no signal, no Slurm."""
-    outcome = {n for n in imports(PKG / "launch" / "outcome.py") if n.startswith("bluevela")}
+    """`goodput/outcome.py` (how a step ended, why a node was lost) is read by the supervisor,
+    the events record and the ledger: it imports nothing of bluevela. `launch/step_result.py`
+    (what the supervisor makes of a step) imports only it. `launch/policy.py` decides from
+    them alone: no socket, no process, no signal, no Slurm."""
+    outcome = {n for n in imports(PKG / "goodput" / "outcome.py") if n.startswith("bluevela")}
     assert outcome == set()
+    result = {n for n in imports(PKG / "launch" / "step_result.py") if n.startswith("bluevela")}
+    assert [n for n in result if not _in(n, ("bluevela.goodput.outcome",))] == []
     policy = imports(PKG / "launch" / "policy.py")
     assert [n for n in policy if n.startswith("bluevela")
-            and not _in(n, ("bluevela.launch.outcome", "bluevela.launch.attempts"))] == []
+            and not _in(n, ("bluevela.goodput.outcome", "bluevela.launch.step_result",
+                            "bluevela.launch.attempts"))] == []
     assert [n for n in policy if n.split(".")[0] in
             ("socket", "subprocess", "selectors", "signal", "os")] == []
+
+
+# The goodput record's room (`goodput/`: its kinds, the record, its directory, the epilog's
+# reading) sits below the launch side that writes it and below the readers (hooks, archive,
+# report): above it only the standard-library leaves it builds on.
+GOODPUT_MAY_IMPORT = ("bluevela.goodput", "bluevela.protocol", "bluevela.util",
+                      "bluevela.errors")
+GOODPUT_READERS = ("hooks", "archive", "report")
+
+
+def test_the_goodput_record_is_a_room_below_launch_and_its_readers() -> None:
+    """`goodput/` imports no other package of bluevela but `protocol`, `util` and `errors`
+    (standard library only), and the record's readers (`hooks/`, `archive/`, `report/`) take
+    it from there, never from `launch/` (before issue 38 the record lived in launch/, and
+    report, archive and hooks pointed up into the launch side for it)."""
+    bad = []
+    for path in _files("goodput"):
+        for name in sorted(imports(path)):
+            top = name.split(".")[0]
+            if (top == "bluevela" and not _in(name, GOODPUT_MAY_IMPORT)) or (
+                    top != "bluevela" and top not in sys.stdlib_module_names):
+                bad.append(f"{path.relative_to(REPO)} imports {name}")
+    assert bad == []
+    for room in GOODPUT_READERS:
+        assert _violations(room, ("bluevela.launch",)) == [], room
 
 
 def test_util_is_a_leaf() -> None:

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from bluevela.launch import events as E
+from bluevela.goodput import events as E
+from bluevela.goodput.outcome import StepEnd
 from bluevela.launch import events_log
-from bluevela.launch.outcome import StepEnd
 from bluevela.protocol.keys import beat_key, new_secret
 from bluevela.protocol.messages import (
     CkptBgMsg,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.launch import events as E
+from bluevela.goodput import events as E
 from bluevela.report import goodput as G
 from bluevela.report import goodput_bounds as GB
 

@@ -1,4 +1,4 @@
-"""Goodput events at the source (bluevela/launch/events.py, runtime.checkpoint_saved):
+"""Goodput events at the source (bluevela/goodput/events.py, runtime.checkpoint_saved):
 real UDP sockets between a rank and a supervisor socket, real files read the way the epilog
 (root) reads them."""
 
@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.launch import events as E
-from bluevela.launch import events_epilog, events_log
-from bluevela.launch.outcome import Loss, LossKind, StepEnd, lost_text
+from bluevela.goodput import events as E
+from bluevela.goodput import events_epilog
+from bluevela.goodput.outcome import Loss, LossKind, StepEnd
+from bluevela.launch import events_log
+from bluevela.launch.step_result import failure_time, lost_text
 from bluevela.protocol.keys import beat_key, new_secret
 from bluevela.protocol.messages import CkptMsg, format_ckpt, parse_ckpt
 from bluevela.runtime import heartbeat
@@ -190,15 +192,15 @@ def test_a_last_line_cut_by_a_kill_is_skipped() -> None:
 
 
 def test_failure_time_rules() -> None:
-    assert E.failure_time({"n2": Loss.closed()}, {"n2": 5.0}, 0.0, 9.0, None) == 9.0
-    assert E.failure_time({"n2": Loss.silent(10)}, {"n2": 5.0}, 0.0, 16.0, None) == 5.0
-    assert E.failure_time({"n2": Loss.never_connected(60)}, {}, 1.5, 16.0, None) == 1.5
+    assert failure_time({"n2": Loss.closed()}, {"n2": 5.0}, 0.0, 9.0, None) == 9.0
+    assert failure_time({"n2": Loss.silent(10)}, {"n2": 5.0}, 0.0, 16.0, None) == 5.0
+    assert failure_time({"n2": Loss.never_connected(60)}, {}, 1.5, 16.0, None) == 1.5
     # the kind decides, not the words
-    assert E.failure_time({"n2": Loss(LossKind.SILENT, "quiet")}, {"n2": 5.0}, 0.0, 16.0,
+    assert failure_time({"n2": Loss(LossKind.SILENT, "quiet")}, {"n2": 5.0}, 0.0, 16.0,
                           None) == 5.0
-    assert E.failure_time({"n2": Loss(LossKind.CLOSED, "silent for 10 s")}, {"n2": 5.0}, 0.0,
+    assert failure_time({"n2": Loss(LossKind.CLOSED, "silent for 10 s")}, {"n2": 5.0}, 0.0,
                           16.0, None) == 16.0
-    assert E.failure_time({}, {}, 0.0, 20.0, 12.5) == 12.5
+    assert failure_time({}, {}, 0.0, 20.0, 12.5) == 12.5
     assert events_log.parse_limit("1-02:03:04") == 93784.0
     assert events_log.parse_limit("00:02:00") == 120.0
     assert events_log.parse_limit("UNLIMITED") is None

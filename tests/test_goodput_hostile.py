@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.launch import events as E
-from bluevela.launch import events_dir, events_epilog, events_log
-from bluevela.launch.outcome import Loss, LossKind, StepEnd
+from bluevela.goodput import events as E
+from bluevela.goodput import events_dir, events_epilog
+from bluevela.goodput.outcome import Loss, LossKind, StepEnd
+from bluevela.launch import events_log
 from bluevela.protocol.keys import beat_key
 from bluevela.protocol.messages import CkptMsg, format_ckpt
 from tests.conftest import REPO, small_tmpfs
@@ -62,9 +63,9 @@ def shared_tmp() -> Iterator[Path]:
 
 SUPERVISOR = """
 import json, sys, time
-from bluevela.launch import events as E
+from bluevela.goodput import events as E
 from bluevela.launch import events_log
-from bluevela.launch.outcome import StepEnd
+from bluevela.goodput.outcome import StepEnd
 from bluevela.protocol.keys import beat_key
 from bluevela.protocol.messages import CkptMsg, format_ckpt
 env, host = json.loads(sys.argv[1]), sys.argv[2]

@@ -14,9 +14,11 @@ from typing import Any
 
 import pytest
 
-from bluevela.launch import events as E
-from bluevela.launch import events_epilog, events_log
-from bluevela.launch.outcome import Loss, LossKind, StepEnd, lost_text
+from bluevela.goodput import events as E
+from bluevela.goodput import events_epilog
+from bluevela.goodput.outcome import Loss, LossKind, StepEnd
+from bluevela.launch import events_log
+from bluevela.launch.step_result import failure_time, lost_text
 from bluevela.report import goodput as G
 from bluevela.report import goodput_bounds as GB
 
@@ -98,11 +100,11 @@ def test_the_supervisors_log_writes_the_kinds_and_the_ledger_ignores_the_words(
 
 def test_failure_time_reads_the_kind() -> None:
     last_seen = {"n2": 5.0}
-    assert E.failure_time({"n2": Loss(LossKind.SILENT, "reworded")}, last_seen, 0.0, 16.0,
+    assert failure_time({"n2": Loss(LossKind.SILENT, "reworded")}, last_seen, 0.0, 16.0,
                           None) == 5.0
-    assert E.failure_time({"n2": Loss(LossKind.CLOSED, "silent for 10 s")}, last_seen, 0.0,
+    assert failure_time({"n2": Loss(LossKind.CLOSED, "silent for 10 s")}, last_seen, 0.0,
                           16.0, None) == 16.0
-    assert E.failure_time({"n3": Loss(LossKind.NEVER_CONNECTED, "")}, {}, 2.0, 16.0,
+    assert failure_time({"n3": Loss(LossKind.NEVER_CONNECTED, "")}, {}, 2.0, 16.0,
                           None) == 2.0
 
 

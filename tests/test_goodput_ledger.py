@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bluevela.launch.events import EventsError, validate
+from bluevela.goodput.events import EventsError, validate
 from bluevela.report import goodput as G
 from bluevela.report import goodput_advice as GA
 

@@ -25,9 +25,9 @@ from bluevela.archive.ingest import ingest
 from bluevela.archive.query import show_job
 from bluevela.archive.sample import sample_report
 from bluevela.archive.spool import write_report
-from bluevela.launch import events as E
+from bluevela.goodput import events as E
+from bluevela.goodput.outcome import StepEnd
 from bluevela.launch import events_log
-from bluevela.launch.outcome import StepEnd
 from bluevela.telemetry.format import Column, Header, SegmentWriter, read_file
 from bluevela.telemetry.window import write_side_file
 from tests.test_goodput_events import sticky_dir

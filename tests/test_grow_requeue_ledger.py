@@ -27,8 +27,8 @@ from bluevela.archive import query
 from bluevela.archive.ingest import ingest
 from bluevela.archive.sample import sample_report
 from bluevela.archive.spool import QUARANTINE_DIR, write_report
+from bluevela.goodput.outcome import StepEnd
 from bluevela.launch import events_copy, events_log
-from bluevela.launch.outcome import StepEnd
 from bluevela.slurm import job_record
 from tests.test_goodput_events import sticky_dir
 from tests.test_hooks_run import make_node, run_hook

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from bluevela.launch import events as E
-from bluevela.launch import events_copy, events_epilog
+from bluevela.goodput import events as E
+from bluevela.goodput import events_epilog
+from bluevela.launch import events_copy
 from bluevela.protocol.channel import MAX_LINE, Channel
 from bluevela.protocol.keys import beat_key, derive
 from bluevela.protocol.messages import CkptMsg, format_ckpt

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bluevela.launch.events import validate
+from bluevela.goodput.events import validate
 from bluevela.report.fleet import compute
 from bluevela.report.fleet_facts import Attempt, Event, FleetFacts, JobFacts, NodeClassInfo
 

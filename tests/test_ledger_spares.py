@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bluevela.launch.events import validate
+from bluevela.goodput.events import validate
 from bluevela.report import goodput as G
 from bluevela.report import goodput_bounds as GB
 from bluevela.report.fleet import compute
@@ -124,7 +124,7 @@ def test_the_real_supervisors_spare_reaches_the_ledger(tmp_path: Path) -> None:
     import os
     import socket
 
-    from bluevela.launch import events_epilog
+    from bluevela.goodput import events_epilog
     from tests.supervisor_standins import Job
 
     ev = tmp_path / "events"

@@ -1,11 +1,12 @@
-"""Typed step outcomes (bluevela/launch/outcome.py): one vocabulary for how a step ended, and a
+"""Typed step outcomes (bluevela/goodput/outcome.py): one vocabulary for how a step ended, and a
 kind for every reason a node is lost, with the words the job output has always shown."""
 
 from __future__ import annotations
 
 import json
 
-from bluevela.launch.outcome import Loss, LossKind, StepEnd, loss_kinds, lost_text
+from bluevela.goodput.outcome import Loss, LossKind, StepEnd, loss_kinds
+from bluevela.launch.step_result import lost_text
 
 
 def test_step_end_values_are_the_record_kinds() -> None:

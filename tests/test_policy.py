@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from bluevela.launch.outcome import Loss, StepEnd, StepResult
+from bluevela.goodput.outcome import Loss, StepEnd
 from bluevela.launch.policy import (
     GROWTH_OFF,
     NOTHING_TO_GROW_FROM,
@@ -24,6 +24,7 @@ from bluevela.launch.policy import (
     Requeue,
     next_action,
 )
+from bluevela.launch.step_result import StepResult
 
 N = ("node1", "node2", "node3", "node4")
 STEP = ("node1", "node2", "node3")

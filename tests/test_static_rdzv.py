@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from bluevela.errors import LaunchError
+from bluevela.goodput.outcome import StepEnd
 from bluevela.launch.agent import STATIC_FLAG, Agent, endpoint_env, parse_go
 from bluevela.launch.events_log import EventLog
-from bluevela.launch.outcome import StepEnd
 from bluevela.launch.request import SubmitRequest, rdzv_flag
 from bluevela.launch.step import Endpoints, Signals, StepState, go_message
 from bluevela.launch.supervisor import STATIC_ENV, Options, Supervisor

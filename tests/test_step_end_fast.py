@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from bluevela.goodput.outcome import StepEnd
 from bluevela.launch.events_log import EventLog
-from bluevela.launch.outcome import StepEnd
 from bluevela.launch.step import Endpoints, Signals
 from tests.step_script import FakeSrun, FakeTime, NodeScript, StepDriver
 

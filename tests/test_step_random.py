@@ -23,7 +23,7 @@ import signal
 
 import pytest
 
-from bluevela.launch.outcome import StepEnd
+from bluevela.goodput.outcome import StepEnd
 from bluevela.launch.supervisor import Options
 from tests.step_script import (
     CFG,

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from bluevela.goodput.outcome import LossKind, StepEnd
 from bluevela.launch.events_log import EventLog
-from bluevela.launch.outcome import LossKind, StepEnd
 from bluevela.launch.step import (
     STEP_TRANSITIONS,
     Endpoints,

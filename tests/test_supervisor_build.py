@@ -9,8 +9,9 @@ import socket
 
 import pytest
 
-from bluevela.launch.outcome import Loss, LossKind, StepEnd, StepResult
+from bluevela.goodput.outcome import Loss, LossKind, StepEnd
 from bluevela.launch.policy import Exit, Relaunch, Requeue
+from bluevela.launch.step_result import StepResult
 from bluevela.launch.supervisor import Options, Supervisor
 
 ENV = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-4]", "BV_JOB_SECRET": "aa" * 32,

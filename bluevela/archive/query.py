@@ -230,7 +230,7 @@ def _node_entries(job_nodes: list[dict[str, Any]],
 def _grows_of(job_id: int, nodes: list[dict[str, Any]]) -> dict[int, set[str]]:
     """Helper job id -> the nodes without a prolog that the job's goodput record says grew
     into it through that helper (`grows`, written by the job's supervisor)."""
-    from bluevela.launch.events import EventsError, validate
+    from bluevela.goodput.events import EventsError, validate
 
     names = {n["node"]: n for n in nodes}
     want: dict[int, set[str]] = {}

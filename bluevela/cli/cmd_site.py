@@ -40,7 +40,7 @@ def validate(obj: State, path: str | None, against_cluster: bool, as_json: bool,
     note = readiness(site.launch.grow_deadline_s)
     if note is not None:
         click.echo(f"WARNING: {note}", err=True)
-    from bluevela.launch.events_dir import events_dir_problem
+    from bluevela.hooks.env import events_dir_problem
 
     events_note = events_dir_problem()
     if events_note is not None:

@@ -17,18 +17,18 @@ Four places touch them (docs/resilience.md, "Where the time went: goodput events
    into `ckpt_bg` lines: a launch's `bgs`) and its resume (`bvcr1`, a `resume` line).
 2. The supervisor (bluevela/launch/events_log.py, `EventLog`, as the job's user) appends one
    JSON line per event to its events file, in a directory the epilog can trust
-   (bluevela/launch/events_dir.py), bounded as the epilog reads it (MAX_FILE_BYTES,
+   (bluevela/goodput/events_dir.py), bounded as the epilog reads it (MAX_FILE_BYTES,
    MAX_LINES), with room kept for the lines that close a launch (CLOSE_RESERVE).
 3. The copy (bluevela/launch/events_copy.py): every line also goes to the agent of a second
    node of the step, which keeps it in its own node's events directory, so the record
    outlives the batch node.
-4. The epilog (root; bluevela/launch/events_epilog.py) reads those files as hostile input and
+4. The epilog (root; bluevela/goodput/events_epilog.py) reads those files as hostile input and
    folds them into one bounded record (`read_events_file`, every copy merged with
    `merge_records`) that goes into the node's epilog report under `goodput_events`. The
    ledger (bluevela/report/goodput.py) checks the record again with `validate()` and clamps
    it to the job's allocation before using it.
 
-Standard library only: the supervisor and the hooks import it.
+Standard library only: the supervisor, the hooks, the archive and the report import it.
 """
 
 from __future__ import annotations
@@ -36,10 +36,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
 from typing import Any
 
-from bluevela.launch.outcome import Loss, LossKind, StepEnd
+from bluevela.goodput.outcome import LossKind, StepEnd
 from bluevela.protocol.messages import MAX_STEP
 from bluevela.protocol.names import NAME_MAX, safe_name
 
@@ -63,27 +62,6 @@ REQUEUE_LINE_MAX = 64
 CLOSE_RESERVE = END_LINE_MAX + REQUEUE_LINE_MAX
 # Unix times must fall between these (2001 .. 2286): anything else is not a clock reading.
 T_MIN, T_MAX = 1e9, 1e10
-
-
-# --------------------------------------------------------------------------------------------
-# The supervisor's step: when its failure happened
-
-
-def failure_time(lost: Mapping[str, Loss], last_seen: Mapping[str, float], started: float,
-                 detected: float, hang_progress: float | None) -> float:
-    """When the step's failure happened (monotonic), from each lost node's `LossKind`: a hang
-    at the stuck rank's last progress; a node silent for --node-timeout at its agent's last
-    message; a node that never connected at the step's start; anything else (a closed
-    connection, a rank's exit) when it was seen, which is within one supervisor tick of it."""
-    if hang_progress is not None:
-        return min(hang_progress, detected)
-    times = [detected]
-    for node, loss in lost.items():
-        if loss.kind is LossKind.SILENT and node in last_seen:
-            times.append(last_seen[node])
-        elif loss.kind is LossKind.NEVER_CONNECTED:
-            times.append(started)
-    return min(times)
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ prolog for each job's user); anything a user could fill or replace is refused
 ``bv-goodput.<job>.r<restart>.u<uid>.<random>[.copy].jsonl`` (`FILE_NAME_RE`), and removed
 only when they are regular files of the job's user (`unlink_own`).
 
-Standard library only: the supervisor, its agents and the hooks import it.
+Standard library only: the supervisor, its agents and the hooks import it (which directory
+the hooks use, from hook.env, is `bluevela.hooks.env.site_events_dir`).
 """
 
 from __future__ import annotations
@@ -76,30 +77,6 @@ def dir_layout(st: os.stat_result, path: str) -> str:
                              "rename or remove the job's record; use mode 1777 or 0755 with "
                              "per-user directories")
     return "per-user"
-
-
-def site_events_dir(environ: Mapping[str, str] | None = None) -> str:
-    """The events directory the hooks use: BV_EVENTS_DIR from hook.env (`BV_HOOK_ENV`,
-    else /etc/bluevela/hook.env, when readable), else from `environ`, else /tmp."""
-    from pathlib import Path
-
-    from bluevela.hooks.env import HOOK_ENV, read_hook_env
-
-    environ = os.environ if environ is None else environ
-    chosen = environ.get("BV_HOOK_ENV") or str(HOOK_ENV)
-    values = {} if chosen == "none" else read_hook_env(Path(chosen))
-    return events_dir({**environ, **values})
-
-
-def events_dir_problem(environ: Mapping[str, str] | None = None) -> str | None:
-    """`bv site validate`'s check of the hooks' events directory: a one-line problem, or
-    None when the epilog can trust it (`dir_layout`)."""
-    path = site_events_dir(environ)
-    if not os.path.lexists(path):
-        return (f"goodput events directory {path} ({EVENTS_DIR_ENV}) does not exist: no "
-                "job's goodput events can be recorded")
-    problem = check_events_dir(path)[1]
-    return None if problem is None else f"goodput events directory: {problem}"
 
 
 def check_events_dir(path: str) -> tuple[str, str | None]:

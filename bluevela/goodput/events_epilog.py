@@ -5,10 +5,10 @@ one bounded record that goes into the node's epilog report under `goodput_events
 (docs/resilience.md, "Where the time went: goodput events").
 
 Only a directory that no other user can fill or replace is read
-(bluevela/launch/events_dir.py); at most MAX_SCAN entries of it are looked at, names and
+(bluevela/goodput/events_dir.py); at most MAX_SCAN entries of it are looked at, names and
 owner filtered by the job's uid before the MAX_FILES cap; a directory fd,
 O_NOFOLLOW|O_NONBLOCK, a regular file owned by the job's user, at most MAX_FILE_BYTES,
-every field checked (bluevela/launch/events.py), the host must be this node (a copy may
+every field checked (bluevela/goodput/events.py), the host must be this node (a copy may
 name another node: where it lies is root's word, `copy_on`). A bad file is logged and left
 out; the files read are removed once the report holding the record is spooled
 (`Collected.remove`).
@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from bluevela.launch.events import MAX_FILE_BYTES, EventsError, merge_records, read_events_file
-from bluevela.launch.events_dir import (
+from bluevela.goodput.events import MAX_FILE_BYTES, EventsError, merge_records, read_events_file
+from bluevela.goodput.events_dir import (
     FILE_NAME_RE,
     MAX_SCAN,
     EventsDirError,

@@ -6,7 +6,9 @@ A step ends one of six ways (`StepEnd`). A node is lost for one of a few reasons
 so rewording a message changes no figure. In a goodput event record a kind travels as its
 enum's ``.value`` string (`StepEnd` in the end's ``kind``; a node's `LossKind` in a field
 beside the cause's text, `loss_kinds`); a record written before the kinds existed has only
-the text (bluevela/launch/events.py reads those by prefix, in one legacy function).
+the text (bluevela/goodput/events.py reads those by prefix, in one legacy function). What the
+supervisor makes of a step from them (`StepResult`, the failure's time) is
+bluevela/launch/step_result.py.
 
 Standard library only, and a leaf: the supervisor, the hooks and the ledger import it.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class StepEnd(enum.StrEnum):
@@ -36,7 +38,7 @@ class StepEnd(enum.StrEnum):
 
 class LossKind(enum.StrEnum):
     """Why a node left the step. The comment says when the failure happened, as the ledger
-    dates it (events.failure_time)."""
+    dates it (launch.step_result.failure_time)."""
 
     CLOSED = "closed"  # its agent's connection closed: when the supervisor saw it
     SILENT = "silent"  # no agent message for --node-timeout: at its last message
@@ -82,25 +84,6 @@ class Loss:
     @classmethod
     def hung(cls) -> Loss:
         return cls(LossKind.HUNG, "its rank hung")
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """How a step ended, what to say about it, and when it went wrong."""
-
-    kind: StepEnd
-    rc: int  # the job's exit status when it ends here
-    cause: str  # the end line's words
-    lost: Mapping[str, Loss] = field(default_factory=dict)  # node -> why it left the step
-    hang_node: str | None = None  # the node of the rank that stopped first
-    failed_at: float | None = None  # monotonic: when the failure happened (the ledger's)
-    detected_at: float | None = None  # monotonic: when the supervisor acted on it
-    hang_rank: int | None = None  # the rank that stopped first (a hang)
-
-
-def lost_text(lost: Mapping[str, Loss]) -> str:
-    """The lost nodes as the job output says them: ``node2 lost (why); node3 lost (why)``."""
-    return "; ".join(f"{node} lost ({loss.text})" for node, loss in lost.items())
 
 
 def loss_kinds(lost: Mapping[str, Loss]) -> dict[str, str]:

@@ -130,6 +130,30 @@ def fixture_warning(environ: Mapping[str, str] | None = None) -> str | None:
             "hardware (remove these keys from hook.env on a production node)")
 
 
+def site_events_dir(environ: Mapping[str, str] | None = None) -> str:
+    """The events directory the hooks use: BV_EVENTS_DIR from hook.env (`BV_HOOK_ENV`,
+    else /etc/bluevela/hook.env, when readable), else from `environ`, else /tmp."""
+    from bluevela.goodput.events_dir import events_dir
+
+    environ = os.environ if environ is None else environ
+    chosen = environ.get("BV_HOOK_ENV") or str(HOOK_ENV)
+    values = {} if chosen == "none" else read_hook_env(Path(chosen))
+    return events_dir({**environ, **values})
+
+
+def events_dir_problem(environ: Mapping[str, str] | None = None) -> str | None:
+    """`bv site validate`'s check of the hooks' events directory: a one-line problem, or
+    None when the epilog can trust it (`goodput.events_dir.dir_layout`)."""
+    from bluevela.goodput.events_dir import EVENTS_DIR_ENV, check_events_dir
+
+    path = site_events_dir(environ)
+    if not os.path.lexists(path):
+        return (f"goodput events directory {path} ({EVENTS_DIR_ENV}) does not exist: no "
+                "job's goodput events can be recorded")
+    problem = check_events_dir(path)[1]
+    return None if problem is None else f"goodput events directory: {problem}"
+
+
 def isolate(module: str) -> None:
     """Make `python -m <module>` (a root entry point) independent of where it was started.
 

@@ -324,7 +324,7 @@ def prolog(site: Site, hctx: HookContext) -> HookOutcome:
         save_job_reading(state, hctx.job_id, reading)
     drain = _drain_if_critical(site, hctx.node, report)
     if hctx.job_id is not None:  # the user's goodput events directory, in a per-user layout
-        from bluevela.launch.events_dir import prepare_for_prolog
+        from bluevela.goodput.events_dir import prepare_for_prolog
 
         prepare_for_prolog()
     spooled = _spool(site, hctx, report, drain, {})
@@ -352,7 +352,7 @@ def epilog(site: Site, hctx: HookContext) -> HookOutcome:
     extra: dict[str, Any] = {}
     events = None
     if hctx.job_id is not None:  # the supervisor's goodput events, when it ran on this node
-        from bluevela.launch.events_epilog import collect_for_epilog
+        from bluevela.goodput.events_epilog import collect_for_epilog
 
         events = collect_for_epilog(hctx.job_id, attempt, hctx.node)
         if events is not None:

@@ -9,11 +9,11 @@ streams every line it writes, in order, to the agent of a second node of the ste
 `copy_messages` cuts an event line into parts of COPY_CHUNK characters), the lines written
 so far first, at most COPY_OUT_MAX bytes ahead of the socket. The agent (`CopyWriter`, as
 the job's user) appends them to ``bv-goodput.<job>.r<restart>.u<uid>.<random>.copy.jsonl``
-in ITS node's events directory (bluevela/launch/events_dir.py), with the same rules, flags,
+in ITS node's events directory (bluevela/goodput/events_dir.py), with the same rules, flags,
 mode and bounds; each line once and in order; and when the supervisor's connection ends
 without the step's end, one `gone` line with the time. A later step's keeper gets the whole
 backlog and, once caught up, removes the older copies on its node. That node's epilog reads
-the copy as it reads a record (bluevela/launch/events_epilog.py).
+the copy as it reads a record (bluevela/goodput/events_epilog.py).
 
 Standard library only: the supervisor and its agents import it.
 """
@@ -28,8 +28,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from bluevela.launch.events import END_LINE_MAX, MAX_FILE_BYTES, MAX_LINES
-from bluevela.launch.events_dir import (
+from bluevela.goodput.events import END_LINE_MAX, MAX_FILE_BYTES, MAX_LINES
+from bluevela.goodput.events_dir import (
     FILE_NAME_RE,
     MAX_SCAN,
     create_file,

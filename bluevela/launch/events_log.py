@@ -3,7 +3,7 @@ what it saw happen to each launch, one JSON line per event, for the ledger
 (docs/resilience.md, "Where the time went: goodput events").
 
 Per Slurm attempt it appends to ``<dir>/bv-goodput.<job>.r<restart>.u<uid>.<random>.jsonl``
-(bluevela/launch/events_dir.py: created O_EXCL|O_NOFOLLOW, mode 0600): the launch (time,
+(bluevela/goodput/events_dir.py: created O_EXCL|O_NOFOLLOW, mode 0600): the launch (time,
 attempt, nodes), the first progress, one line per checkpoint (step, first start, last end,
 rank count; the ranks' datagrams folded in memory), the step's end (kind, when the failure
 happened, when it was detected, cause, lost nodes), the requeue; once per Slurm attempt the
@@ -22,21 +22,20 @@ import json
 import logging
 import os
 import secrets
-import subprocess
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from bluevela.launch.events import (
+from bluevela.goodput.events import (
     CLOSE_RESERVE,
     MAX_CAUSE,
     MAX_FILE_BYTES,
     MAX_LINES,
     MAX_NODES,
 )
+from bluevela.goodput.events_dir import create_file, events_dir
+from bluevela.goodput.outcome import Loss, LossKind, StepEnd
 from bluevela.launch.events_copy import CopySender
-from bluevela.launch.events_dir import create_file, events_dir
-from bluevela.launch.outcome import Loss, LossKind, StepEnd
 from bluevela.protocol.messages import (
     CKPT_BG_MAGIC,
     CKPT_MAGIC,
@@ -51,6 +50,7 @@ from bluevela.protocol.messages import (
     parse_resume,
 )
 from bluevela.protocol.names import safe_name
+from bluevela.slurm.command import run_slurm
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +61,12 @@ _CK_HEADS = tuple(f"{m} ".encode() for m in (CKPT_MAGIC, CKPT_BG_MAGIC, RESUME_M
 def slurm_times(job: str, timeout: float = 10.0) -> dict[str, float | None]:
     """Submit time, start time and time limit (s) of `job`, read once at the supervisor's
     start with ``squeue -h -j JOB -o %V|%S|%l`` (local times; a read, never an action on
-    the job), each None when unknown. Bounded by `timeout`; never raises."""
+    the job), each None when unknown. One try through the seam (bluevela/slurm/command.py),
+    bounded by `timeout` (the first launch waits for it); never raises."""
     out: dict[str, float | None] = {"submit": None, "start": None, "time_limit_s": None}
-    try:
-        proc = subprocess.run(["squeue", "-h", "-j", job, "-o", "%V|%S|%l"],
-                              capture_output=True, text=True, check=False, timeout=timeout)
-    except (OSError, subprocess.SubprocessError):
-        return out
-    words = (proc.stdout.strip().splitlines() or [""])[0].split("|")
-    if proc.returncode != 0 or len(words) != 3:
+    call = run_slurm(["squeue", "-h", "-j", job, "-o", "%V|%S|%l"], timeout_s=timeout)
+    words = (call.stdout.strip().splitlines() or [""])[0].split("|")
+    if not call.ok or len(words) != 3:
         return out
     for key, value in (("submit", words[0]), ("start", words[1])):
         try:

@@ -23,8 +23,9 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from bluevela.goodput.outcome import Loss, StepEnd
 from bluevela.launch.attempts import compress
-from bluevela.launch.outcome import Loss, StepEnd, StepResult
+from bluevela.launch.step_result import StepResult
 
 GROWTH_OFF = "job growth is off in site.yaml (launch.grow_deadline_s: 0)"
 NOTHING_TO_GROW_FROM = "no node of the job is left to grow from"

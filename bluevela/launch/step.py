@@ -37,11 +37,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from bluevela.launch.events import failure_time
+from bluevela.goodput.outcome import Loss, StepEnd
 from bluevela.launch.events_copy import keeper_of
 from bluevela.launch.events_log import EventLog
-from bluevela.launch.outcome import Loss, StepEnd, StepResult, lost_text
 from bluevela.launch.proctree import reap, wait_killed
+from bluevela.launch.step_result import StepResult, failure_time, lost_text
 from bluevela.launch.usr1_wait import USR1_UNCAUGHT_S, USR1_WAIT_MAX_S, LimitClock, usr1_request
 from bluevela.launch.watchdog import Hang, RankBeat, find_hang
 from bluevela.protocol.channel import Channel, ChannelError, challenge_line

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
+from bluevela.goodput.outcome import Loss, StepEnd
 from bluevela.launch import warm
 from bluevela.launch.agent import (
     PING_ENV,
@@ -90,7 +91,6 @@ from bluevela.launch.attempts import (
 from bluevela.launch.events_log import EventLog
 from bluevela.launch.grow import grow as grow_job
 from bluevela.launch.grow import release_helpers
-from bluevela.launch.outcome import Loss, StepEnd, StepResult
 from bluevela.launch.policy import (
     Allocation,
     Exit,
@@ -112,6 +112,7 @@ from bluevela.launch.step import (
     check_transition,
     log,
 )
+from bluevela.launch.step_result import StepResult
 from bluevela.launch.usr1_wait import LimitClock
 from bluevela.protocol.keys import SECRET_ENV, agg_key, beat_key, derive, new_secret
 from bluevela.runtime.heartbeat import ENV_ADDR as HEARTBEAT_ENV

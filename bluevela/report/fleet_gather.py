@@ -212,14 +212,14 @@ def _gather_attempts(out: dict[int, dict[int, Attempt]], rep: np.ndarray, restar
 
 def _gather_goodput(out: dict[int, dict[int, dict[str, Any]]], f: Any, rep: np.ndarray,
                     in_win: np.ndarray, names: list[str], node_of: np.ndarray) -> None:
-    """The goodput events (bluevela/launch/events.py) in the window's epilog reports: only
+    """The goodput events (bluevela/goodput/events.py) in the window's epilog reports: only
     the rows whose extra JSON names them are decoded, and each record is checked again."""
     import json
 
     import numpy as np
 
     from bluevela.archive import schema as S
-    from bluevela.launch.events import EventsError, merge_records, validate
+    from bluevela.goodput.events import EventsError, merge_records, validate
     from bluevela.report.goodput_bounds import slurm_submit, with_slurm_submit
 
     if "extra_json" not in (f["reports"].dtype.names or ()):

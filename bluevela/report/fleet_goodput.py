@@ -4,7 +4,7 @@ job and by job size, hours lost by phase and by cause, the checkpoint interval a
 advice, and the node failures a ledger saw that the hooks confirm (counted in the MTBF once
 each). Pure: no I/O.
 
-The goodput events are the job owner's file (bluevela/launch/events.py): the fleet's figures
+The goodput events are the job owner's file (bluevela/goodput/events.py): the fleet's figures
 take Slurm's outcome and the hooks' own evidence first, never the owner's word alone
 (docs/report.md, "What the fleet figures trust"):
 
@@ -26,7 +26,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from bluevela.launch.outcome import StepEnd
+from bluevela.goodput.outcome import StepEnd
 from bluevela.report.fleet_facts import (
     LEDGER_FAILURE,
     NODE_LOST,

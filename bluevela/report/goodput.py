@@ -1,7 +1,7 @@
 """The goodput ledger of one job: where its wall time (and GPU hours) went, by phase and cause
 (`bv archive show JOB --goodput`; docs/resilience.md "The goodput ledger").
 
-Input: the supervisor's events of each Slurm attempt (bluevela/launch/events.py), which the
+Input: the supervisor's events of each Slurm attempt (bluevela/goodput/events.py), which the
 epilog of the supervisor's node put in its report (`goodput_events`), and the archive's
 prolog/epilog times of each attempt for attempts without events. Pure logic over those
 (`build_ledger`), unit-tested with hand-computed numbers; `job_goodput` reads the archive.
@@ -42,8 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bluevela.launch.events import TIERS
-from bluevela.launch.outcome import LossKind, StepEnd
+from bluevela.goodput.events import TIERS
+from bluevela.goodput.outcome import LossKind, StepEnd
 from bluevela.report.goodput_bounds import Allocation, allocation_of, bound_record
 
 logger = logging.getLogger(__name__)
@@ -514,7 +514,7 @@ def records_of(job: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     """The validated event records in a `query.show_job` result, and a note per record that
     failed the checks (left out, never fatal). Each record's submit time is Slurm's where the
     epilog that carried it read Slurm's record (`slurm_job`), never the owner's then."""
-    from bluevela.launch.events import EventsError, merge_records, validate
+    from bluevela.goodput.events import EventsError, merge_records, validate
     from bluevela.report.goodput_bounds import slurm_submit, with_slurm_submit
 
     out: dict[int, dict[str, Any]] = {}

@@ -1,5 +1,5 @@
 """The goodput events held to the allocation (bluevela/report/goodput.py's input). The events
-are the job owner's own words (bluevela/launch/events.py): before the ledger uses a record,
+are the job owner's own words (bluevela/goodput/events.py): before the ledger uses a record,
 every time, node count and node name in it is clamped to what the archive (root's hooks)
 saw of the job, and a note says what was changed (docs/resilience.md, "The goodput ledger").
 """
@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bluevela.launch.events import T_MAX, T_MIN
-from bluevela.launch.outcome import LossKind
+from bluevela.goodput.events import T_MAX, T_MIN
+from bluevela.goodput.outcome import LossKind
 
 
 def slurm_submit(report: Mapping[str, Any]) -> float | None:
