@@ -12,6 +12,8 @@ importing in a fresh interpreter.
 - `protocol/` (the in-job wire) is a leaf on the standard library (and `errors` at most);
   `runtime/` (the ranks' side) imports nothing of `launch/`.
 - `archive/` is storage: no page, no analysis, no matplotlib.
+- `goodput/` (the goodput record) imports only `protocol/`, `util/` and `errors` (standard
+  library only); its readers `hooks/`, `archive/`, `report/` import nothing of `launch/`.
 - Pages: only `report/page.py` and the `report/*_html.py` pages import matplotlib, and a page
   module imports no other page module (they share `page`). The analyses behind the pages
   (`report/fleet.py`, `report/efficiency.py`, `report/nightly.py`) import without matplotlib,
