@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from bluevela.errors import LaunchError
 from bluevela.launch.bench_job import BenchJobRequest, BenchStep
 from bluevela.launch.request import SubmitRequest
 from bluevela.launch.submit import build_request
@@ -95,3 +96,40 @@ def test_batch_script_unchanged(name: str) -> None:
     if os.environ.get("BV_REGEN_GOLDEN"):
         path.write_text(text)
     assert text == path.read_text(), f"{name} changed; regenerate: BV_REGEN_GOLDEN=1 pytest {__file__}"
+
+
+_STEP = (BenchStep(argv=(PY, "-x")),)
+REFUSED: dict[str, tuple[Callable[[], object], str]] = {
+    "submit env name": (lambda: SubmitRequest(script="t.py", env=(("1X", "v"),)),
+                        "--env name '1X' is not a valid variable name"),
+    "submit env value": (lambda: SubmitRequest(script="t.py", env=(("X", "a\nb"),)),
+                         "--env X contains a newline or control character; refusing 'a\\nb'"),
+    "submit time": (lambda: SubmitRequest(script="t.py", time="1h"),
+                    "--time '1h' is not a Slurm time (MM, HH:MM:SS, D-HH, ...)"),
+    "submit account": (lambda: SubmitRequest(script="t.py", account="a b"),
+                       "account 'a b' is not a plain name"),
+    "submit comment": (lambda: SubmitRequest(script="t.py", comment="x\ry"),
+                       "comment contains a newline or control character; refusing 'x\\ry'"),
+    # the first problem is the one said: a bad node count before a bad time
+    "submit order": (lambda: SubmitRequest(script="t.py", nodes=0, time="1h"),
+                     "--nodes must be at least 1, not 0"),
+    "bench env name": (lambda: BenchJobRequest(_STEP, ("n1",), env=(("A-B", "v"),)),
+                       "environment name 'A-B' is not a valid variable name"),
+    "bench env value": (lambda: BenchJobRequest(_STEP, ("n1",), env=(("A", "\0"),)),
+                        "environment A contains a newline or control character; refusing '\\x00'"),
+    "bench time": (lambda: BenchJobRequest(_STEP, ("n1",), time="soon"),
+                   "--time 'soon' is not a Slurm time (MM, HH:MM:SS, D-HH, ...)"),
+    "bench reservation": (lambda: BenchJobRequest(_STEP, ("n1",), reservation="r;x"),
+                          "reservation 'r;x' is not a plain name"),
+    "bench job name": (lambda: BenchJobRequest(_STEP, ("n1",), job_name="a\nb"),
+                       "job name contains a newline or control character; refusing 'a\\nb'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_refusals_unchanged(case: str) -> None:
+    """The shared value checks say what each request said before, in the same order."""
+    make, message = REFUSED[case]
+    with pytest.raises(LaunchError) as info:
+        make()
+    assert str(info.value) == message

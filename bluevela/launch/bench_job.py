@@ -1,9 +1,10 @@
 """A benchmark batch job: `BenchJobRequest.materialize()` is the exact sbatch script the nightly
 sends for one node or one node pair, a sibling of `SubmitRequest` with the same rules.
 
-It reuses request.py's validation and quoting: every value is checked with the same patterns
-(`_plain` refuses control characters, `_WORD`/`_TIME` check names and times) and every word that
-reaches the script is `shlex.quote`d; `#SBATCH` lines are sorted; unknown sbatch options are
+It reuses request.py's validation, quoting and script head: every value is checked with the
+same checks (`check_plain` refuses control characters, `check_words`/`check_time`/`check_env`
+check names, times and variables), every word that reaches the script is `shlex.quote`d, and
+the head (`script_head`) sorts the `#SBATCH` lines; unknown sbatch options are
 refused with the list of valid ones. The only shell expansions in the script are our own fixed
 templates: `--cpus-per-task="$SLURM_CPUS_ON_NODE"` for a step that spawns its own ranks, and
 `BV_BENCH_PORT="$(PY -P -m bluevela.bench.dist)"` before a step whose ranks meet on a port.
@@ -16,16 +17,18 @@ each to the end: a failed step is reported in the exit status but does not stop 
 from __future__ import annotations
 
 import logging
-import re
 import shlex
 from dataclasses import dataclass
 
 from bluevela.errors import LaunchError, UnsafeValueError
 from bluevela.launch.request import (
-    _TIME,
     _WORD,
     SBATCH_OPTIONS,
     _plain,
+    check_env,
+    check_plain,
+    check_time,
+    check_words,
     script_head,
 )
 from bluevela.util.fs import safe_node_name
@@ -35,7 +38,6 @@ PORT_ENV = "BV_BENCH_PORT"  # bluevela.bench.dist.PORT_ENV (that module imports 
 logger = logging.getLogger(__name__)
 
 BENCH_SBATCH_OPTIONS = tuple(sorted({*SBATCH_OPTIONS, "nodelist", "reservation"}))
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass(frozen=True)
@@ -128,22 +130,14 @@ class BenchJobRequest:
             step.validate()
             if step.nodes > len(self.nodelist):
                 raise LaunchError(f"a step wants {step.nodes} nodes of {len(self.nodelist)}")
-        for name, value in (("job name", self.job_name), ("comment", self.comment),
-                            ("output", self.output), ("chdir", self.chdir)):
-            if value is not None:
-                _plain(name, value)
-        for what, word in (("partition", self.partition), ("qos", self.qos),
-                           ("reservation", self.reservation)):
-            if word is not None and not _WORD.match(word):
-                raise LaunchError(f"{what} {word!r} is not a plain name")
-        if self.time is not None and not _TIME.match(self.time):
-            raise LaunchError(f"--time {self.time!r} is not a Slurm time (MM, HH:MM:SS, D-HH, ...)")
+        check_plain((("job name", self.job_name), ("comment", self.comment),
+                     ("output", self.output), ("chdir", self.chdir)))
+        check_words((("partition", self.partition), ("qos", self.qos),
+                     ("reservation", self.reservation)))
+        check_time(self.time)
         if self.gpus_per_node < 0:
             raise LaunchError("gpus per node must be >= 0")
-        for key, value in self.env:
-            if not _ENV_NAME.match(key):
-                raise LaunchError(f"environment name {key!r} is not a valid variable name")
-            _plain(f"environment {key}", value)
+        check_env(self.env, "environment")
 
     def sbatch_options(self) -> dict[str, str | None]:
         """The `#SBATCH` options (None: a flag without value)."""

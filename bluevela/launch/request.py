@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from bluevela import __version__
@@ -52,6 +53,35 @@ def _plain(name: str, value: str) -> str:
     if any((ord(c) < 0x20 and c != "\t") or ord(c) == 0x7F for c in value):
         raise LaunchError(f"{name} contains a newline or control character; refusing {value!r}")
     return value
+
+
+def check_plain(fields: Iterable[tuple[str, str | None]]) -> None:
+    """`_plain` on each (name, value) given; a None value was not given."""
+    for name, value in fields:
+        if value is not None:
+            _plain(name, value)
+
+
+def check_words(fields: Iterable[tuple[str, str | None]]) -> None:
+    """Refuse a given (name, value) whose value is not a plain name (`_WORD`)."""
+    for name, value in fields:
+        if value is not None and not _WORD.match(value):
+            raise LaunchError(f"{name} {value!r} is not a plain name")
+
+
+def check_time(value: str | None) -> None:
+    """Refuse a given time limit that is not a Slurm time."""
+    if value is not None and not _TIME.match(value):
+        raise LaunchError(f"--time {value!r} is not a Slurm time (MM, HH:MM:SS, D-HH, ...)")
+
+
+def check_env(env: Iterable[tuple[str, str]], what: str) -> None:
+    """Refuse a variable name that is not one, or a value with control characters (`what`:
+    how the user gave them, e.g. `--env`)."""
+    for key, value in env:
+        if not _ENV_NAME.match(key):
+            raise LaunchError(f"{what} name {key!r} is not a valid variable name")
+        _plain(f"{what} {key}", value)
 
 
 _SBATCH_BARE = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
@@ -174,6 +204,15 @@ class SubmitRequest:
 
     def validate(self) -> None:
         """Raise LaunchError on any value that is out of range or cannot be made safe."""
+        self._validate_job()
+        self._validate_text()
+        self._validate_resilience()
+        self._validate_resources()
+        for key, value in self.sbatch_args:
+            check_sbatch_arg(key, value, self.spank_options)
+
+    def _validate_job(self) -> None:
+        """What runs: the counts, the script or module, the ranks filter, the interpreter."""
         if self.nodes < 1:
             raise LaunchError(f"--nodes must be at least 1, not {self.nodes}")
         if self.gpus_per_node < 0:
@@ -202,24 +241,20 @@ class SubmitRequest:
         if not (os.path.isabs(self.python) or _WORD.match(self.python)):
             raise LaunchError(f"--python {self.python!r} is neither a command name (python3) "
                               "nor an absolute path")
-        for name, value in (
+
+    def _validate_text(self) -> None:
+        """The free text that reaches the script: no control characters, plain names, a Slurm
+        time, variable names, known sbatch options, no rendezvous flag in the torchrun command."""
+        check_plain((
             ("script", self.script), ("job name", self.job_name), ("comment", self.comment),
             ("output", self.output), ("chdir", self.chdir),
             ("rank log dir", self.rank_log_dir),
             *(("argument", a) for a in self.args), *(("torchrun", t) for t in self.torchrun),
-        ):
-            if value is not None:
-                _plain(name, value)
-        for name, value in (("partition", self.partition), ("account", self.account),
-                            ("qos", self.qos)):
-            if value is not None and not _WORD.match(value):
-                raise LaunchError(f"{name} {value!r} is not a plain name")
-        if self.time is not None and not _TIME.match(self.time):
-            raise LaunchError(f"--time {self.time!r} is not a Slurm time (MM, HH:MM:SS, D-HH, ...)")
-        for key, value in self.env:
-            if not _ENV_NAME.match(key):
-                raise LaunchError(f"--env name {key!r} is not a valid variable name")
-            _plain(f"--env {key}", value)
+        ))
+        check_words((("partition", self.partition), ("account", self.account),
+                     ("qos", self.qos)))
+        check_time(self.time)
+        check_env(self.env, "--env")
         for key, value in self.extra_sbatch:
             if key not in SBATCH_OPTIONS:
                 raise LaunchError(
@@ -232,10 +267,6 @@ class SubmitRequest:
             if rdzv_flag(word):
                 raise LaunchError(f"the torchrun command (site.yaml launch.torchrun) must not "
                                   f"set {word.split('=', 1)[0]}: bv sets the rendezvous per step")
-        self._validate_resilience()
-        self._validate_resources()
-        for key, value in self.sbatch_args:
-            check_sbatch_arg(key, value, self.spank_options)
 
     def _validate_resilience(self) -> None:
         if self.spare_nodes < 0:
@@ -381,8 +412,7 @@ class SubmitRequest:
 def time_limit_seconds(value: str) -> int | None:
     """A Slurm time (`MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`, `D-HH:MM:SS`) in seconds;
     None for UNLIMITED/INFINITE. Raises LaunchError on anything else."""
-    if not _TIME.match(value):
-        raise LaunchError(f"--time {value!r} is not a Slurm time (MM, HH:MM:SS, D-HH, ...)")
+    check_time(value)
     if value in ("UNLIMITED", "INFINITE"):
         return None
     days = 0
