@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.slurm.jobctl import JobControl, retry_budget
+from bluevela.slurm.command import retry_budget
+from bluevela.slurm.jobctl import JobControl
 from tests.conftest import standin_command
 
 SCONTROL = """#!/bin/sh

@@ -208,7 +208,7 @@ def test_a_refusal_that_may_never_clear_is_retried_briefly() -> None:
     """22.05 without accounting refuses a second `update NodeList=` of a job "for good" with a
     message that reads as temporary: its tries stop after SLOW_SLURM_RETRY_S, not the call's
     whole budget (9058adc had no retries; the first retry loop waited out all 300 s)."""
-    from bluevela.slurm.jobctl import SLOW_SLURM_RETRY_S, retry_deadline
+    from bluevela.slurm.command import SLOW_SLURM_RETRY_S, retry_deadline
 
     why = ("exit 1: Job update not available right now, the DB index is being set, "
            "try again in a bit for job 42.")
