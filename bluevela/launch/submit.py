@@ -16,6 +16,7 @@ from bluevela.launch.request import (
     time_limit_seconds,
 )
 from bluevela.site import Site
+from bluevela.site_model import Launch
 
 if TYPE_CHECKING:  # `bv submit --dry-run` never talks to Slurm: it does not import its client
     from bluevela.slurm.client import JobInfo, SlurmClient
@@ -81,38 +82,13 @@ def build_request(
     """
     launch = site.launch if site else None
     spank = tuple(launch.spank_options) if launch else ()
-    if node_class is not None and site is None:
-        raise LaunchError(f"--class {node_class} needs a site file (--site, $BV_SITE, "
-                          "/etc/bluevela/site.yaml, ./site.yaml)")
-    if node_class is None and gpus_per_node is None and launch is not None:
-        node_class = launch.default_class
-    if gpus_per_node is None:
-        gpus_per_node = site.node_class(name=node_class).gpus if (site and node_class) else 0
-    if (not gpus_per_node and site is not None and notes is not None
-            and all(c.gpus for c in site.node_classes.values())):
-        # every node of this site has GPUs: a job that asks for none is almost surely a slip
-        notes.append("the job asks for no GPUs (one process per node): give --class or "
-                     "--gpus-per-node (site.yaml launch.default_class sets a default)")
-    site_env = tuple(launch.env.items()) if launch else ()
-    user_env = parse_env(env)
-    merged = dict(site_env)
-    merged.update(dict(user_env))
-    if script in ("-m", "--module") and args:  # `bv submit -- -m pkg.train`, torchrun's way
-        module, script, args = True, args[0], tuple(args[1:])
+    gpus_per_node = _gpus_per_node(site, node_class, gpus_per_node, notes)
+    job_env = _job_env(launch, env)
+    script, args, module, name = _program(script, args, module, job_name)
     if isinstance(procs_per_node, str) and procs_per_node.isdigit():
         procs_per_node = int(procs_per_node)
-    # a module's job is named after the module (`pkg.train`), a file's after its stem
-    default_name = script if module else Path(script).stem
-    name = job_name if job_name is not None else default_name or "bv"
     if signal_before is None:
-        signal_before = launch.signal_before_s if launch else 0
-        limit = time_limit_seconds(time_limit) if time_limit else None
-        if signal_before and limit is not None and signal_margin_problem(signal_before, limit):
-            if notes is not None:
-                notes.append(f"no checkpoint signal: site.yaml launch.signal_before_s "
-                             f"({signal_before} s) does not fit --time {time_limit}; "
-                             f"give --signal-before to choose one")
-            signal_before = 0
+        signal_before = _site_signal_before(launch, time_limit, notes)
     return SubmitRequest(
         script=script,
         args=tuple(args),
@@ -128,7 +104,7 @@ def build_request(
         comment=comment,
         account=account,
         qos=qos,
-        env=tuple(merged.items()),
+        env=job_env,
         max_restarts=max_restarts if max_restarts is not None else (launch.max_restarts if launch else 0),
         requeue=requeue if requeue is not None else (launch.requeue if launch else True),
         torchrun=tuple(launch.torchrun) if launch else ("torchrun",),
@@ -152,6 +128,61 @@ def build_request(
         sbatch_args=tuple(parse_sbatch_arg(a, spank) for a in sbatch_args),
         spank_options=spank,
     )
+
+
+def _gpus_per_node(site: Site | None, node_class: str | None, gpus_per_node: int | None,
+                   notes: list[str] | None) -> int:
+    """GPUs per node: given, else the node class's (`--class`, else the site's default
+    class), else 0; a line in `notes` when every node of the site has GPUs but the job asks
+    for none."""
+    launch = site.launch if site else None
+    if node_class is not None and site is None:
+        raise LaunchError(f"--class {node_class} needs a site file (--site, $BV_SITE, "
+                          "/etc/bluevela/site.yaml, ./site.yaml)")
+    if node_class is None and gpus_per_node is None and launch is not None:
+        node_class = launch.default_class
+    if gpus_per_node is None:
+        gpus_per_node = site.node_class(name=node_class).gpus if (site and node_class) else 0
+    if (not gpus_per_node and site is not None and notes is not None
+            and all(c.gpus for c in site.node_classes.values())):
+        # every node of this site has GPUs: a job that asks for none is almost surely a slip
+        notes.append("the job asks for no GPUs (one process per node): give --class or "
+                     "--gpus-per-node (site.yaml launch.default_class sets a default)")
+    return gpus_per_node
+
+
+def _program(script: str, args: tuple[str, ...], module: bool,
+             job_name: str | None) -> tuple[str, tuple[str, ...], bool, str]:
+    """What the job runs and its name: (script or module, its arguments, whether a module,
+    the job's name)."""
+    if script in ("-m", "--module") and args:  # `bv submit -- -m pkg.train`, torchrun's way
+        module, script, args = True, args[0], tuple(args[1:])
+    # a module's job is named after the module (`pkg.train`), a file's after its stem
+    default_name = script if module else Path(script).stem
+    name = job_name if job_name is not None else default_name or "bv"
+    return script, args, module, name
+
+
+def _job_env(launch: Launch | None, env: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """The site's environment first, then `--env KEY=VALUE` (which overrides it)."""
+    merged = dict(launch.env.items()) if launch else {}
+    merged.update(dict(parse_env(env)))
+    return tuple(merged.items())
+
+
+def _site_signal_before(launch: Launch | None, time_limit: str | None,
+                        notes: list[str] | None) -> int:
+    """The site's checkpoint-signal margin, or 0 (with a line in `notes`) when it does not
+    fit `time_limit`."""
+    signal_before = launch.signal_before_s if launch else 0
+    limit = time_limit_seconds(time_limit) if time_limit else None
+    if signal_before and limit is not None and signal_margin_problem(signal_before, limit):
+        if notes is not None:
+            notes.append(f"no checkpoint signal: site.yaml launch.signal_before_s "
+                         f"({signal_before} s) does not fit --time {time_limit}; "
+                         f"give --signal-before to choose one")
+        return 0
+    return signal_before
 
 
 def preflight(request: SubmitRequest, site: Site | None, *, cwd: str,
