@@ -20,8 +20,9 @@ import pytest
 from bluevela.goodput import events as E
 from bluevela.goodput.outcome import StepEnd
 from bluevela.launch import events_log
-from bluevela.protocol.keys import beat_key, new_secret
+from bluevela.protocol.keys import beat_key, mac, new_secret
 from bluevela.protocol.messages import (
+    CKPT_MAX_AGE_MS,
     CkptBgMsg,
     CkptMsg,
     ResumeMsg,
@@ -60,6 +61,31 @@ def test_background_and_resume_datagrams_round_trip_and_refuse_forgeries() -> No
     # Each kind is only itself: a stall parser takes neither, and the reverse.
     assert parse_ckpt(data, KEY) is None and parse_ckpt_bg(data, KEY) is None
     assert parse_resume(format_ckpt(CkptMsg(0, 6, 100, 9, 1.0, 0.0), KEY), KEY) is None
+
+
+_TIMED = [  # (format, parse, a message with the ages given)
+    (format_ckpt, parse_ckpt, lambda a, b: CkptMsg(2, 9, 100, 4, a, b)),
+    (format_ckpt_bg, parse_ckpt_bg, lambda a, b: CkptBgMsg(2, 9, 100, 4, a, b, 3)),
+    (format_resume, parse_resume, lambda a, b: ResumeMsg(0, 9, 100, 4, a, b, 1, 0, 1, 0)),
+]
+
+
+@pytest.mark.parametrize(("fmt", "parse", "make"), _TIMED)
+def test_timed_datagrams_bad_ages(fmt: Any, parse: Any, make: Any) -> None:
+    """The three timed kinds read their ages alike: whole ms, a negative age sent as 0, a
+    start or end past CKPT_MAX_AGE_MS or an end before the start refused, a non-number
+    refused even when signed."""
+    assert parse(fmt(make(1.2349, 0.0009), KEY), KEY) == make(1.234, 0.0)  # ms, truncated
+    assert parse(fmt(make(-5.0, -1.0), KEY), KEY) == make(0.0, 0.0)  # negative: 0
+    assert parse(fmt(make(1.0, -1.0), KEY), KEY) == make(1.0, 0.0)
+    over = CKPT_MAX_AGE_MS / 1000.0 + 1
+    assert parse(fmt(make(over, 1.0), KEY), KEY) is None
+    assert parse(fmt(make(over, over), KEY), KEY) is None
+    assert parse(fmt(make(1.0, 2.0), KEY), KEY) is None  # ended before it started
+    words = fmt(make(3.0, 1.0), KEY).rpartition(b" ")[0].split()
+    for i, bad in ((5, b"x"), (5, b"-1"), (6, b"1.5"), (6, b"9" * 30)):
+        body = b" ".join([*words[:i], bad, *words[i + 1:]])
+        assert parse(body + b" " + mac(KEY, body), KEY) is None, (i, bad)
 
 
 # -- the supervisor's events file ------------------------------------------------------------

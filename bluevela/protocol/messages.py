@@ -204,19 +204,14 @@ class CkptMsg:
 
 
 def format_ckpt(msg: CkptMsg, key: bytes) -> bytes:
-    return sign_datagram(CKPT, (msg.rank, msg.step, msg.pid, msg.seq,
-                                max(0, int(msg.start_age_s * 1000)),
-                                max(0, int(msg.end_age_s * 1000))), key)
+    return sign_datagram(CKPT, _timed_values(msg), key)
 
 
 def parse_ckpt(data: bytes, key: bytes) -> CkptMsg | None:
     """The checkpoint in a datagram signed with `key`, or None for anything else, a save
     that ended before it started included (never raises)."""
-    v = read_datagram(CKPT, data, key)
-    if v is None or int(v[5]) > int(v[4]):
-        return None
-    return CkptMsg(int(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4]) / 1000.0,
-                   int(v[5]) / 1000.0)
+    t = _read_timed(CKPT, data, key)
+    return None if t is None else CkptMsg(*t.head, t.start_age_s, t.end_age_s)
 
 
 @dataclass(frozen=True)
@@ -250,38 +245,51 @@ class ResumeMsg:
     skipped: int
 
 
-def _ages(start_age_s: float, end_age_s: float) -> tuple[int, int]:
-    return max(0, int(start_age_s * 1000)), max(0, int(end_age_s * 1000))
+class _Timed(NamedTuple):
+    """A timed datagram read back: rank, step, pid, seq; the ages in seconds; the rest."""
+
+    head: tuple[int, int, int, int]
+    start_age_s: float
+    end_age_s: float
+    rest: list[int]
+
+
+def _timed_values(msg: CkptMsg | CkptBgMsg | ResumeMsg) -> tuple[int, ...]:
+    """The first six values of a timed datagram: rank, step, pid, seq, then the start and end
+    ages in whole ms (a negative age sent as 0)."""
+    return (msg.rank, msg.step, msg.pid, msg.seq, max(0, int(msg.start_age_s * 1000)),
+            max(0, int(msg.end_age_s * 1000)))
+
+
+def _read_timed(form: Form, data: bytes, key: bytes) -> _Timed | None:
+    """A timed datagram of `form` (every field a number, the ages in ms fifth and sixth) read
+    back, or None for anything `read_datagram` refuses and for an end before the start."""
+    v = read_datagram(form, data, key)
+    if v is None or int(v[5]) > int(v[4]):
+        return None
+    n = [int(x) for x in v]
+    return _Timed((n[0], n[1], n[2], n[3]), n[4] / 1000.0, n[5] / 1000.0, n[6:])
 
 
 def format_ckpt_bg(msg: CkptBgMsg, key: bytes) -> bytes:
-    return sign_datagram(CKPT_BG, (msg.rank, msg.step, msg.pid, msg.seq,
-                                   *_ages(msg.start_age_s, msg.end_age_s), msg.tiers), key)
+    return sign_datagram(CKPT_BG, (*_timed_values(msg), msg.tiers), key)
 
 
 def parse_ckpt_bg(data: bytes, key: bytes) -> CkptBgMsg | None:
     """As `parse_ckpt`, for a save's background phase."""
-    v = read_datagram(CKPT_BG, data, key)
-    if v is None or int(v[5]) > int(v[4]):
-        return None
-    return CkptBgMsg(int(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4]) / 1000.0,
-                     int(v[5]) / 1000.0, int(v[6]))
+    t = _read_timed(CKPT_BG, data, key)
+    return None if t is None else CkptBgMsg(*t.head, t.start_age_s, t.end_age_s, *t.rest)
 
 
 def format_resume(msg: ResumeMsg, key: bytes) -> bytes:
-    return sign_datagram(RESUME, (msg.rank, msg.step, msg.pid, msg.seq,
-                                  *_ages(msg.start_age_s, msg.end_age_s), msg.local,
-                                  msg.partner, msg.shared, msg.skipped), key)
+    return sign_datagram(RESUME, (*_timed_values(msg), msg.local, msg.partner, msg.shared,
+                                  msg.skipped), key)
 
 
 def parse_resume(data: bytes, key: bytes) -> ResumeMsg | None:
     """As `parse_ckpt`, for a resume."""
-    v = read_datagram(RESUME, data, key)
-    if v is None or int(v[5]) > int(v[4]):
-        return None
-    n = [int(x) for x in v]
-    return ResumeMsg(n[0], n[1], n[2], n[3], n[4] / 1000.0, n[5] / 1000.0, n[6], n[7], n[8],
-                     n[9])
+    t = _read_timed(RESUME, data, key)
+    return None if t is None else ResumeMsg(*t.head, t.start_age_s, t.end_age_s, *t.rest)
 
 
 # --------------------------------------------------------------------------------------------
