@@ -348,9 +348,16 @@ def dir_facts(role: str, path: Path, mountinfo: str) -> DirFacts:
 
 
 def _run(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    from bluevela.launch.grow import run_cli
+    """One try through the seam to Slurm (bluevela/slurm/command.py), bounded by `timeout`;
+    a failure reads as exit 1 with its one-line reason (exit status None: cut, or no such
+    command)."""
+    import subprocess
 
-    return run_cli(argv, timeout)
+    from bluevela.slurm.command import run_slurm
+
+    call = run_slurm(argv, timeout_s=timeout)
+    return subprocess.CompletedProcess(list(argv), 0 if call.ok else call.status or 1,
+                                       call.stdout, call.why)
 
 
 def _budget_findings(site: Site, config: Mapping[str, str] | None,

@@ -273,14 +273,28 @@ def _runs_slurm(path: Path) -> list[str]:
 
 def test_launch_reaches_slurm_through_the_seam(tmp_path: Path) -> None:
     """launch/ runs no scontrol, sbatch, scancel or salloc itself: the supervisor's requeue
-    and let-go go through `slurm/jobctl.py`, a submit through the `SlurmClient`. Left:
-    `launch/grow.py` (Slurm's job-expansion steps, behind an injectable runner) until it
-    moves behind the seam too."""
+    and let-go go through `slurm/jobctl.py`, a submit through the `SlurmClient`; the grow
+    (`launch/grow.py`) builds Slurm's job-expansion argv and hands it to the seam."""
     probe = tmp_path / "x.py"
     probe.write_text('import subprocess\nsubprocess.run(["scontrol", "requeue", "1"])\n')
     assert _runs_slurm(probe) == ["x.py:2 runs scontrol"]  # the reader sees one
     bad = [f for path in _files("launch") if path.name != "grow.py" for f in _runs_slurm(path)]
     assert bad == []
+
+
+def test_the_job_side_runs_slurm_through_one_seam() -> None:
+    """Every Slurm command of the supervisor's process goes through `slurm/command.py`
+    (issue 38: bounded, retried, typed): a module of launch/ that names a Slurm command
+    (squeue included), and jobctl, import no subprocess."""
+    names = (*SLURM_COMMANDS, "squeue")
+    bad = []
+    for path in [*_files("launch"), PKG / "slurm" / "jobctl.py"]:
+        tree = ast.parse(path.read_text(), str(path))
+        runs = any(isinstance(n, ast.Constant) and n.value in names for n in ast.walk(tree))
+        if runs and "subprocess" in imports(path):
+            bad.append(str(path.relative_to(REPO)))
+    assert bad == []
+    assert "bluevela.slurm.command" in imports(PKG / "slurm" / "jobctl.py")
 
 
 def test_step_outcomes_and_the_relaunch_policy_are_leaves() -> None:

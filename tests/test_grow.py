@@ -103,11 +103,11 @@ def test_a_timed_out_salloc_still_names_its_pending_job(tmp_path: Path) -> None:
                       "sys.stderr.write('salloc: Pending job allocation 4242\\n')\n"
                       "sys.stderr.flush()\ntime.sleep(30)\n")
     t0 = time.monotonic()
-    proc = run_cli([sys.executable, str(script)], 1.0)
+    call = run_cli([sys.executable, str(script)], 1.0)
     assert time.monotonic() - t0 < 10
-    assert proc.returncode == 124 and isinstance(proc.stderr, str)
-    assert "(timed out)" in proc.stderr
-    assert granted_job(proc.stderr + proc.stdout) == "4242", proc.stderr
+    assert call.timed_out and call.status is None and isinstance(call.stderr, str)
+    assert call.why == "timed out after 1 s"
+    assert granted_job(call.stderr + call.stdout) == "4242", call.stderr
 
 
 def test_support_needs_permit_job_expansion() -> None:

@@ -15,7 +15,6 @@ Each time: no live job named bv-grow-JOB is left, and the grow says why it stopp
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import threading
 import time
@@ -24,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.launch.grow import LIVE_STATES, grow, helper_name, run_cli
+from bluevela.launch.grow import LIVE_STATES, Runner, grow, helper_name, run_cli
+from bluevela.slurm.command import SlurmCall
 from tests.conftest import DEVCLUSTER, REPO, DevCluster
 
 pytestmark = pytest.mark.cluster
@@ -74,9 +74,12 @@ def test_salloc_killed_or_slurmctld_down_leaves_no_helper(devcluster: DevCluster
     def ctld(action: str) -> None:
         devcluster.run([sys.executable, str(DEVCLUSTER), "ctld", action])
 
-    def runner(stop_ctld: bool):  # type: ignore[no-untyped-def]
-        def run(argv: Sequence[str], timeout: float,
-                cwd: str | None) -> subprocess.CompletedProcess[str]:
+    def restart() -> None:
+        time.sleep(12)
+        ctld("start")
+
+    def runner(stop_ctld: bool) -> Runner:
+        def run(argv: Sequence[str], timeout: float, cwd: str | None) -> SlurmCall:
             if argv[0] != "salloc":
                 return run_cli(argv, timeout, cwd)
             # No node is free: salloc waits; killed at 3 s as a hung one is at its timeout.
@@ -84,7 +87,7 @@ def test_salloc_killed_or_slurmctld_down_leaves_no_helper(devcluster: DevCluster
             said.append(proc.stderr)
             if stop_ctld:
                 ctld("stop")
-                t = threading.Thread(target=lambda: (time.sleep(12), ctld("start")))
+                t = threading.Thread(target=restart)
                 t.start()
                 restarts.append(t)
             return proc

@@ -1,15 +1,17 @@
 """One printable line of free text (issue 38: five copies, now one where the logic was the
-same): `protocol.names.printable`, used for a job's wire reasons, Slurm's error text in the
-job side (`slurm/jobctl.py`) and the grow's causes (`launch/grow.py`)."""
+same): `protocol.names.printable`, used for a job's wire reasons and Slurm's error text in the
+job side's one seam to Slurm (`slurm/command.py`: jobctl's calls and the grow's causes)."""
 
 from __future__ import annotations
 
-import subprocess
-from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
 
 from bluevela.launch import grow
 from bluevela.protocol.names import printable
 from bluevela.slurm.jobctl import JobControl
+from tests.conftest import standin_command
 
 HOSTILE = "\x1b[31mslurm_load_jobs\x1b[0m error:\n\tInvalid job id\r\x00 ‮é\x7f"
 
@@ -22,15 +24,15 @@ def test_hostile_text_is_one_line_of_printable_ascii() -> None:
     assert printable("  a \n b  ", 300) == "a b" and printable(None) == "None"
 
 
-def test_the_grow_names_slurm_s_refusal_on_one_printable_line() -> None:
+def test_the_grow_names_slurm_s_refusal_on_one_printable_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: the grow kept escapes and non-ASCII (only whitespace was folded) and cut at 300
-    without saying so."""
-
-    def run(argv: Sequence[str], timeout: float, cwd: str | None
-            ) -> subprocess.CompletedProcess[str]:
-        return subprocess.CompletedProcess(list(argv), 1, "", HOSTILE + "y" * 400)
-
-    why = grow.readiness(30.0, run=run)
+    without saying so. Now the seam (slurm/command.py) makes the line, from a real
+    `scontrol` on PATH."""
+    (tmp_path / "said").write_bytes(HOSTILE.encode() + b"y" * 400)
+    standin_command(tmp_path, monkeypatch, "scontrol",
+                    f"#!/bin/sh\ncat '{tmp_path / 'said'}' >&2\nexit 1\n")
+    why = grow.readiness(30.0)
     assert why is not None and "?[31mslurm_load_jobs?[0m error: Invalid job id ? ???" in why
     assert why.isascii() and why.isprintable() and "..." in why
 

@@ -28,7 +28,10 @@ The job's fields are read with squeue's explicit format (bluevela.slurm.cli_clie
 from `scontrol show job` text, where a job name such as ``lr = 0.1 Partition=x`` reads as
 fields.
 
-Pure parts (argv, parsers, the support verdict) are unit-tested; `grow()` runs the commands.
+Pure parts (argv, parsers, the support verdict) are unit-tested; `grow()` runs the commands,
+each through the job side's one seam to Slurm (bluevela/slurm/command.py, `run_cli` here):
+bounded, retried with backoff while slurmctld is unreachable or busy, salloc tried once, a
+failure typed (`SlurmCall`: the command, its exit status, one printable line).
 Standard library only: it runs inside the supervisor, which must not import torch or
 pydantic. Talks to Slurm through its CLI with argv lists, never a shell.
 """
@@ -39,7 +42,6 @@ import logging
 import os
 import re
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -49,8 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from bluevela.protocol.names import printable
-from bluevela.slurm.cli_client import job_fields_argv, parse_config, parse_job_fields, unreachable
+from bluevela.slurm.cli_client import job_fields_argv, parse_config, parse_job_fields
+from bluevela.slurm.command import SlurmCall, run_slurm
 from bluevela.slurm.jobctl import slurm_duration
 from bluevela.slurm.releases import expansion_problem
 
@@ -71,28 +73,16 @@ RELEASE_PAUSE_S = 0.5
 # Live states of a helper worth cancelling (squeue -t).
 LIVE_STATES = "PENDING,CONFIGURING,RUNNING,SUSPENDED,REQUEUED,RESIZING"
 
-Runner = Callable[[Sequence[str], float, str | None], "subprocess.CompletedProcess[str]"]
+# One Slurm command: argv, its bound in seconds (all tries), its working directory.
+Runner = Callable[[Sequence[str], float, str | None], SlurmCall]
 
 
-def _text(data: str | bytes | None) -> str:
-    if data is None:
-        return ""
-    return data.decode(errors="replace") if isinstance(data, bytes) else data
-
-
-def run_cli(argv: Sequence[str], timeout: float,
-            cwd: str | None = None) -> subprocess.CompletedProcess[str]:
-    """Run one Slurm command (argv list, no shell); a timeout reads as exit 124, with what the
-    command had printed (TimeoutExpired carries bytes even with text=True: salloc's "Pending
-    job allocation N" is in there)."""
-    try:
-        return subprocess.run(list(argv), capture_output=True, text=True, check=False,
-                              timeout=max(1.0, timeout), cwd=cwd, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as exc:
-        return subprocess.CompletedProcess(list(argv), 124, _text(exc.stdout),
-                                           _text(exc.stderr) + " (timed out)")
-    except OSError as exc:
-        return subprocess.CompletedProcess(list(argv), 127, "", str(exc))
+def run_cli(argv: Sequence[str], timeout: float, cwd: str | None = None) -> SlurmCall:
+    """One Slurm command through the seam (bluevela/slurm/command.py), `timeout` bounding all
+    its tries: retried with backoff while slurmctld is unreachable, hung or busy, or says a
+    job update is not available right now; salloc is tried once, and a timed-out try keeps
+    what the command had printed (salloc's "Pending job allocation N")."""
+    return run_slurm(argv, timeout_s=timeout, retry_for_s=timeout, cwd=cwd)
 
 
 def helper_name(job: str) -> str:
@@ -263,10 +253,6 @@ def _stop_on_signal() -> Iterator[_Guard]:
             signal.signal(s, old[s])
 
 
-def _transient(proc: subprocess.CompletedProcess[str]) -> bool:
-    return proc.returncode == 124 or unreachable(proc.stderr + proc.stdout)
-
-
 def release_helpers(job: str, known: Sequence[str] = (), until: float | None = None,
                     run: Runner = run_cli) -> list[str]:
     """Cancel the grow helper jobs of `job`: the ids in `known` and every live job of this
@@ -282,14 +268,13 @@ def release_helpers(job: str, known: Sequence[str] = (), until: float | None = N
         budget = max(1.0, min(30.0, until - time.monotonic()))
         answered = True
         if cancel:
-            proc = run(["scancel", *cancel], budget, None)
             # 0, or "already completing/invalid job id": squeue below says what is left.
-            answered = not _transient(proc)
+            answered = run(["scancel", *cancel], budget, None).answered
         if answered:
-            proc = run(["squeue", "-h", "-u", str(os.getuid()), "-n", helper_name(job), "-t",
+            live = run(["squeue", "-h", "-u", str(os.getuid()), "-n", helper_name(job), "-t",
                         LIVE_STATES, "-o", "%i"], budget, None)
-            if proc.returncode == 0:
-                left = [j for j in proc.stdout.split() if j.isdigit() and j != job]
+            if live.ok:
+                left = [j for j in live.stdout.split() if j.isdigit() and j != job]
                 if not left:
                     return []
                 cancel = left
@@ -332,9 +317,9 @@ def grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
 
 
 def _fields(run: Runner, job: str) -> tuple[dict[str, str], str]:
-    proc = run(job_fields_argv(job), 30, None)
-    fields = parse_job_fields(proc.stdout, job) if proc.returncode == 0 else {}
-    return fields, printable(proc.stderr, 300) or "no such job"
+    call = run(job_fields_argv(job), 30, None)
+    fields = parse_job_fields(call.stdout, job) if call.ok else {}
+    return fields, call.why or "no such job"
 
 
 def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
@@ -345,8 +330,8 @@ def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
         return GrowResult([], {}, time.monotonic() - start, why)
 
     cfg = run(["scontrol", "show", "config"], 30, None)
-    if cfg.returncode != 0:
-        return fail(f"scontrol show config: {printable(cfg.stderr, 300)}")
+    if not cfg.ok:
+        return fail(f"scontrol show config: {cfg.why}")
     problem = support_problem(parse_config(cfg.stdout))
     if problem is not None:
         return fail(problem)
@@ -368,9 +353,8 @@ def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
     new = granted_job(said)
     if new is not None:
         helpers.append(new)  # granted or pending: cancelled by grow() whatever happens next
-    if alloc.returncode != 0 or new is None or "Granted" not in said:
-        text = printable(alloc.stderr or alloc.stdout, 300) or f"exit {alloc.returncode}"
-        return fail(f"no node granted in {deadline_s:g} s ({text})")
+    if not alloc.ok or new is None or "Granted" not in said:
+        return fail(f"no node granted in {deadline_s:g} s ({alloc.why or 'salloc granted none'})")
     if lost and keep and alive:
         # A node is granted: now let go of the live one it replaces. Before the merge: once
         # a job has taken a node, 22.05 without accounting refuses its `update NodeList=`.
@@ -384,10 +368,10 @@ def _grow(job: str, keep: Sequence[str], lost: Sequence[str], deadline_s: float,
 def _let_go(job: str, keep: Sequence[str], lost: Sequence[str], run: Runner, tmp: str,
             until: float, released: list[str]) -> str | None:
     """`scontrol update NodeList=keep`: the job lets go of `lost`; why not, or None."""
-    upd = _retry(run, ["scontrol", "update", f"JobId={job}", f"NodeList={','.join(keep)}"],
-                 until, cwd=tmp)
-    if upd.returncode != 0:
-        return f"letting go of {','.join(lost)}: {printable(upd.stderr, 300)}"
+    upd = run(["scontrol", "update", f"JobId={job}", f"NodeList={','.join(keep)}"],
+              _until(until), tmp)
+    if not upd.ok:
+        return f"letting go of {','.join(lost)}: {upd.why}"
     # A second `update NodeList=` of this job is refused for good on 22.05 without
     # accounting ("the DB index is being set"): the requeue path must not repeat it.
     released.extend(lost)
@@ -401,16 +385,14 @@ def _take_node(job: str, new: str, held: Sequence[str], run: Runner, tmp: str,
     # Should every process of ours die from here on, the helper holds its node minutes, not
     # the job's remaining time (users may shorten their own jobs; the merge is unaffected).
     cut = run(["scontrol", "update", f"JobId={new}", f"TimeLimit={HELPER_HOLD_MIN}"], 30, tmp)
-    if cut.returncode != 0:
-        logger.warning("could not shorten grow helper %s: %s", new, printable(cut.stderr, 300))
+    if not cut.ok:
+        logger.warning("could not shorten grow helper %s: %s", new, cut.why)
     info, _ = _fields(run, new)
     added = _expand_nodes(info.get("NodeList", ""))
-    bye = _retry(run, ["scontrol", "update", f"JobId={new}", "NumNodes=0"],
-                 time.monotonic() + 30, cwd=tmp)
-    if bye.returncode != 0:
-        return fail(f"scontrol update JobId={new} NumNodes=0: {printable(bye.stderr, 300)}")
-    gone = run(["scancel", new], 30, None)
-    if not _transient(gone):  # 0, or already ended by NumNodes=0 (22.05)
+    bye = run(["scontrol", "update", f"JobId={new}", "NumNodes=0"], 30, tmp)
+    if not bye.ok:
+        return fail(f"scontrol update JobId={new} NumNodes=0: {bye.why}")
+    if run(["scancel", new], 30, None).answered:  # 0, or already ended by NumNodes=0 (22.05)
         helpers.remove(new)
     # On 22.05 `NumNodes=0` on the helper job already moves its node to JOB ("killing JobId=NEW
     # and moving all resources to JobId=JOB"); `NumNodes=ALL` on JOB is then only needed where
@@ -421,10 +403,9 @@ def _take_node(job: str, new: str, held: Sequence[str], run: Runner, tmp: str,
     env: dict[str, str] = {}
     if not added or not set(added) <= set(now):
         _resize_env(tmp, job)  # the one the shrink above wrote
-        merge = _retry(run, ["scontrol", "update", f"JobId={job}", "NumNodes=ALL"], until,
-                       cwd=tmp)
-        if merge.returncode != 0:
-            return fail(f"scontrol update JobId={job} NumNodes=ALL: {printable(merge.stderr, 300)}")
+        merge = run(["scontrol", "update", f"JobId={job}", "NumNodes=ALL"], _until(until), tmp)
+        if not merge.ok:
+            return fail(f"scontrol update JobId={job} NumNodes=ALL: {merge.why}")
         env = _resize_env(tmp, job)
         fields, _ = _fields(run, job)
         now = _expand_nodes(fields.get("NodeList", ""))
@@ -456,26 +437,27 @@ def _node_env(env: dict[str, str], fields: dict[str, str], now: Sequence[str]) -
     return env
 
 
-def _retry(run: Runner, argv: Sequence[str], until: float,
-           cwd: str | None = None) -> subprocess.CompletedProcess[str]:
-    """Job updates right after an allocation may be refused for a moment ("Job update not
-    available right now, the DB index is being set"): retry those until `until`."""
-    while True:
-        proc = run(argv, 30, cwd)
-        transient = "not available right now" in proc.stderr or "try again" in proc.stderr.lower()
-        if proc.returncode == 0 or not transient or time.monotonic() > until:
-            return proc
-        time.sleep(0.5)
+def _until(until: float) -> float:
+    """The bound of a job update that may be refused for a moment right after an allocation
+    ("Job update not available right now, the DB index is being set"; the seam retries it):
+    until `until` (monotonic), 30 s at least."""
+    return max(30.0, until - time.monotonic())
 
-def readiness(deadline_s: float, run: Runner = run_cli) -> str | None:
+
+def _once(argv: Sequence[str], timeout: float, cwd: str | None = None) -> SlurmCall:
+    return run_slurm(argv, timeout_s=timeout, cwd=cwd)
+
+
+def readiness(deadline_s: float, run: Runner = _once) -> str | None:
     """For `bv site validate`: a one-line note when the site asks for growth
-    (launch.grow_deadline_s > 0) that this Slurm cannot give, or None when all is well."""
+    (launch.grow_deadline_s > 0) that this Slurm cannot give, or None when all is well. One
+    try of `scontrol show config` (a person waits for it; no job does)."""
     if deadline_s <= 0:
         return None
     cfg = run(["scontrol", "show", "config"], 30, None)
-    if cfg.returncode != 0:
+    if not cfg.ok:
         return (f"launch.grow_deadline_s is {deadline_s:g} s, but whether Slurm can grow jobs "
-                f"is unknown (scontrol show config: {printable(cfg.stderr, 300) or 'failed'})")
+                f"is unknown (scontrol show config: {cfg.why or 'failed'})")
     fields = parse_config(cfg.stdout)
     problem = support_problem(fields)
     if problem is None:
