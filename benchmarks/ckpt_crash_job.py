@@ -13,12 +13,9 @@ and the benchmark takes the first step line of the relaunched step.
 
 from __future__ import annotations
 
-import argparse
-import os
 import socket
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from bluevela import runtime
@@ -27,6 +24,7 @@ runtime.install_signal_handler()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _ckpt_job_common import fsync_save, job_parser  # noqa: E402
 
 
 def _say(line: str) -> None:
@@ -34,21 +32,9 @@ def _say(line: str) -> None:
     sys.stdout.flush()
 
 
-def _torch_save(state: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--shared", type=Path, required=True)
-    p.add_argument("--local-base", type=Path, required=True)
+    p = job_parser()
     p.add_argument("--via", choices=("store", "torch"), required=True)
-    p.add_argument("--mb", type=float, default=64)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--ckpt-every", type=int, default=4)
     p.add_argument("--step-s", type=float, default=0.5)
@@ -90,7 +76,7 @@ def main() -> int:
             if store is not None:
                 store.save(step, {"w": state["w"]})
             else:
-                _torch_save({"w": state["w"], "step": step}, mine)
+                fsync_save({"w": state["w"], "step": step}, mine)
             dist.barrier()
             if rank == 0:
                 _say(f"checkpoint step={step}")

@@ -18,7 +18,6 @@ Rank 0 prints `FIG <name> <value> <unit>` lines (the max over ranks of each rank
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import shutil
@@ -26,30 +25,18 @@ import socket
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _ckpt_job_common import fsync_save, job_parser
 
 from bluevela import runtime
 
 
-def _fsync_save(state: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--shared", type=Path, required=True)
-    p.add_argument("--local-base", type=Path, required=True)
-    p.add_argument("--mb", type=float, default=64)
+    p = job_parser()
     p.add_argument("--rounds", type=int, default=5)
     opts = p.parse_args()
     dist.init_process_group("gloo")
@@ -73,7 +60,7 @@ def main() -> int:
             dist.barrier()
             t0 = time.perf_counter()
             if m == "torch":
-                _fsync_save(state, opts.shared / f"torch-{tag}-rank{rank}.pt")
+                fsync_save(state, opts.shared / f"torch-{tag}-rank{rank}.pt")
                 stalls[m].append(time.perf_counter() - t0)
             elif m == "dcp":
                 fut = dcp.async_save(state, checkpoint_id=str(opts.shared / f"dcp-{tag}-{r}"))
