@@ -192,8 +192,10 @@ def parse_beat(data: bytes, key: bytes) -> Beat | None:
 
 
 @dataclass(frozen=True)
-class CkptMsg:
-    """One checkpoint a rank saved: ages are how long before the send it started and ended."""
+class TimedMsg:
+    """What the three timed datagrams (`CkptMsg`, `CkptBgMsg`, `ResumeMsg`) start with: the
+    sender, the step, its seq, and ages: how long before the send the thing started and
+    ended. Sent as whole ms (`_timed_values`), read back by `_read_timed`."""
 
     rank: int
     step: int
@@ -201,6 +203,11 @@ class CkptMsg:
     seq: int
     start_age_s: float
     end_age_s: float
+
+
+@dataclass(frozen=True)
+class CkptMsg(TimedMsg):
+    """One checkpoint a rank saved: ages are how long before the send it started and ended."""
 
 
 def format_ckpt(msg: CkptMsg, key: bytes) -> bytes:
@@ -215,30 +222,18 @@ def parse_ckpt(data: bytes, key: bytes) -> CkptMsg | None:
 
 
 @dataclass(frozen=True)
-class CkptBgMsg:
+class CkptBgMsg(TimedMsg):
     """One save's background phase on one rank (off the training path): ages as `CkptMsg`,
     `tiers` the places its shard of the step is complete in so far (`TIER_BITS`)."""
 
-    rank: int
-    step: int
-    pid: int
-    seq: int
-    start_age_s: float
-    end_age_s: float
     tiers: int
 
 
 @dataclass(frozen=True)
-class ResumeMsg:
+class ResumeMsg(TimedMsg):
     """One resume of the job (rank 0 sends it): the step, how long it took (ages), how many
     ranks read their shard from each tier and how many copies were skipped on the way."""
 
-    rank: int
-    step: int
-    pid: int
-    seq: int
-    start_age_s: float
-    end_age_s: float
     local: int
     partner: int
     shared: int
@@ -254,7 +249,7 @@ class _Timed(NamedTuple):
     rest: list[int]
 
 
-def _timed_values(msg: CkptMsg | CkptBgMsg | ResumeMsg) -> tuple[int, ...]:
+def _timed_values(msg: TimedMsg) -> tuple[int, ...]:
     """The first six values of a timed datagram: rank, step, pid, seq, then the start and end
     ages in whole ms (a negative age sent as 0)."""
     return (msg.rank, msg.step, msg.pid, msg.seq, max(0, int(msg.start_age_s * 1000)),
