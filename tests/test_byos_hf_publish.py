@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bluevela.integrations.hf import STAGING
+from bluevela.integrations.publish import STAGING
 from bluevela.runtime.world import training_env
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -129,3 +129,65 @@ def test_a_peer_lost_during_the_save_leaves_the_older_checkpoint_the_newest(
     assert _checkpoints(out) == ["checkpoint-2"], (sorted(os.listdir(out)), results)
     assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= set(
         os.listdir(out / "checkpoint-2"))
+
+
+# Accelerate as its docs show automatic checkpoint naming (total_limit 2), a save every 2 of 6
+# steps. argv: project_dir, the step at whose save the process dies (0: none).
+ACCELERATE = """
+import os, signal, sys, torch
+import accelerate.accelerator as A
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+from torch import nn
+out, at = sys.argv[1], int(sys.argv[2])
+custom = A.save_custom_state
+def dying(obj, path, *args, **kwargs):
+    if obj.done == at:
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-save: model, optimizer, RNG written
+    return custom(obj, path, *args, **kwargs)
+A.save_custom_state = dying
+class Steps:
+    done = 0
+    def state_dict(self): return {"done": self.done}
+    def load_state_dict(self, state): self.done = state["done"]
+acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+    project_dir=out, automatic_checkpoint_naming=True, total_limit=2))
+model = nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model, opt = acc.prepare(model, opt)
+steps = Steps()
+acc.register_for_checkpointing(steps)
+if os.path.isdir(os.path.join(out, "checkpoints")):
+    acc.load_state()
+print(f"start_step={steps.done}", flush=True)
+while steps.done < 6:
+    loss = nn.functional.mse_loss(model(torch.randn(4, 4)), torch.randn(4, 1))
+    acc.backward(loss); opt.step(); opt.zero_grad()
+    steps.done += 1
+    if steps.done % 2 == 0:
+        acc.save_state()
+print(f"end_step={steps.done}", flush=True)
+"""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
+                    reason="accelerate is not installed (pip install -e '.[frameworks]')")
+def test_an_accelerate_save_killed_midway_is_not_loaded(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+
+    def run(at: int) -> tuple[int, str]:
+        proc = subprocess.run([sys.executable, "-c", ACCELERATE, str(out), str(at)],
+                              env=_env(0, 1, _free_port()), cwd=tmp_path, capture_output=True,
+                              text=True, timeout=240, check=False)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    rc, text = run(4)  # killed in the save of step 4 (checkpoint_1)
+    assert rc == -9, text
+    assert sorted(os.listdir(out / "checkpoints")) == ["checkpoint_0"], text
+    # The resume loads step 2 (not a folder without its custom state: Accelerate's load_state
+    # fails there on every attempt), saves 4 and 6 whole; total_limit keeps the last two.
+    rc, text = run(0)
+    assert rc == 0 and "start_step=2" in text and "end_step=6" in text, text
+    assert sorted(os.listdir(out / "checkpoints")) == ["checkpoint_1", "checkpoint_2"], text
+    assert not (out / STAGING).exists()

@@ -25,6 +25,13 @@ Accelerate's own folder of that number or a newer one is there), where the scrip
 of ``project_dir`` and handed to the store (partner copy, drain every
 `checkpoint.drain_every`-th save and at bv's signal; at the process's exit the copies are
 waited for). A `save_state(folder)` the script names is Accelerate's own, untouched.
+
+Published whole, or not at all (without the tier, automatic naming): `save_state()` writes
+``checkpoint_<n>`` in place and `load_state()` takes the highest number whatever the folder
+holds, so a save cut short (a rank lost mid-save, a full disk) failed every later resume.
+Each automatic save is written under ``<project_dir>/.bv-saving/`` and renamed into
+``checkpoints/`` once every rank wrote its part (publish.py); Accelerate's ``total_limit``
+then applies to ``checkpoints/`` as before.
 """
 
 from __future__ import annotations
@@ -46,12 +53,7 @@ _AUTOMATIC = re.compile(r"^checkpoint_(\d+)$")  # what save_state() names its fo
 def newest(folder: str) -> int | None:
     """The highest ``checkpoint_<n>`` number in `folder` (Accelerate's automatic names), or
     None."""
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return None
-    numbers = [int(m.group(1)) for name in names if (m := _AUTOMATIC.match(name))]
-    return max(numbers, default=None)
+    return max(newest_all(folder), default=None)
 
 
 def patch(module: ModuleType) -> bool:
@@ -79,10 +81,57 @@ def patch(module: ModuleType) -> bool:
     cls.load_state = load_state
     from bluevela.ckpt.folder import tier_on
 
-    if tier_on():
-        _patch_saves(cls)
+    _patch_saves(cls, tier_on())
     setattr(cls, _PATCHED, True)
     return True
+
+
+def _save_published(save: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """An automatic `save_state()` into the staging folder, published by the saving process
+    once every rank is done (publish.py)."""
+    import shutil
+
+    from bluevela.integrations import publish
+
+    config = self.project_configuration
+    project = config.project_dir
+    stage = os.path.join(project, publish.STAGING)
+    name = f"checkpoint_{self.save_iteration}"
+    final = os.path.join(project, "checkpoints")
+    if os.path.exists(os.path.join(final, name)):  # Accelerate's own refusal, unchanged
+        raise ValueError(f"Checkpoint directory {os.path.join(final, name)} "
+                         f"({self.save_iteration}) already exists. Please manually override "
+                         "`self.save_iteration` with what iteration to start with.")
+    saver = self.is_main_process or (config.save_on_each_node and self.is_local_main_process)
+    if saver:
+        publish.clear(stage)
+        os.makedirs(stage, exist_ok=True)
+    publish.barrier()  # the staging folder is clear before any rank writes in it
+    config.project_dir = stage  # this save only
+    try:
+        result = save(self, None, *args, **kwargs)
+    finally:
+        config.project_dir = project
+    publish.barrier()  # every rank's part is written
+    if saver:
+        os.makedirs(final, exist_ok=True)
+        publish.publish(os.path.join(stage, "checkpoints", name), os.path.join(final, name))
+        publish.clear(stage)
+        publish.done(stage)
+        numbers = sorted(newest_all(final))
+        limit = config.total_limit
+        for n in numbers[:max(0, len(numbers) - limit)] if limit is not None else []:
+            shutil.rmtree(os.path.join(final, f"checkpoint_{n}"), ignore_errors=True)
+    return os.path.join(final, name) if isinstance(result, str) else result
+
+
+def newest_all(folder: str) -> list[int]:
+    """Every ``checkpoint_<n>`` number in `folder`."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return [int(m.group(1)) for name in names if (m := _AUTOMATIC.match(name))]
 
 
 def _open_store(acc: Any) -> None:
@@ -109,7 +158,8 @@ def _open_store(acc: Any) -> None:
                        "(this node's copy)", n, acc.project_dir)
 
 
-def _patch_saves(cls: Any) -> None:
+def _patch_saves(cls: Any, tier: bool) -> None:
+    """Automatic saves to the node's tier when the store is open, else published whole."""
     init, save = cls.__init__, cls.save_state
 
     @functools.wraps(init)
@@ -123,8 +173,10 @@ def _patch_saves(cls: Any) -> None:
     def save_state(self: Any, output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
         fs = getattr(self, "_bv_folder", None)
         config = self.project_configuration
-        if fs is None or not config.automatic_checkpoint_naming:
+        if not config.automatic_checkpoint_naming or not config.project_dir:
             return save(self, output_dir, *args, **kwargs)
+        if fs is None:
+            return _save_published(save, self, *args, **kwargs)
         n = self.save_iteration
         work = fs.save_dir()
         project = config.project_dir
@@ -136,5 +188,6 @@ def _patch_saves(cls: Any) -> None:
         fs.save(n, work / "checkpoints" / f"checkpoint_{n}")
         return result
 
-    cls.__init__ = __init__
+    if tier:
+        cls.__init__ = __init__
     cls.save_state = save_state

@@ -44,7 +44,6 @@ the folder it saved): those keep HF's own in-place saves.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -158,9 +157,6 @@ def _open_store(trainer: Any) -> None:
                          f"{trainer.args.output_dir} (this node's copy)\n")
 
 
-STAGING = ".bv-saving"  # in output_dir: where a save is written before it is published
-
-
 def _staged(trainer: Any, trial: Any) -> bool:
     """Whether this save goes through the staging folder (see the module's doc)."""
     args = trainer.args
@@ -170,91 +166,30 @@ def _staged(trainer: Any, trial: Any) -> bool:
             and not getattr(args, "push_to_hub", False))
 
 
-def _barrier() -> None:
-    """Every rank wrote its part (a lost peer raises here: nothing is published)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _fsync_tree(folder: str) -> None:
-    """The saved files and their folders on disk before the rename makes them the newest."""
-    for root, _dirs, files in os.walk(folder):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(root)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def publish(staged: str, target: str) -> None:
-    """Rename the complete `staged` folder to `target`; a `target` already there (the same
-    step saved before) is replaced, never mixed with."""
-    import shutil
-
-    _fsync_tree(staged)
-    old = None
-    if os.path.lexists(target):
-        old = f"{staged}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(target, old)
-    os.rename(staged, target)
-    _fsync_dir(os.path.dirname(target))
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _clear(stage: str) -> None:
-    """What a save cut short left in the staging folder (any step)."""
-    import shutil
-
-    try:
-        names = os.listdir(stage)
-    except FileNotFoundError:
-        return
-    for name in names:
-        path = os.path.join(stage, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-
-
 def _save_published(save: Any, self: Any, model: Any, trial: Any, *args: Any,
                     **kwargs: Any) -> Any:
     """HF's save into the staging folder, then published by the saving process once every
     rank is done (the module's doc)."""
     from transformers.trainer_utils import rotate_checkpoints
 
+    from bluevela.integrations import publish
+
     run_dir = self._get_output_dir(trial=trial)
-    stage = os.path.join(run_dir, STAGING)
+    stage = os.path.join(run_dir, publish.STAGING)
     name = f"checkpoint-{self.state.global_step}"
     if self.args.should_save:
-        _clear(stage)
+        publish.clear(stage)
         os.makedirs(stage, exist_ok=True)
-    _barrier()  # the staging folder is clear before any rank writes in it
+    publish.barrier()  # the staging folder is clear before any rank writes in it
     self._get_output_dir = lambda trial=None: stage  # this save only
     try:
         result = save(self, model, trial, *args, **kwargs)
     finally:
         del self._get_output_dir
-    _barrier()  # every rank's part is written
+    publish.barrier()  # every rank's part is written
     if self.args.should_save:
-        publish(os.path.join(stage, name), os.path.join(run_dir, name))
-        with contextlib.suppress(OSError):
-            os.rmdir(stage)
+        publish.publish(os.path.join(stage, name), os.path.join(run_dir, name))
+        publish.done(stage)
         rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                            best_model_checkpoint=self.state.best_model_checkpoint,
                            use_mtime=True)
