@@ -37,7 +37,7 @@ USR1_WAIT_MAX_S = 600.0
 TORCHRUN_STOP_GRACE_S = 30.0
 # - then bv's requeue: the agent's exit report (a 0.2 s tick), srun reaped (2 s at most), the
 #   end line, one `scontrol requeue` (well under a second; 10 s kept for a busy slurmctld,
-#   as slurm.jobctl.retry_budget keeps before the limit).
+#   as slurm.command.retry_budget keeps before the limit).
 REQUEUE_TAIL_S = 15.0
 STOP_MARGIN_S = TORCHRUN_STOP_GRACE_S + REQUEUE_TAIL_S  # 45 s
 # A job whose script never installs a handler idles this long at most before its stop (and
