@@ -483,17 +483,6 @@ def circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
     return found
 
 
-# The import circles not cut yet (issue 38), each with why; this list only shrinks: a circle
-# not here fails the test below, and so does one here that is gone (take it off the list).
-CIRCLES_LEFT: dict[frozenset[str], str] = {
-    frozenset({"bluevela.report.fleet", "bluevela.report.fleet_goodput",
-               "bluevela.report.goodput_advice"}):
-        "fleet_goodput uses goodput_advice.advise, and goodput_advice.fleet_advice reads "
-        "fleet.fleet_report: fleet_advice belongs beside the fleet report, but "
-        "report/goodput*.py is being edited for another issue (36)",
-}
-
-
 def test_the_circle_finder_sees_lazy_and_by_name_imports(tmp_path: Path) -> None:
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
         frozenset({"a", "b", "c"})]
@@ -503,11 +492,9 @@ def test_the_circle_finder_sees_lazy_and_by_name_imports(tmp_path: Path) -> None
     assert "bluevela.archive.segment_read" in graph["bluevela.archive.store"]
 
 
-def test_no_import_circle_but_the_listed_ones() -> None:
+def test_no_import_circle() -> None:
     """No module of bluevela imports itself back through others, lazy imports and importlib
-    counted, but for CIRCLES_LEFT (each with why)."""
-    found = set(circles(import_graph()))
-    new = [sorted(c) for c in found - set(CIRCLES_LEFT)]
-    gone = [sorted(c) for c in set(CIRCLES_LEFT) - found]
-    assert new == [], f"new import circle(s): {new}"
-    assert gone == [], f"circle(s) cut or changed: update CIRCLES_LEFT: {gone}"
+    counted: the last circles (archive, hooks, report, slurm; issue 38) are cut, and none
+    comes back."""
+    found = [sorted(c) for c in circles(import_graph())]
+    assert found == [], f"import circle(s): {found}"

@@ -408,3 +408,25 @@ def test_text_from_the_records_is_escaped(fleet: Path, tmp_path: Path) -> None:
     assert any(c["cause"] == "<script>" for c in rep["interruptions"]["by_cause"])
     text = write_html(rep, tmp_path / "x.html").read_text()
     assert "<script" not in text and "&lt;script&gt;" in text
+
+
+def test_a_jobs_advice_reads_its_class_mtbf_from_the_fleet_report(
+        fleet: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bv archive show --goodput`'s advice (report/fleet_advice.py): the MTBF and failure
+    count of the job's node class over the last 30 days of the fleet report; a missing
+    archive gives no advice and says why."""
+    from bluevela.report import goodput as G
+    from bluevela.report.fleet_advice import fleet_advice
+    from bluevela.site import load_site
+    from tests.test_ledger_mtbf import _job
+
+    monkeypatch.setenv("BV_SITE", str(fleet.parent / "site.yaml"))
+    led = G.build_ledger(11, _job(11, 6900, "node3", 7000, 8000).goodput, gpus_per_node=8)
+    adv = fleet_advice(fleet, led, {"nodes": [{"node": "b2"}]}, now=NOW)
+    rep = fleet_report(fleet, since=NOW - 30 * 24 * H, now=NOW, site=load_site())
+    (row,) = [r for r in rep["mtbf"]["by_class"] if r["class"] == "b"]
+    assert adv["node_class"] == "b" and adv["history_days"] == 30.0
+    assert adv["node_mtbf_s"] == pytest.approx(row["mtbf_h"] * 3600)
+    assert adv["failures_seen"] == row["incidents"] == 2
+    none = fleet_advice(tmp_path / "none", led, {"nodes": [{"node": "b2"}]}, now=NOW)
+    assert none["verdict"].startswith("no advice: the fleet's history could not be read")

@@ -293,8 +293,8 @@ def _show_efficiency(archive: Path, job: dict[str, Any], as_json: bool,
 
 
 def _show_goodput(archive: Path, job: dict[str, Any], as_json: bool) -> None:
+    from bluevela.report.fleet_advice import fleet_advice
     from bluevela.report.goodput import job_goodput, summary_lines
-    from bluevela.report.goodput_advice import fleet_advice
 
     ledger = job_goodput(archive, job["job_id"], job=job)
     ledger.advice = fleet_advice(archive, ledger, job)

@@ -1,14 +1,13 @@
 """Advice from a job's goodput ledger (bluevela/report/goodput.py): the checkpoint interval
 (Young/Daly, from the job's measured checkpoint cost and the node class's MTBF in the
 fleet's history) and the number of hot spares that maximises expected goodput
-(docs/resilience.md, "The goodput ledger"). Pure functions but `fleet_advice`, which reads
-the fleet report's MTBF.
+(docs/resilience.md, "The goodput ledger"). Pure functions; `fleet_advice`, which feeds
+`advise` the fleet report's MTBF, is report/fleet_advice.py (above both).
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 from bluevela.report.goodput import Ledger
@@ -109,9 +108,6 @@ def spare_advice(nodes: int, node_mtbf_s: float, job_s: float, *, spare_swap_s: 
             "best_spares": best["spares"], "table": rows}
 
 
-ADVICE_WINDOW_S = 30 * 86400.0  # the fleet history the advice's MTBF is measured over
-
-
 def advise(ledger: Ledger, node_mtbf_h: float | None, failures_seen: int) -> dict[str, Any]:
     """The checkpoint-interval and spare advice for this job (pure): its measured
     checkpoint cost, interval and interruption cost, the class's node MTBF."""
@@ -129,33 +125,3 @@ def advise(ledger: Ledger, node_mtbf_h: float | None, failures_seen: int) -> dic
                                             "spare_swap_s", "requeue_s", "startup_s")}
     return out
 
-
-def fleet_advice(archive_dir: Path, ledger: Ledger, job: dict[str, Any],
-                 now: float | None = None) -> dict[str, Any]:
-    """`advise` with the MTBF of the job's node class over the last 30 days of the fleet
-    report (bluevela/report/fleet.py); no advice (said so) when that cannot be read."""
-    import time as _time
-
-    from bluevela.errors import BluevelaError
-    from bluevela.report.fleet import fleet_report
-    from bluevela.report.fleet_facts import UNKNOWN_CLASS, classes_of
-
-    now = _time.time() if now is None else now
-    try:
-        from bluevela.site import load_site
-
-        site = load_site()
-    except Exception:  # noqa: BLE001 - without a site every node is in no class
-        site = None
-    try:
-        rep = fleet_report(archive_dir, since=now - ADVICE_WINDOW_S, now=now, site=site)
-    except BluevelaError as exc:
-        return {"verdict": f"no advice: the fleet's history could not be read ({exc})"}
-    first = (job.get("nodes") or [{}])[0].get("node")
-    cls = next((name for name, info in classes_of(site).items() if first in info.nodes),
-               UNKNOWN_CLASS)
-    row = next((r for r in rep["mtbf"]["by_class"] if r["class"] == cls), None)
-    out = advise(ledger, row["mtbf_h"] if row else None, int(row["incidents"]) if row else 0)
-    out["node_class"] = cls
-    out["history_days"] = ADVICE_WINDOW_S / 86400.0
-    return out
