@@ -217,61 +217,78 @@ class ShardServer:
         conn.sendall(HELLO + nonce + b"\n")
         r = _Reader(dl)
         try:
-            req_raw = _readline(r)
-            mac = _readline(r)
-            if not hmac.compare_digest(mac, _mac(self.key, b"req", nonce, req_raw)):
-                raise TransferError("bad MAC")
-            req = json.loads(req_raw)
-            step, rank = int(req["step"]), int(req["rank"])
-            if not (0 <= step < 10**12 and 0 <= rank < 10**7):
-                raise TransferError("step or rank out of range")
+            req, step, rank = self._request(r, nonce)
             if req["op"] == "put":
-                size, digest = int(req["size"]), str(req["digest"])
-                if not 0 < size <= self.max_bytes:
-                    raise TransferError(f"size {size} over {self.max_bytes}")
-                if (why := self.admit(step, rank, size)) is not None:
-                    raise TransferError(why)
-                dl.end = time.monotonic() + deadline_for(size)
-                dfd = self.held_dir(step)
-                try:
-                    from bluevela.ckpt.layout import shard_name
-
-                    copy_stream(r, size, dfd, shard_name(rank),  # type: ignore[arg-type]
-                                expect={"step": step, "rank": rank}, digest=digest)
-                finally:
-                    os.close(dfd)
-                self.stats.received += size
-                dl.arm()
-                conn.sendall(b"ok\n")
+                self._receive(conn, dl, r, req, step, rank)
             elif req["op"] == "get":
-                cnonce = str(req["nonce"]).encode()[:64]
-                found = self.find(step, rank)
-                if found is None:
-                    reply = json.dumps({"missing": True}).encode()
-                    conn.sendall(reply + b"\n" + _mac(self.key, b"get", cnonce, reply) + b"\n")
-                    return
-                dfd, name = found
-                try:
-                    fd = open_shard(dfd, name)
-                finally:
-                    os.close(dfd)
-                with os.fdopen(fd, "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    f.seek(size - 32)
-                    digest = f.read(32).hex()
-                    f.seek(0)
-                    reply = json.dumps({"size": size, "digest": digest}).encode()
-                    dl.end = time.monotonic() + deadline_for(size)
-                    dl.arm()
-                    conn.sendall(reply + b"\n" + _mac(self.key, b"get", cnonce, reply) + b"\n")
-                    while chunk := f.read(4 << 20):
-                        dl.arm()
-                        conn.sendall(chunk)
-                        self.stats.sent += len(chunk)
+                self._send(conn, dl, req, step, rank)
             else:
                 raise TransferError("unknown op")
         finally:
             r.close()
+
+    def _request(self, r: _Reader, nonce: bytes) -> tuple[dict[str, Any], int, int]:
+        """The client's request, its MAC over our nonce checked, and its step and rank."""
+        req_raw = _readline(r)
+        mac = _readline(r)
+        if not hmac.compare_digest(mac, _mac(self.key, b"req", nonce, req_raw)):
+            raise TransferError("bad MAC")
+        req = json.loads(req_raw)
+        step, rank = int(req["step"]), int(req["rank"])
+        if not (0 <= step < 10**12 and 0 <= rank < 10**7):
+            raise TransferError("step or rank out of range")
+        return req, step, rank
+
+    def _receive(self, conn: socket.socket, dl: _Deadline, r: _Reader, req: dict[str, Any],
+                 step: int, rank: int) -> None:
+        """Receive a partner's shard into this node's held copies (size capped, admitted,
+        its digest verified as it is written)."""
+        size, digest = int(req["size"]), str(req["digest"])
+        if not 0 < size <= self.max_bytes:
+            raise TransferError(f"size {size} over {self.max_bytes}")
+        if (why := self.admit(step, rank, size)) is not None:
+            raise TransferError(why)
+        dl.end = time.monotonic() + deadline_for(size)
+        dfd = self.held_dir(step)
+        try:
+            from bluevela.ckpt.layout import shard_name
+
+            copy_stream(r, size, dfd, shard_name(rank),  # type: ignore[arg-type]
+                        expect={"step": step, "rank": rank}, digest=digest)
+        finally:
+            os.close(dfd)
+        self.stats.received += size
+        dl.arm()
+        conn.sendall(b"ok\n")
+
+    def _send(self, conn: socket.socket, dl: _Deadline, req: dict[str, Any], step: int,
+              rank: int) -> None:
+        """Send a shard this node has (its own or a held copy), or say it is missing; the
+        reply is MACed over the client's nonce."""
+        cnonce = str(req["nonce"]).encode()[:64]
+        found = self.find(step, rank)
+        if found is None:
+            reply = json.dumps({"missing": True}).encode()
+            conn.sendall(reply + b"\n" + _mac(self.key, b"get", cnonce, reply) + b"\n")
+            return
+        dfd, name = found
+        try:
+            fd = open_shard(dfd, name)
+        finally:
+            os.close(dfd)
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(size - 32)
+            digest = f.read(32).hex()
+            f.seek(0)
+            reply = json.dumps({"size": size, "digest": digest}).encode()
+            dl.end = time.monotonic() + deadline_for(size)
+            dl.arm()
+            conn.sendall(reply + b"\n" + _mac(self.key, b"get", cnonce, reply) + b"\n")
+            while chunk := f.read(4 << 20):
+                dl.arm()
+                conn.sendall(chunk)
+                self.stats.sent += len(chunk)
 
 
 def _connect(addr: tuple[str, int], key: bytes, deadline_s: float,

@@ -21,7 +21,7 @@ import ctypes
 import json
 import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,57 +198,77 @@ def decode(payload: bytearray) -> tuple[Any, dict[str, bytes]]:
     Raises:
         StageError: the payload does not parse (a verified file of another format).
     """
-    import torch
-
     try:
         (slen,) = struct.unpack(">Q", payload[:8])
         if slen > min(MAX_SKELETON, len(payload) - 8):
             raise ValueError(f"skeleton length {slen}")
         doc = json.loads(bytes(payload[8:8 + slen]))
-        offset = 8 + slen
-        tensors = []
-        for dtype_name, shape in doc["tensors"]:
-            dtype = getattr(torch, dtype_name)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"dtype {dtype_name!r}")
-            offset += -offset % ALIGN
-            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            if offset + n > len(payload):
-                raise ValueError("tensor past the payload's end")
-            if n:
-                raw = torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=offset)
-                tensors.append(raw.view(dtype).reshape(shape))
-            else:
-                tensors.append(torch.empty(shape, dtype=dtype))
-            offset += n
-        blobs = []
-        for n in doc["blobs"]:
-            offset += -offset % ALIGN
-            blobs.append(bytes(payload[offset:offset + n]))
-            offset += n
-        extra = {}
-        for key, n in doc.get("extra", {}).items():
-            offset += -offset % ALIGN
-            extra[key] = bytes(payload[offset:offset + n])
-            offset += n
-
-        def dec(node: Any) -> Any:
-            if node is None or isinstance(node, (bool, str, int, float)):
-                return node
-            if "d" in node:
-                return {k: dec(v) for k, v in node["d"]}
-            if "l" in node:
-                return [dec(v) for v in node["l"]]
-            if "t" in node:
-                return tuple(dec(v) for v in node["t"])
-            if "T" in node:
-                return tensors[node["T"]]
-            if "b" in node:
-                return blobs[node["b"]]
-            if "f" in node:
-                return float(node["f"])
-            raise ValueError(f"unknown node {sorted(node)}")
-
-        return dec(doc["tree"]), extra
+        tensors, offset = _tensor_views(payload, doc["tensors"], 8 + slen)
+        blobs, offset = _byte_runs(payload, doc["blobs"], offset)
+        extra_sizes = doc.get("extra", {})
+        runs, offset = _byte_runs(payload, extra_sizes.values(), offset)
+        extra = dict(zip(extra_sizes, runs, strict=True))
+        return _rebuild(doc["tree"], tensors, blobs), extra
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as exc:
         raise StageError(f"payload does not parse: {exc}") from None
+
+
+def _tensor_views(payload: bytearray, metas: list[Any], offset: int) -> tuple[list[Any], int]:
+    """The skeleton's tensors as views of `payload` from `offset` on (each aligned to ALIGN),
+    and the offset past the last.
+
+    Raises:
+        ValueError: an unknown dtype, or a tensor past the payload's end.
+    """
+    import torch
+
+    tensors = []
+    for dtype_name, shape in metas:
+        dtype = getattr(torch, dtype_name)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype {dtype_name!r}")
+        offset += -offset % ALIGN
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if offset + n > len(payload):
+            raise ValueError("tensor past the payload's end")
+        if n:
+            raw = torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=offset)
+            tensors.append(raw.view(dtype).reshape(shape))
+        else:
+            tensors.append(torch.empty(shape, dtype=dtype))
+        offset += n
+    return tensors, offset
+
+
+def _byte_runs(payload: bytearray, sizes: Iterable[int], offset: int) -> tuple[list[bytes], int]:
+    """Copies of the runs of `sizes` bytes from `offset` on (each aligned to ALIGN), and the
+    offset past the last."""
+    runs = []
+    for n in sizes:
+        offset += -offset % ALIGN
+        runs.append(bytes(payload[offset:offset + n]))
+        offset += n
+    return runs, offset
+
+
+def _rebuild(node: Any, tensors: list[Any], blobs: list[bytes]) -> Any:
+    """The skeleton's tree back to the state, its tensors and blobs put in by index.
+
+    Raises:
+        ValueError: a node of no known kind.
+    """
+    if node is None or isinstance(node, (bool, str, int, float)):
+        return node
+    if "d" in node:
+        return {k: _rebuild(v, tensors, blobs) for k, v in node["d"]}
+    if "l" in node:
+        return [_rebuild(v, tensors, blobs) for v in node["l"]]
+    if "t" in node:
+        return tuple(_rebuild(v, tensors, blobs) for v in node["t"])
+    if "T" in node:
+        return tensors[node["T"]]
+    if "b" in node:
+        return blobs[node["b"]]
+    if "f" in node:
+        return float(node["f"])
+    raise ValueError(f"unknown node {sorted(node)}")

@@ -602,19 +602,14 @@ class CheckpointStore:
         all_skips: list[str] = []
         while True:
             if not listed and (retry_shared or needs_shared(invs, need, failed)):
-                got = self.coll.all_gather(
-                    {str(s): sorted(r) for s, r in self._list_shared().items()}
-                    if self.rank == 0 else None)
-                shared = {int(s): frozenset(r) for s, r in got[0].items()}
+                shared = self._gather_shared()
                 if at_most is not None:
                     failed |= {s for s in shared if s > at_most}
                 listed = True
             self._invs, self._shared = invs, shared
             cands = candidates(invs, need, shared, failed)
             if not cands:
-                summary = _summary(None, [], all_skips, time.perf_counter() - t0)
-                (logger.warning if all_skips else logger.info)(summary)
-                _say(summary, self.rank)
+                self._announce(None, [], all_skips, time.perf_counter() - t0, started)
                 return None
             step = cands[0]
             result = self._load_step(step, places(step, wanted, self.node, invs, shared),
@@ -629,16 +624,8 @@ class CheckpointStore:
             all_skips += [s for o in outcome for s in o["skips"]]
             if all(o["ok"] for o in outcome) and result is not None:
                 seconds = time.perf_counter() - t0
-                summary = _summary(step, [o["source"] for o in outcome], all_skips, seconds)
-                logger.info(summary)
-                _say(summary, self.rank)
-                if self.rank == 0:  # one record for the job: every rank's tier is here
-                    tiers: dict[str, int] = {}
-                    for o in outcome:
-                        tier = o["source"].split(" ")[0]  # Place.words(): the tier first
-                        tiers[tier] = tiers.get(tier, 0) + 1
-                    _ledger("checkpoint_resumed", step, started, time.monotonic(), tiers,
-                            len(all_skips), rank=0)
+                summary = self._announce(step, [o["source"] for o in outcome], all_skips,
+                                         seconds, started)
                 state, extra, source = result
                 return Restored(step, state, extra, source, seconds, skipped, summary)
             del result
@@ -646,6 +633,31 @@ class CheckpointStore:
                 retry_shared = True  # the same step again, with shared storage's copies
                 continue
             failed.add(step)
+
+    def _gather_shared(self) -> dict[int, frozenset[int]]:
+        """Shared storage's steps and ranks as rank 0 lists them, the same on every rank (a
+        collective: one listing of shared storage for the job)."""
+        got = self.coll.all_gather({str(s): sorted(r) for s, r in self._list_shared().items()}
+                                   if self.rank == 0 else None)
+        return {int(s): frozenset(r) for s, r in got[0].items()}
+
+    def _announce(self, step: int | None, sources: list[str], skips: list[str],
+                  seconds: float, started: float) -> str:
+        """Say how the resume ended (the summary line, logged and, on rank 0, printed): from
+        `step`, or from nothing (None; a warning when copies were skipped). A resume from a
+        step is recorded for the goodput ledger: one record for the job, from rank 0, with
+        every rank's tier. Returns the summary line."""
+        summary = _summary(step, sources, skips, seconds)
+        (logger.warning if step is None and skips else logger.info)(summary)
+        _say(summary, self.rank)
+        if step is not None and self.rank == 0:
+            tiers: dict[str, int] = {}
+            for source in sources:
+                tier = source.split(" ")[0]  # Place.words(): the tier first
+                tiers[tier] = tiers.get(tier, 0) + 1
+            _ledger("checkpoint_resumed", step, started, time.monotonic(), tiers, len(skips),
+                    rank=0)
+        return summary
 
     def load_rank(self, step: int, rank: int) -> tuple[Any, dict[str, bytes], str] | None:
         """Another rank's shard of `step` (DCP reads replicated items from the rank that
