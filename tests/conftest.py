@@ -110,6 +110,34 @@ def unix_dgram_listener(path: Path, timeout_s: float) -> socket.socket:
     sock.settimeout(timeout_s)
     return sock
 
+
+@pytest.fixture()
+def beat_rank() -> int:
+    """The RANK `supervisor_socket` gives this process (a module may define its own)."""
+    return 0
+
+
+@pytest.fixture()
+def supervisor_socket(monkeypatch: pytest.MonkeyPatch,
+                      beat_rank: int) -> Iterator[tuple[socket.socket, bytes]]:
+    """A real UDP socket standing in for the supervisor's beat socket, and the beat key: the
+    job's environment (BV_HEARTBEAT, BV_JOB_SECRET, RANK = `beat_rank`) points this
+    process's heartbeat sender at it, and the sender is a fresh one."""
+    from bluevela.protocol.keys import beat_key, new_secret
+    from bluevela.runtime import heartbeat
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.settimeout(5)
+    secret = new_secret()
+    monkeypatch.setenv("BV_HEARTBEAT", f"127.0.0.1:{sock.getsockname()[1]}")
+    monkeypatch.setenv("BV_JOB_SECRET", secret)
+    monkeypatch.setenv("RANK", str(beat_rank))
+    monkeypatch.setattr(heartbeat, "_SENDER", heartbeat._Sender())
+    yield sock, beat_key(bytes.fromhex(secret))
+    sock.close()
+
+
 @pytest.fixture(scope="module")
 def site() -> Site:
     """The repository's site.yaml (a module may define its own `site` instead)."""

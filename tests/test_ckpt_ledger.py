@@ -11,7 +11,6 @@ import json
 import shutil
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 from bluevela.goodput import events as E
 from bluevela.goodput.outcome import StepEnd
 from bluevela.launch import events_log
-from bluevela.protocol.keys import beat_key, mac, new_secret
+from bluevela.protocol.keys import beat_key, mac
 from bluevela.protocol.messages import (
     CKPT_MAX_AGE_MS,
     CkptBgMsg,
@@ -35,7 +34,6 @@ from bluevela.protocol.messages import (
 )
 from bluevela.report import goodput as G
 from bluevela.report.goodput_bounds import CLOCK_SLACK_S, Allocation, bound_record
-from bluevela.runtime import heartbeat
 from tests.ckpt_helpers import make_store, run_ranks
 
 T = 1_800_000_000.0
@@ -257,20 +255,6 @@ def test_the_ledger_keeps_stall_and_background_apart_and_names_each_resumes_tier
 
 # -- the whole chain, real stores ------------------------------------------------------------
 
-@pytest.fixture()
-def supervisor(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[socket.socket, bytes]]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.settimeout(5)
-    secret = new_secret()
-    monkeypatch.setenv("BV_HEARTBEAT", f"127.0.0.1:{sock.getsockname()[1]}")
-    monkeypatch.setenv("BV_JOB_SECRET", secret)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(heartbeat, "_SENDER", heartbeat._Sender())
-    yield sock, beat_key(bytes.fromhex(secret))
-    sock.close()
-
-
 def _drain_socket(sock: socket.socket) -> list[bytes]:
     out = []
     sock.settimeout(0.5)
@@ -281,12 +265,12 @@ def _drain_socket(sock: socket.socket) -> list[bytes]:
             return out
 
 
-def test_real_stores_records_reach_the_ledger(tmp_path: Path,
-                                              supervisor: tuple[socket.socket, bytes]) -> None:
+def test_real_stores_records_reach_the_ledger(
+        tmp_path: Path, supervisor_socket: tuple[socket.socket, bytes]) -> None:
     """Two ranks save steps 1-3 through the store (drain every 3rd), then the second node is
     lost with its disk and a spare resumes its shard from the partner: every datagram the
     stores send goes through a real EventLog and file into the ledger."""
-    sock, key = supervisor
+    sock, key = supervisor_socket
     log = _log(tmp_path)
     log.launch(1, 1, ["n1", "n2"], 1, time.monotonic())
 

@@ -23,18 +23,9 @@ from bluevela.runtime import heartbeat
 
 
 @pytest.fixture()
-def supervisor_socket(monkeypatch: pytest.MonkeyPatch) -> tuple[socket.socket, bytes]:
-    """A real UDP socket standing in for the supervisor's beat socket, and the beat key."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.settimeout(5)
-    secret = new_secret()
-    monkeypatch.setenv("BV_HEARTBEAT", f"127.0.0.1:{sock.getsockname()[1]}")
-    monkeypatch.setenv("BV_JOB_SECRET", secret)
-    monkeypatch.setenv("RANK", "3")
-    monkeypatch.setattr(heartbeat, "_SENDER", heartbeat._Sender())
-    yield sock, beat_key(bytes.fromhex(secret))
-    sock.close()
+def beat_rank() -> int:
+    """`supervisor_socket` (tests/conftest.py) runs this process as rank 3."""
+    return 3
 
 
 def _recv_ckpt(sock: socket.socket, key: bytes) -> CkptMsg:
