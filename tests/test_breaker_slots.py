@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from bluevela.errors import SlurmError, SlurmUnreachable
 from bluevela.fleet.nodestate import (
     SLOT_START_IN_S,
     breaker_limit,
@@ -124,3 +125,41 @@ def test_a_drain_that_fails_after_winning_a_slot_keeps_the_slot_counted(site: Si
     assert DrainResult(True, False, "r", why_not="fleet breaker: 3/16").prolog_exit() == 0
     assert DrainResult(True, True, "r").prolog_exit() == 1
     assert DrainResult().prolog_exit() == 0
+
+
+@pytest.mark.parametrize(("rc", "err", "create", "delete"), [
+    (0, "", True, True),
+    (1, "Error creating the reservation: Duplicate reservation name", False, SlurmError),
+    (1, "Error deleting the reservation: Requested reservation is invalid", SlurmError, False),
+    (1, "Error creating the reservation: Unable to contact slurm controller (connect failure)",
+     SlurmUnreachable, SlurmUnreachable),
+    (1, "Error: Requested node configuration is not available", SlurmError, SlurmError),
+])
+def test_a_slots_reservation_answer(monkeypatch: pytest.MonkeyPatch, rc: int, err: str,
+                                    create: bool | type[Exception],
+                                    delete: bool | type[Exception]) -> None:
+    """What scontrol answered a slot's create or delete: done, already so (the name is taken,
+    the reservation is gone), slurmctld unreachable, or refused with Slurm's own line."""
+    import subprocess
+
+    from bluevela.slurm.cli_client import CliSlurmClient
+
+    argvs: list[list[str]] = []
+
+    def run_once(self: CliSlurmClient, argv: list[str], **kw: object
+                 ) -> subprocess.CompletedProcess[str]:
+        argvs.append(list(argv))
+        return subprocess.CompletedProcess(argv, rc, "", err)
+
+    monkeypatch.setattr(CliSlurmClient, "_run_once", run_once)
+    client = CliSlurmClient(retry_s=0)
+    for call, want in ((lambda: client.create_reservation(
+            "bv-slot-1", "node1", start_in_s=0, duration_min=5, flags=("MAINT",)), create),
+                       (lambda: client.delete_reservation("bv-slot-1"), delete)):
+        if isinstance(want, bool):
+            assert call() is want
+        else:
+            with pytest.raises(want) as exc:
+                call()
+            assert type(exc.value) is want and str(exc.value).endswith(err)
+    assert argvs[1] == ["scontrol", "delete", "ReservationName=bv-slot-1"]

@@ -387,27 +387,32 @@ class CliSlurmClient:
                 f"Duration={int(duration_min)}", "Users=root"]
         if flags:
             argv.append(f"Flags={','.join(flags)}")
-        proc = self._run_once(argv, timeout=timeout_s)
-        if proc.returncode == 0:
-            return True
-        err = proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}"
-        if _DUPLICATE.search(err):
-            return False
-        if _UNREACHABLE.search(err):
-            raise SlurmUnreachable(f"scontrol create reservation: {err.splitlines()[-1]}")
-        raise SlurmError(f"scontrol create reservation {name} failed: {err.splitlines()[-1]}")
+        return _reservation_done(self._run_once(argv, timeout=timeout_s), "create", name,
+                                 already=_DUPLICATE)
 
     def delete_reservation(self, name: str, *, timeout_s: float = 5.0) -> bool:
-        proc = self._run_once(["scontrol", "delete", f"ReservationName={name}"],
-                              timeout=timeout_s)
-        if proc.returncode == 0:
-            return True
-        err = proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}"
-        if _NO_RESERVATION.search(err):
-            return False
-        if _UNREACHABLE.search(err):
-            raise SlurmUnreachable(f"scontrol delete reservation: {err.splitlines()[-1]}")
-        raise SlurmError(f"scontrol delete reservation {name} failed: {err.splitlines()[-1]}")
+        return _reservation_done(
+            self._run_once(["scontrol", "delete", f"ReservationName={name}"], timeout=timeout_s),
+            "delete", name, already=_NO_RESERVATION)
+
+
+def _reservation_done(proc: subprocess.CompletedProcess[str], verb: str, name: str, *,
+                      already: re.Pattern[str]) -> bool:
+    """What `scontrol create|delete reservation` answered: True done, False when Slurm says
+    it is already so (`already`: the name is taken, or there is no such reservation).
+
+    Raises:
+        SlurmUnreachable: slurmctld did not answer.
+        SlurmError: any other refusal, with Slurm's last line.
+    """
+    if proc.returncode == 0:
+        return True
+    err = proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}"
+    if already.search(err):
+        return False
+    if _UNREACHABLE.search(err):
+        raise SlurmUnreachable(f"scontrol {verb} reservation: {err.splitlines()[-1]}")
+    raise SlurmError(f"scontrol {verb} reservation {name} failed: {err.splitlines()[-1]}")
 
 
 def parse_reservation_line(line: str) -> ReservationInfo | None:
