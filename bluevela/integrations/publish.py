@@ -16,6 +16,9 @@ import contextlib
 import os
 import shutil
 import stat
+from pathlib import Path
+
+from bluevela.util.fs import fsync_dir
 
 STAGING = ".bv-saving"  # beside the checkpoints: where a save is written before it is published
 
@@ -26,14 +29,6 @@ def barrier() -> None:
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(folder: str) -> None:
@@ -49,7 +44,7 @@ def fsync_tree(folder: str) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(root)
+        fsync_dir(Path(root))
 
 
 def publish(staged: str, target: str) -> None:
@@ -65,7 +60,7 @@ def publish(staged: str, target: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.rename(target, old)
     os.rename(staged, target)
-    _fsync_dir(os.path.dirname(target))
+    fsync_dir(Path(target).parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
