@@ -3,7 +3,7 @@
 Pages: the nightly report of a 1,000-node night with 7 nights of history (tests/
 test_bench_report.py's `big_record`), the efficiency page of a 1,000-node x 8-GPU x 24 h job
 (bench_efficiency's synthetic series; `--eff-nodes` to shrink it), and the fleet report of a
-1,000-node, 30-day fleet (tests/test_report_fleet.py's `big_fleet`, `--jobs`). The data is built
+1,000-node, 30-day fleet (tests/report/test_report_fleet.py's `big_fleet`, `--jobs`). The data is built
 once, by this checkout's code, into `--data DIR` (kept, reused when present: the on-disk formats
 are the same in both checkouts). Each page is rendered through the `bv` CLI in a fresh
 interpreter whose PYTHONPATH is the checkout, so each side imports its own package; the
@@ -55,8 +55,8 @@ def build(data: Path, eff_nodes: int, jobs: int) -> dict[str, Any]:
         return dict(json.loads(meta_path.read_text()))
     data.mkdir(parents=True, exist_ok=True)
     from bluevela.bench.store import nightly_dir, write_night
-    from tests.test_bench_report import BIG_NIGHTS, BIG_SLOW, big_record
-    from tests.test_report_fleet import big_fleet
+    from tests.bench.test_bench_report import BIG_NIGHTS, BIG_SLOW, big_record
+    from tests.report.test_report_fleet import big_fleet
 
     t = time.perf_counter()
     night_archive = data / "night-archive"

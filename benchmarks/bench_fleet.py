@@ -1,6 +1,6 @@
 """The fleet reliability report (`bv report fleet`) over a 1,000-node, 30-day fleet.
 
-The fleet is tests/test_report_fleet.py's `big_fleet`: 1,000 nodes, 30 days, 50,000 jobs
+The fleet is tests/report/test_report_fleet.py's `big_fleet`: 1,000 nodes, 30 days, 50,000 jobs
 (`--quick`: 10,000) of 1-8 nodes (mostly 1) and 10 min to 3 h, every node report validated as ingest does and
 written through the archive's writer (`store_reports`, in batches, so the archive has the
 segments and compactions a month of ingests leaves), and one nightly record a week. Timed:
@@ -47,7 +47,7 @@ def _best(fn: object, reps: int) -> float:
 def figures(args: argparse.Namespace) -> Iterator[Figure]:
     from bluevela.report.fleet import fleet_report
     from bluevela.site import load_site
-    from tests.test_report_fleet import big_fleet
+    from tests.report.test_report_fleet import big_fleet
 
     jobs = 10_000 if args.quick else 50_000
     tmp = Path(tempfile.mkdtemp(prefix="bv-bench-fleet-"))

@@ -1,6 +1,6 @@
 """The nightly HTML report at 1,000 nodes: page size, render time, and Chromium's time to open it.
 
-The store is the synthetic 1,000-node night of tests/test_bench_report.py (node1's recorded run
+The store is the synthetic 1,000-node night of tests/bench/test_bench_report.py (node1's recorded run
 spread over +-5 % for every node, 500 pairs plus a second round for 2 slow nodes, judged by the
 real evaluation, written by the real nightly store), 7 nights of history, in a temporary dir.
 `bv bench report`'s `write_report` is timed end to end (reading 7 nights included), best of 3.
@@ -32,7 +32,7 @@ OLD_COMMIT = "4e29ae9"  # the last commit with the N x N heatmap report
 
 def _store(root: Path) -> None:
     from bluevela.bench.store import write_night
-    from tests.test_bench_report import BIG_NIGHTS, BIG_SLOW, big_record
+    from tests.bench.test_bench_report import BIG_NIGHTS, BIG_SLOW, big_record
 
     for i, night in enumerate(BIG_NIGHTS):
         last = i == len(BIG_NIGHTS) - 1

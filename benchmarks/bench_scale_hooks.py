@@ -4,7 +4,7 @@ fleet, N = 64 .. 4,096.
 (a) One job on N nodes: N prologs, then (the job's window later) N epilogs write their
     reports and series side files into one spool, as the hooks build and write them (the
     hooks' `_spool` through `write_report`'s bounded child, `spool_series` cutting the
-    sampler's segment: tests/test_scale_hooks.py `run_job_hooks`, on the disk of /tmp unless
+    sampler's segment: tests/hooks/test_scale_hooks.py `run_job_hooks`, on the disk of /tmp unless
     --base says otherwise); then one `bv archive ingest --json` in a fresh interpreter: wall
     time, peak RSS (getrusage of the child), the archive's size.
 (b) The fleet view of an N-node cluster: `sinfo -h -N -o %N|%T|%P|%E` and `scontrol show
@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _common import fit_exponent, loadavg  # noqa: E402
 
-from tests.test_scale_hooks import (  # noqa: E402
+from tests.hooks.test_scale_hooks import (  # noqa: E402
     NodeDirs,
     check_fleet_metrics,
     check_health_nodes,

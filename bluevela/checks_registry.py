@@ -64,7 +64,7 @@ BUILTIN_PACKAGE = "bluevela.health.checks"
 #: Every built-in check's name and the module that registers it. A site's tiers are
 #: validated against these names without importing a check; a check in `BUILTIN_PACKAGE`
 #: registered under a name (or from a module) not listed here is refused, and
-#: tests/test_health_framework.py fails on a name listed here that no module registers.
+#: tests/health/test_health_framework.py fails on a name listed here that no module registers.
 BUILTIN_CHECKS: dict[str, str] = {
     "dcgm": f"{BUILTIN_PACKAGE}.dcgm",
     "gpu": f"{BUILTIN_PACKAGE}.gpu",

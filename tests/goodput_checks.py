@@ -1,6 +1,6 @@
 """The goodput ledger checks of real jobs on the REAL dev cluster (issue 18, "Done when"),
-shared by the scenario tests that run those jobs once: tests/test_recovery_cluster.py (a node
-crashed with and without a spare) and tests/test_resilience_submit_cluster.py (a time limit).
+shared by the scenario tests that run those jobs once: tests/launch/test_recovery_cluster.py (a node
+crashed with and without a spare) and tests/launch/test_resilience_submit_cluster.py (a time limit).
 
 `bv archive show JOB --goodput --json` must have every phase, the phases must add up to the
 job's wall time as Slurm saw it (SubmitTime -> EndTime) within 2 s, the re-done work must
@@ -30,8 +30,8 @@ import pytest
 
 from bluevela.report.fleet_html import MAX_LEDGER_JOBS
 from bluevela.report.goodput import PHASES
+from tests.bench.test_bench_report import CHROMIUM, _chromium, _png_pixels
 from tests.conftest import DevCluster
-from tests.test_bench_report import CHROMIUM, _chromium, _png_pixels
 
 BANNER = re.compile(r"^==== bv attempt (\d+) job (\d+) nodes (\S+) previous: (.*) ====$", re.M)
 CKPT = re.compile(r"^checkpoint step=(\d+) reason=every$", re.M)

@@ -1,4 +1,4 @@
-"""Record what a real Slurm prints, for the parsing tests (tests/test_slurm_releases.py).
+"""Record what a real Slurm prints, for the parsing tests (tests/slurm/test_slurm_releases.py).
 
 With a dev cluster up on the release to record (``slurm/devcluster up --slurm 24.11``)::
 

@@ -13,7 +13,7 @@ bv's method, written out again in bare torch (it imports nothing from bluevela):
   times. (The old reference synchronised after every call and allocated a new output each
   time, which is slower than bv's loop: bv "beat" bare torch, 808.6 vs 772.6 TFLOP/s.)
 
-tests/test_device_reference.py checks on a CPU that both timing loops make the same calls in
+tests/bench/test_device_reference.py checks on a CPU that both timing loops make the same calls in
 the same order, and that the shapes and sizes here are bv's. `interleave.py` runs this and bv's
 measurements alternately on the same warm device and reports the ratio with its spread.
 """

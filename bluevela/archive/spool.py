@@ -176,7 +176,7 @@ def run_bounded(fn: Callable[[], None], timeout_s: float, what: str) -> None:
     """
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child (exercised by tests/test_spool_bounded.py)
+    if pid == 0:  # pragma: no cover - the child (exercised by tests/archive/test_spool_bounded.py)
         code = 0
         try:
             null = os.open(os.devnull, os.O_RDWR)

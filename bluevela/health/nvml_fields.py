@@ -12,11 +12,11 @@
 
 The snapshot parser (`nvml_snapshot.parse_gpu`) applies the `parse` column; the live recorder
 (`nvml_live.read_gpu_fields`) runs the `call` and `record` columns. A new GPU field is one row here and its
-typed attribute on `GPUInfo` (tests/test_health_nvml_fields.py holds the two together).
+typed attribute on `GPUInfo` (tests/health/test_health_nvml_fields.py holds the two together).
 
 Every pynvml function and constant called as `nv.<name>` (and every `"NVML_*"` name below)
 is in the oldest binding supported, nvidia-ml-py 12.535.77; newer ones are looked up with
-`getattr`/`hasattr` and a fallback (tests/test_health_nvml_errors.py checks both).
+`getattr`/`hasattr` and a fallback (tests/health/test_health_nvml_errors.py checks both).
 """
 
 from __future__ import annotations

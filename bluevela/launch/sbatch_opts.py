@@ -1,6 +1,6 @@
 """sbatch's long options, shipped as a list: asking the installed sbatch (`--help`, `--usage`)
 on every submit costs a process start and needs a slurm.conf, which the submit path cannot
-afford. tests/test_submit_options.py compares these sets with the installed sbatch.
+afford. tests/launch/test_submit_options.py compares these sets with the installed sbatch.
 
 Every option of sbatch 22.05's `--help` and `--usage` is in exactly one of three sets:
 - MANAGED: bv renders it itself (own `bv submit` option, or part of the launch model);

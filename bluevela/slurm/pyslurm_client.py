@@ -62,7 +62,7 @@ class PySlurmClient:
             exit_code=j.exit_code if state.is_terminal() else None,
             signal=(j.exit_code_signal or None) if state.is_terminal() else None,
             # pyslurm 25.11's Job has no `nodes`: `allocated_nodes` is Slurm's host list
-            # (tests/test_pyslurm_cluster.py, against the real 25.11 cluster).
+            # (tests/slurm/test_pyslurm_cluster.py, against the real 25.11 cluster).
             nodes=_expand_nodes(str(j.allocated_nodes or "")),
             name=str(j.name or ""),
             user=str(j.user_name or ""),
