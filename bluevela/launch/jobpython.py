@@ -56,6 +56,9 @@ _PYTHON_LINE = re.compile(r"^python (\d+)\.(\d+)\.(\d+)$", re.M)
 _BV_LINE = re.compile(r"^bluevela (\S{1,64})$", re.M)
 _ERROR_LINE = re.compile(r"^error (.{1,300})$", re.M)
 _TORCH_LINE = re.compile(r"^torch (yes|no)$", re.M)
+# How to fix any of the refusals below: the tail of each message.
+_FIX = ("put a Python >= 3.11 with bluevela first on PATH (activate the training env, "
+        "`module load`), or give --python /path/to/venv/bin/python3 (docs/byos.md)")
 
 
 @dataclass(frozen=True)
@@ -114,46 +117,99 @@ def check_job_python(python: str, exports: tuple[tuple[str, str], ...], *,
     """
     cwd = cwd or os.getcwd()
     env = job_environment(exports, environ)
+    path = _locate(python, env, cwd)
+    proc = _probe(path, env, cwd, timeout_s)
+    version = _python_version(python, path, proc)
+    theirs = _job_bluevela(path, proc, version, need_torch=need_torch)
+    return JobPython(path=path, version=version, bluevela=theirs)
+
+
+def _locate(python: str, env: Mapping[str, str], cwd: str) -> str:
+    """The file the job's `exec` line would run, found the job's way (`resolve`).
+
+    Raises:
+        LaunchError: there is none; the message shows the job's PATH, since that is what a
+            user has to fix.
+    """
     where = f"{python!r} on the job's PATH" if "/" not in python else repr(python)
     path = resolve(python, env, cwd)
-    fix = ("put a Python >= 3.11 with bluevela first on PATH (activate the training env, "
-           "`module load`), or give --python /path/to/venv/bin/python3 (docs/byos.md)")
     if path is None:
         raise LaunchError(f"the job runs `{python} -P -m bluevela.launch.supervisor`, but there "
-                          f"is no {where} (PATH={env.get('PATH', '')}): {fix}")
+                          f"is no {where} (PATH={env.get('PATH', '')}): {_FIX}")
+    return path
+
+
+def _probe(path: str, env: Mapping[str, str], cwd: str,
+           timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Run `_PROBE` once in the job's Python with the job's environment, bounded in time.
+
+    Only starting it can fail here; what it printed (or did not) is judged by the callers, so
+    that a Python that starts but is unfit gets a message saying what is wrong with it.
+
+    Raises:
+        LaunchError: the interpreter hung past `timeout_s` or could not be executed.
+    """
     try:
-        proc = subprocess.run([path, "-c", _PROBE], env=env, cwd=cwd, capture_output=True,
+        return subprocess.run([path, "-c", _PROBE], env=env, cwd=cwd, capture_output=True,
                               text=True, errors="replace", timeout=timeout_s, check=False,
                               stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
         raise LaunchError(f"the job's Python {path} did not answer within {timeout_s:g} s "
                           f"(a hung file system?); --no-python-check skips this check") from exc
     except OSError as exc:
-        raise LaunchError(f"the job's Python {path} cannot run: {exc.strerror}; {fix}") from exc
+        raise LaunchError(f"the job's Python {path} cannot run: {exc.strerror}; {_FIX}") from exc
+
+
+def _python_version(python: str, path: str,
+                    proc: subprocess.CompletedProcess[str]) -> tuple[int, int, int]:
+    """The probed interpreter's version, which must be new enough for the supervisor.
+
+    The probe prints its version before anything else, so even a Python 2 answers this.
+
+    Raises:
+        LaunchError: the probe printed no version (it did not run) or the Python is too old.
+    """
     found = _PYTHON_LINE.search(proc.stdout)
     if found is None:
-        raise LaunchError(f"the job's Python {path} did not run (exit {proc.returncode}); {fix}")
+        raise LaunchError(f"the job's Python {path} did not run (exit {proc.returncode}); {_FIX}")
     version = (int(found[1]), int(found[2]), int(found[3]))
-    shown = ".".join(map(str, version))
     if version[:2] < MIN_PYTHON:
-        raise LaunchError(f"the job's Python {path} is Python {shown}; the job needs Python "
-                          f">= {'.'.join(map(str, MIN_PYTHON))} with bluevela (it runs "
-                          f"`{python} -P -m bluevela.launch.supervisor`): {fix}")
+        raise LaunchError(f"the job's Python {path} is Python {_shown(version)}; the job needs "
+                          f"Python >= {'.'.join(map(str, MIN_PYTHON))} with bluevela (it runs "
+                          f"`{python} -P -m bluevela.launch.supervisor`): {_FIX}")
+    return version
+
+
+def _job_bluevela(path: str, proc: subprocess.CompletedProcess[str],
+                  version: tuple[int, int, int], *, need_torch: bool) -> str:
+    """The version of the bluevela the job's Python imports, checked against this bv's.
+
+    The job must import a bluevela of this bv's release series (this bv writes the batch
+    script that the job's supervisor reads), and, when `need_torch`, find torch beside it.
+
+    Raises:
+        LaunchError: no bluevela (with the import error the probe saw), another release
+            series, or no torch.
+    """
     bv = _BV_LINE.search(proc.stdout)
     if bv is None:
         err = _ERROR_LINE.search(proc.stdout)
         why = err[1] if err else f"exit {proc.returncode}"
-        raise LaunchError(f"the job's Python {path} (Python {shown}) cannot import bluevela "
-                          f"({why}): install bluevela {__version__} there, or {fix}")
+        raise LaunchError(f"the job's Python {path} (Python {_shown(version)}) cannot import "
+                          f"bluevela ({why}): install bluevela {__version__} there, or {_FIX}")
     theirs = bv[1]
     if series(theirs) != series(__version__):
         raise LaunchError(f"the job's Python {path} imports bluevela {theirs}, this bv is "
                           f"{__version__}: the job's bluevela must be the same release series "
                           f"({'.'.join(series(__version__))}.x) as the bv that writes its "
-                          f"batch script; {fix}")
+                          f"batch script; {_FIX}")
     torch = _TORCH_LINE.search(proc.stdout)
     if need_torch and torch is not None and torch[1] == "no":
         raise LaunchError(f"the job's Python {path} has bluevela {theirs} but no torch: it also "
                           f"runs torchrun and the ranks (bv starts torch's torchrun in it); "
-                          f"install bluevela into the training env that holds torch, or {fix}")
-    return JobPython(path=path, version=version, bluevela=theirs)
+                          f"install bluevela into the training env that holds torch, or {_FIX}")
+    return theirs
+
+
+def _shown(version: tuple[int, int, int]) -> str:
+    return ".".join(map(str, version))

@@ -162,3 +162,42 @@ def test_bluevela_without_torch_is_refused(bare_venv: Path, tmp_path: Path) -> N
     env = {"PATH": f"{bare_venv.parent}:{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
     with pytest.raises(LaunchError, match=rf"has bluevela {__version__} but no torch"):
         check_job_python("python3", (), environ=env, cwd=str(tmp_path))
+
+
+def _stand_in(tmp_path: Path, name: str, body: str) -> str:
+    """An executable that answers the probe as `body` says (a shell script, or raw bytes)."""
+    path = tmp_path / name
+    path.write_text(body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_each_way_a_job_python_can_fail_has_its_one_line(tmp_path: Path) -> None:
+    """The refusals the real interpreters above cannot all reach (no old Python on this machine,
+    a hang, a broken file), each with its message: stand-ins that print the probe's lines. They
+    pin the order of the checks (version before bluevela, series before torch) and each text."""
+    cases = [
+        ("hang", "#!/bin/sh\nexec sleep 30\n", r"did not answer within 0\.5 s \(a hung file system"),
+        ("garbage", "\x7fELF not really\n", r"cannot run: Exec format error; put a Python >= 3\.11"),
+        ("silent", "#!/bin/sh\necho Unknown option: -P >&2\nexit 2\n", r"did not run \(exit 2\); put"),
+        ("old", "#!/bin/sh\necho python 3.10.4\necho bluevela 99.0.0\n",
+         r"is Python 3\.10\.4; the job needs Python >= 3\.11 with bluevela \(it runs `.*old -P"),
+        ("nobv", "#!/bin/sh\necho python 3.12.1\necho \"error ModuleNotFoundError: nope\"\n",
+         rf"\(Python 3\.12\.1\) cannot import bluevela \(ModuleNotFoundError: nope\): install "
+         rf"bluevela {__version__} there"),
+        ("nobv-quiet", "#!/bin/sh\necho python 3.12.1\nexit 7\n", r"cannot import bluevela \(exit 7\)"),
+        ("other", "#!/bin/sh\necho python 3.12.1\necho bluevela 99.0.0\necho torch no\n",
+         r"imports bluevela 99\.0\.0, this bv is"),
+    ]
+    for name, body, message in cases:
+        path = _stand_in(tmp_path, name, body)
+        with pytest.raises(LaunchError, match=message):
+            check_job_python(path, (), cwd=str(tmp_path), timeout_s=0.5)
+    notorch = _stand_in(tmp_path, "notorch",
+                        f"#!/bin/sh\necho python 3.12.1\necho bluevela {__version__}\necho torch no\n")
+    with pytest.raises(LaunchError, match=r"but no torch: .*, or put a Python >= 3\.11"):
+        check_job_python(notorch, (), cwd=str(tmp_path))
+    found = check_job_python(notorch, (), cwd=str(tmp_path), need_torch=False)
+    assert (found.path, found.version, found.bluevela) == (notorch, (3, 12, 1), __version__)
+    with pytest.raises(LaunchError, match=r"there is no '\./missing' \(PATH="):
+        check_job_python("./missing", (), cwd=str(tmp_path))
