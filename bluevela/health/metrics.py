@@ -329,55 +329,87 @@ def render(last: Mapping[str, Mapping[str, Any]], hostname: str | None = None,
             `bluevela_gpu_gpus_count`); omitted when None.
     """
     host = hostname if hostname is not None else os.uname().nodename
+    results = _stored_results(last)
+    out = _Exposition()
+    _check_families(out, results)
+    if node is not None:
+        out.family("bluevela_node_class_info", "The node's class in site.yaml (value 1).",
+                   [(_labels({"class": node.class_name}), 1)])
+        out.family("bluevela_node_gpus_expected", "GPUs the node's class in site.yaml expects.",
+                   [("", node.gpus)])
+    checks = [r for r, _ in results]
+    for name, (type_, help_, samples) in sorted(_component_samples(checks, host).items()):
+        out.family(name, help_, samples, type_)
+    return out.text()
+
+
+def _stored_results(last: Mapping[str, Mapping[str, Any]]) -> list[tuple[CheckResult, float]]:
+    """The stored results, by check name, each with the time it ran.
+
+    A malformed entry (a `last_results.json` from another release, a hand edit) is skipped,
+    so that one bad entry never hides every other check's series.
+    """
     results: list[tuple[CheckResult, float]] = []
     for name in sorted(last):
         try:
             results.append((CheckResult.from_dict(last[name]), float(last[name].get("time", 0))))
         except (KeyError, ValueError, TypeError, AttributeError):
             logger.debug("skipping malformed last result %r", name)
-    lines: list[str] = []
-    seen: set[str] = set()
+    return results
 
-    def family(name: str, help_: str, samples: list[tuple[str, float]],
+
+class _Exposition:
+    """The text exposition being written: metric families in order, each name once.
+
+    Names are sanitised from check and metric names, so two may meet; Prometheus refuses a
+    file that declares a family twice, so the first one wins and the other is dropped.
+    """
+
+    def __init__(self) -> None:
+        self._lines: list[str] = []
+        self._seen: set[str] = set()
+
+    def family(self, name: str, help_: str, samples: list[tuple[str, float]],
                type_: str = "gauge") -> None:
+        """Add a family (HELP, TYPE, one line per sample); nothing when it has no samples."""
         if not samples:
             return
-        if name in seen:  # two metrics that sanitise to one name: keep the first
+        if name in self._seen:  # two metrics that sanitise to one name: keep the first
             logger.debug("duplicate metric family %s skipped", name)
             return
-        seen.add(name)
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} {type_}")
-        lines.extend(f"{name}{labels} {_num(v)}" for labels, v in samples)
+        self._seen.add(name)
+        self._lines.append(f"# HELP {name} {help_}")
+        self._lines.append(f"# TYPE {name} {type_}")
+        self._lines.extend(f"{name}{labels} {_num(v)}" for labels, v in samples)
 
+    def text(self) -> str:
+        return "\n".join(self._lines) + "\n"
+
+
+def _check_families(out: _Exposition, results: list[tuple[CheckResult, float]]) -> None:
+    """The per-check families: status, time and duration of each check, the node's worst
+    status, each check's node-level metrics, and its text facts as an info series."""
     checks = [r for r, _ in results]
-    family("bluevela_check_status",
-           "Last status of each bluevela health check (0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN).",
-           [(_labels({"check": r.name}), int(r.status)) for r in checks])
-    family("bluevela_check_timestamp_seconds", "When each check last ran (unix seconds).",
-           [(_labels({"check": r.name}), t) for r, t in results])
-    family("bluevela_check_duration_seconds", "Wall time of each check's last run.",
-           [(_labels({"check": r.name}), r.duration_s) for r in checks])
-    family("bluevela_node_status", "Worst status over the last result of every check.",
-           [("", int(worst(r.status for r in checks)) if checks else int(Status.UNKNOWN))])
+    out.family("bluevela_check_status",
+               "Last status of each bluevela health check (0 OK, 1 WARNING, 2 CRITICAL, "
+               "3 UNKNOWN).",
+               [(_labels({"check": r.name}), int(r.status)) for r in checks])
+    out.family("bluevela_check_timestamp_seconds", "When each check last ran (unix seconds).",
+               [(_labels({"check": r.name}), t) for r, t in results])
+    out.family("bluevela_check_duration_seconds", "Wall time of each check's last run.",
+               [(_labels({"check": r.name}), r.duration_s) for r in checks])
+    out.family("bluevela_node_status", "Worst status over the last result of every check.",
+               [("", int(worst(r.status for r in checks)) if checks else int(Status.UNKNOWN))])
     for r in checks:
         for metric in sorted(set(r.metrics) - _NODE_SKIP):
             prom, type_, value = node_metric(r.name, metric, r.metrics[metric])
-            family(prom, f"bluevela {_help(r.name)} check: {_help(metric)} (node).",
-                   [("", value)], type_)
+            out.family(prom, f"bluevela {_help(r.name)} check: {_help(metric)} (node).",
+                       [("", value)], type_)
     for r in checks:  # text facts (the versions check's) as an info series, value 1
         if r.info:
-            family(f"bluevela_{_name(r.name)}_info",
-                   f"bluevela {_help(r.name)} check: observed values as labels.",
-                   [(_labels(r.info), 1)])
-    if node is not None:
-        family("bluevela_node_class_info", "The node's class in site.yaml (value 1).",
-               [(_labels({"class": node.class_name}), 1)])
-        family("bluevela_node_gpus_expected", "GPUs the node's class in site.yaml expects.",
-               [("", node.gpus)])
-    for name, (type_, help_, samples) in sorted(_component_samples(checks, host).items()):
-        family(name, help_, samples, type_)
-    return "\n".join(lines) + "\n"
+            out.family(f"bluevela_{_name(r.name)}_info",
+                       f"bluevela {_help(r.name)} check: observed values as labels.",
+                       [(_labels(r.info), 1)])
 
 
 def _help(text: str) -> str:

@@ -12,6 +12,7 @@ from bluevela.health.context import ProbeContext
 from bluevela.health.metrics import (
     GPU_FAMILIES,
     PROM_FILE,
+    NodeFacts,
     merge_last_results,
     render,
     write_prom,
@@ -195,3 +196,27 @@ def test_gpu_families_named_in_base_units() -> None:
     for f in GPU_FAMILIES:
         assert f.name.startswith("bluevela_gpu_")
         assert f.name.endswith("_total") == (f.type == "counter"), f.name
+
+
+def test_prom_skips_malformed_keeps_first_of_a_name_and_adds_node_facts(tmp_path: Path) -> None:
+    """What render decides beyond laying out families: a malformed stored result is skipped
+    (the others still show), two metrics that come to one name keep the first (sorted by
+    metric name: wait_ms before wait_s), the site's node facts come after the checks, and nothing stored is one
+    UNKNOWN node status."""
+    rep = HealthReport("quick", (
+        CheckResult("gpu", Status.WARNING, "warm", {"wait_ms": 5.0, "wait_s": 9.0}),
+    ))
+    last = {**merge_last_results(tmp_path, rep, "prolog"), "broken": {"no": "status"}}
+    text = render(last, "n1", NodeFacts(class_name="h100", gpus=8))
+    fams = parse(text)
+    assert samples(fams, "bluevela_check_status") == {(("check", "gpu"),): 1.0}
+    assert samples(fams, "bluevela_gpu_wait_seconds") == {(): 0.005}
+    assert text.count("# TYPE bluevela_gpu_wait_seconds ") == 1
+    assert samples(fams, "bluevela_node_status") == {(): 1.0}
+    assert samples(fams, "bluevela_node_class_info") == {(("class", "h100"),): 1.0}
+    assert samples(fams, "bluevela_node_gpus_expected") == {(): 8.0}
+    names = [ln.split()[2] for ln in text.splitlines() if ln.startswith("# TYPE ")]
+    assert names.index("bluevela_gpu_wait_seconds") < names.index("bluevela_node_class_info")
+    assert render({}, "n1") == ("# HELP bluevela_node_status Worst status over the last result "
+                                "of every check.\n# TYPE bluevela_node_status gauge\n"
+                                "bluevela_node_status 3\n")
