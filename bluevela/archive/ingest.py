@@ -131,9 +131,7 @@ def ingest(
             (ENOSPC...). Reports not yet durable in the archive are then still in the spool.
     """
     t0 = time.perf_counter()
-    check_ownership(archive_dir, spool)
-    archive = Archive(archive_dir)
-    archive.check()
+    archive = _usable_archive(archive_dir, spool)
     if job_id is not None and wait_s > 0:
         _wait_for_job(spool, job_id, wait_s)
     result = IngestResult()
@@ -143,26 +141,63 @@ def ingest(
         by_job = _read_reports(sd, scan, result)
         logger.debug("read %d report(s) of %d job(s) from %s", len(scan.entries), len(by_job),
                      spool)
-        conflicts_before = len(result.conflicts)
-        done_names = _archive(w, by_job, result, now=now, timeout_s=timeout_s,
-                              prolog_only_timeout_s=prolog_only_timeout_s, spool=spool)
-        for name, reason in result.conflicts[conflicts_before:]:
-            if name and quarantine(sd, name, reason) is not None:
-                result.quarantined.append((name, reason))
+        done_names = _archive_spooled(w, sd, by_job, result, now=now, timeout_s=timeout_s,
+                                      prolog_only_timeout_s=prolog_only_timeout_s, spool=spool)
         if scan.series:  # the epilogs' sampler windows -> <archive>/series/<job>.h5
             done_names += _ingest_series(w, sd, archive_dir, scan, result, series_limits,
                                          now=now)
         mark_done(sd, done_names, delete=delete)
         logger.debug("moved %d spool file(s) out of %s", len(done_names), spool)
         if compact:
-            try:
-                result.compactions = w.compact()
-            except ArchiveError as exc:
-                logger.warning("compaction skipped (the ingest itself is durable): %s", exc)
+            result.compactions = _compact(w)
         if done_retention_s > 0 and not delete and job_id is None:
             prune_done(sd, done_retention_s)  # the timer's job: done/ may hold many files
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _usable_archive(archive_dir: Path, spool: Path) -> Archive:
+    """The archive, once the caller is known to own it and the spool, and it is whole.
+
+    Both checks come before the lock is taken or anything is created, so a refused ingest
+    leaves no file behind (a root-owned `.lock` would lock the owner out).
+
+    Raises:
+        ArchiveError: another user's (or a world-writable) archive or spool, or an archive
+            that is missing or unusable.
+    """
+    check_ownership(archive_dir, spool)
+    archive = Archive(archive_dir)
+    archive.check()
+    return archive
+
+
+def _archive_spooled(w: Writer, sd: SpoolDir, by_job: dict[int, list[tuple[Any, dict[str, Any]]]],
+                     result: IngestResult, *, now: float, timeout_s: float,
+                     prolog_only_timeout_s: float, spool: Path) -> list[str]:
+    """`_archive` for reports read from the spool: the spool names now done, and each report
+    found in conflict with an archived one moved to quarantine (and counted there), so that
+    it is neither archived over the first nor retried on every ingest."""
+    conflicts_before = len(result.conflicts)
+    done_names = _archive(w, by_job, result, now=now, timeout_s=timeout_s,
+                          prolog_only_timeout_s=prolog_only_timeout_s, spool=spool)
+    for name, reason in result.conflicts[conflicts_before:]:
+        if name and quarantine(sd, name, reason) is not None:
+            result.quarantined.append((name, reason))
+    return done_names
+
+
+def _compact(w: Writer) -> int:
+    """Merge crowded segment levels; the number of merges, 0 when compaction failed.
+
+    A failure is logged and not raised: the ingest before it is already durable, and the
+    next ingest compacts again.
+    """
+    try:
+        return w.compact()
+    except ArchiveError as exc:
+        logger.warning("compaction skipped (the ingest itself is durable): %s", exc)
+        return 0
 
 
 def _read_reports(sd: SpoolDir, scan: SpoolScan, result: IngestResult

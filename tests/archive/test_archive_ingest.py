@@ -346,3 +346,39 @@ def test_verify_finds_a_report_stored_twice(dirs: tuple[Path, Path]) -> None:
     (archive / MANIFEST).write_text(json.dumps(body))
     res = query.verify(archive)
     assert not res.ok and any("more than one file" in p for p in res.problems)
+
+
+def test_a_failed_compaction_keeps_the_ingest_and_the_next_one_compacts(
+        dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Compaction comes after the reports are durable: its failure (ENOSPC while merging...)
+    is one warning, the ingest's result stands with no compactions, and the next ingest
+    compacts. Done files older than the retention go on a timer's ingest, not a job's."""
+    from bluevela.archive.store import Writer
+
+    spool, archive = dirs
+    real_compact = Writer.compact
+
+    def failing(self: Writer, fanout: int = FANOUT) -> int:
+        raise ArchiveError("no space left while merging")
+
+    for i in range(FANOUT):
+        spool_job(spool, 300 + i, ["n1"], t=T0 + i)
+        ingest(spool, archive, compact=False)
+    stale = spool / DONE_DIR / "1.old.epilog.json"
+    stale.write_text("{}")
+    os.utime(stale, (T0, T0))
+    spool_job(spool, 400, ["n1"])
+    monkeypatch.setattr(Writer, "compact", failing)
+    with caplog.at_level("WARNING", logger="bluevela.archive.ingest"):
+        res = ingest(spool, archive, job_id=400, done_retention_s=60.0)
+    assert res.reports_ingested == 2 and res.jobs_archived == [400] and res.compactions == 0
+    assert "compaction skipped (the ingest itself is durable): no space left while merging" \
+        in caplog.text
+    assert stale.exists()  # a job's ingest leaves done/ to the timer
+    monkeypatch.setattr(Writer, "compact", real_compact)
+    res = ingest(spool, archive, done_retention_s=60.0)
+    assert res.compactions >= 1 and not stale.exists()
+    assert stored_keys(archive) == Counter(
+        [(j, "n1", p) for j in [*range(300, 300 + FANOUT), 400] for p in ("prolog", "epilog")])
+    assert query.verify(archive).ok
