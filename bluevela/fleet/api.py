@@ -358,57 +358,85 @@ def resume_nodes(site: Site, client: SlurmClient, nodes: Sequence[str], *,
     names must pass). For another node (from a login node) the re-check is the node's own:
     its healthcheck, and the prolog before its next job, drain it again if it still fails.
     """
-    from bluevela.fleet.nodestate import dcgm_gate, is_ours, passes_for_resume, resume_node
-
     here = socket.gethostname().split(".")[0]
-    out: list[ResumeOutcome] = []
-    for raw in nodes:
-        try:
-            node = safe_node_name(raw)
-        except UnsafeValueError as exc:
-            out.append(ResumeOutcome(raw, False, True, str(exc)))
-            continue
-        found = client.nodes([node])
-        info = next((n for n in found if n.name == node), None)
-        if info is None:
-            out.append(ResumeOutcome(node, False, True, "not known to Slurm"))
-            continue
-        if not info.drained:
-            # An operator resumed it with scontrol: give back its fleet breaker slot, if any.
-            try:
-                note = resume_node(client, site, node).why_not or "not drained"
-            except SlurmError as exc:
-                note = f"not drained; could not check its breaker slots: {exc}"
-            out.append(ResumeOutcome(node, False, False, f"{note} (state {info.state})"))
-            continue
-        if not is_ours(site, info.reason):
-            out.append(ResumeOutcome(
-                node, False, True,
-                f"drained by an operator (reason: {info.reason!r}); bluevela resumes only its "
-                f"own '{site.health.drain_prefix}' drains - use `scontrol update NodeName={node} "
-                "State=RESUME` if that is intended"))
-            continue
-        if recheck_local and node == here:
-            # What the healthcheck runs (DCGM at its level included: a drain may name dcgm).
-            report = run_local(site, tier="full", phase="healthcheck", dcgm_for="healthcheck")
-            ok, note = passes_for_resume(site, info.reason,
-                                         {c.name: int(c.status) for c in report.checks})
-            if ok:  # then DCGM at health.dcgm.before_resume_level, when the site sets one
-                ok, dcgm_note = dcgm_gate(site, lambda: _diag_before_resume(site))
-                note = f"{note}; {dcgm_note}" if ok and dcgm_note else dcgm_note or note
-            if not ok:
-                out.append(ResumeOutcome(node, False, True, f"re-check failed: {note}"))
-                continue
-            how = f"re-checked here: {note}"
-        else:
-            how = "its healthcheck and its next prolog re-check it"
-        try:
-            result = resume_node(client, site, node)
-        except SlurmError as exc:
-            out.append(ResumeOutcome(node, False, True, f"scontrol failed: {exc}"))
-            continue
-        if result.drained:
-            out.append(ResumeOutcome(node, True, False, f"resumed (was: {info.reason}); {how}"))
-        else:
-            out.append(ResumeOutcome(node, False, True, result.why_not or "not resumed"))
-    return out
+    return [_resume_one(site, client, raw, here if recheck_local else None) for raw in nodes]
+
+
+def _resume_one(site: Site, client: SlurmClient, raw: str,
+                recheck_here: str | None) -> ResumeOutcome:
+    """Resume one named node, or say why not: its name, Slurm's view of it, whose drain it
+    is, a re-check when it is this host (`recheck_here`, None: no re-check), then scontrol.
+
+    The order matters: nothing reaches Slurm before the name is safe, and nothing is resumed
+    before the drain is known to be bluevela's and the re-check (if any) passed.
+    """
+    from bluevela.fleet.nodestate import is_ours
+
+    try:
+        node = safe_node_name(raw)
+    except UnsafeValueError as exc:
+        return ResumeOutcome(raw, False, True, str(exc))
+    found = client.nodes([node])
+    info = next((n for n in found if n.name == node), None)
+    if info is None:
+        return ResumeOutcome(node, False, True, "not known to Slurm")
+    if not info.drained:
+        return _not_drained(site, client, node, info.state)
+    if not is_ours(site, info.reason):
+        return ResumeOutcome(
+            node, False, True,
+            f"drained by an operator (reason: {info.reason!r}); bluevela resumes only its "
+            f"own '{site.health.drain_prefix}' drains - use `scontrol update NodeName={node} "
+            "State=RESUME` if that is intended")
+    if node == recheck_here:
+        ok, note = _recheck_here(site, info.reason)
+        if not ok:
+            return ResumeOutcome(node, False, True, f"re-check failed: {note}")
+        how = f"re-checked here: {note}"
+    else:
+        how = "its healthcheck and its next prolog re-check it"
+    return _resume_drained(site, client, node, info.reason, how)
+
+
+def _not_drained(site: Site, client: SlurmClient, node: str, state: str) -> ResumeOutcome:
+    """A node named for resume that is not drained: an operator resumed it with scontrol, so
+    its fleet breaker slot, if any, is given back. Neither resumed nor refused."""
+    from bluevela.fleet.nodestate import resume_node
+
+    try:
+        note = resume_node(client, site, node).why_not or "not drained"
+    except SlurmError as exc:
+        note = f"not drained; could not check its breaker slots: {exc}"
+    return ResumeOutcome(node, False, False, f"{note} (state {state})")
+
+
+def _recheck_here(site: Site, reason: str) -> tuple[bool, str]:
+    """Whether this host, drained with `reason`, may be resumed, and the note saying why.
+
+    It runs what the healthcheck runs (full tier, DCGM at its level included: a drain may
+    name dcgm), and the check the drain names must pass; then the site's DCGM diagnostic
+    before a resume (`health.dcgm.before_resume_level`), when it sets one.
+    """
+    from bluevela.fleet.nodestate import dcgm_gate, passes_for_resume
+
+    report = run_local(site, tier="full", phase="healthcheck", dcgm_for="healthcheck")
+    ok, note = passes_for_resume(site, reason, {c.name: int(c.status) for c in report.checks})
+    if ok:
+        ok, dcgm_note = dcgm_gate(site, lambda: _diag_before_resume(site))
+        note = f"{note}; {dcgm_note}" if ok and dcgm_note else dcgm_note or note
+    return ok, note
+
+
+def _resume_drained(site: Site, client: SlurmClient, node: str, reason: str,
+                    how: str) -> ResumeOutcome:
+    """Resume a node drained by bluevela (scontrol, then its breaker slots freed); `how` says
+    what re-checks it, for the message."""
+    from bluevela.fleet.nodestate import resume_node
+
+    try:
+        result = resume_node(client, site, node)
+    except SlurmError as exc:
+        return ResumeOutcome(node, False, True, f"scontrol failed: {exc}")
+    if result.drained:
+        return ResumeOutcome(node, True, False, f"resumed (was: {reason}); {how}")
+    return ResumeOutcome(node, False, True, result.why_not or "not resumed")
