@@ -29,9 +29,9 @@ keep HF's own saves.
 Published whole, or not at all (without the tier): HF writes ``checkpoint-N`` in place, file
 after file, and ``get_last_checkpoint`` takes the highest such folder whatever it holds. A save
 cut short (a peer lost mid-save, the step's abort killing a rank that was still writing, a
-full disk) left a folder HF's resume then loaded: without ``trainer_state.json`` (written last)
-HF starts again from step 0; with a truncated ``optimizer.pt`` the resume fails on every
-attempt. Each save is written in ``<output_dir>/.bv-saving/checkpoint-N`` (a name HF's resume
+full disk) left a folder HF's resume then took: without ``trainer_state.json`` (written last)
+or with a truncated ``optimizer.pt`` the resume failed on every attempt (FileNotFoundError
+on trainer_state.json, reproduced on transformers 5.24). Each save is written in ``<output_dir>/.bv-saving/checkpoint-N`` (a name HF's resume
 never matches), then every rank meets in one barrier (all of them wrote their part), and the
 saving process (HF's ``should_save``: process 0, or each node's first with
 ``save_on_each_node``) flushes the files and renames the folder into place. A rank that died

@@ -3,7 +3,8 @@
 HF's Trainer and Accelerate write a checkpoint folder in place, file after file, and their
 resume takes the highest-numbered folder whatever it holds: a save cut short (a rank lost
 mid-save, the step's abort killing a rank still writing, a full disk) became the newest, and the
-resume then started again from step 0 or failed on every attempt. The integrations have the
+resume then failed on every attempt (HF: no trainer_state.json; Accelerate: fewer custom
+states than registered objects). The integrations have the
 framework write into a staging folder instead (a name its resume never matches); once every
 rank wrote its part (one barrier: a lost peer raises there), the saving process flushes the
 files and renames the folder into place. What a save cut short left in the staging folder is

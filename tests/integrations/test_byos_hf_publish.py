@@ -108,8 +108,8 @@ def test_a_save_killed_midway_is_not_resumed_from(tmp_path: Path) -> None:
     [(rc, text)] = _ranks(out, 1, "0", 4)
     assert rc == -9 and "start_step=0" in text, text
     assert _checkpoints(out) == ["checkpoint-2"], (sorted(os.listdir(out)), text)
-    # The next run resumes there (not from a folder without trainer_state.json: HF would start
-    # again at step 0), saves 4 and 6 whole, and leaves no staging folder behind.
+    # The next run resumes there (not from a folder without trainer_state.json: HF's resume
+    # failed there, every time), saves 4 and 6 whole, and leaves no staging folder behind.
     [(rc, text)] = _ranks(out, 1, "-", 0)
     assert rc == 0 and "rank=0 start_step=2" in text and "rank=0 end_step=6" in text, text
     assert _checkpoints(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"], text
