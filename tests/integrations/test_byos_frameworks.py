@@ -70,11 +70,9 @@ t.fit(M(), data, ckpt_path=ckpt_path)
 print(f"end_step={t.global_step} callbacks={[type(c).__name__ for c in t.callbacks]}", flush=True)
 """
 
-HF = """
-import os, signal, sys, torch
-from torch import nn
-from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
+# A Trainer's model and data, after `import torch` and `from torch import nn`: the head of the
+# HF scripts here and in tests/integrations/test_byos_hf_publish.py.
+HF_MODEL = """
 class M(nn.Module):
     def __init__(self):
         super().__init__(); self.net = nn.Linear(4, 1)
@@ -83,7 +81,14 @@ class M(nn.Module):
 class D(torch.utils.data.Dataset):
     def __len__(self): return 256
     def __getitem__(self, i): return {"x": torch.ones(4) * i / 256, "labels": torch.ones(1)}
-class Ask(TrainerCallback):
+"""
+
+HF = """
+import os, signal, sys, torch
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+""" + HF_MODEL + """class Ask(TrainerCallback):
     def on_train_begin(self, args, state, control, **kw):
         print(f"start_step={state.global_step}", flush=True)
     def on_step_begin(self, args, state, control, **kw):
@@ -151,11 +156,17 @@ def _run(code: str, out: Path, mode: str, env: dict[str, str], accel: str = "cpu
     return text
 
 
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+def rank_env(values: dict[str, str], nproc: int = 1) -> dict[str, str]:
+    """What bv's node agent gives one of `nproc` local ranks: this environment without Slurm's,
+    bv's and Lightning's variables, with `values` (RANK, WORLD_SIZE, ...)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "BV_", "PL_"))}
     base.pop("PYTHONPATH", None)  # bv as installed: its entry points are in its dist-info
-    base.update(RANK, **extra)
-    return training_env(base, ["torchrun", "--nproc-per-node=1", "x.py"])
+    base.update(values)
+    return training_env(base, ["torchrun", f"--nproc-per-node={nproc}", "x.py"])
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    return rank_env({**RANK, **extra})
 
 
 def _need(module: str) -> None:

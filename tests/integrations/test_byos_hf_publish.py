@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from bluevela.bench.dist import free_port
 from bluevela.integrations.publish import STAGING
-from bluevela.runtime.world import training_env
+from tests.integrations.test_byos_frameworks import HF_MODEL, rank_env
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="transformers is not installed "
@@ -43,15 +43,7 @@ def dying(self, folder):
         os.kill(os.getpid(), signal.SIGKILL)  # mid-save: model and optimizer written
     return rng(self, folder)
 T.Trainer._save_rng_state = dying
-class M(nn.Module):
-    def __init__(self):
-        super().__init__(); self.net = nn.Linear(4, 1)
-    def forward(self, x, labels):
-        return {"loss": nn.functional.mse_loss(self.net(x), labels)}
-class D(torch.utils.data.Dataset):
-    def __len__(self): return 256
-    def __getitem__(self, i): return {"x": torch.ones(4) * i / 256, "labels": torch.ones(1)}
-class Say(TrainerCallback):
+""" + HF_MODEL + """class Say(TrainerCallback):
     def on_train_begin(self, args, state, control, **kw):
         print(f"rank={args.process_index} start_step={state.global_step}", flush=True)
 args = TrainingArguments(output_dir=out, max_steps=6, save_steps=2, report_to=[], use_cpu=True,
@@ -64,25 +56,16 @@ print(f"rank={args.process_index} end_step={t.state.global_step}", flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _env(rank: int, world: int, port: int) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "BV_", "PL_"))}
-    base.pop("PYTHONPATH", None)  # bv as installed: its entry points are in its dist-info
-    base.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
-                 "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SLURM_JOB_ID": "7",
-                 "BV_STEP_NODELIST": "node1", "BV_STEP_NUM_NODES": "1"})
-    return training_env(base, ["torchrun", f"--nproc-per-node={world}", "x.py"])
+    return rank_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+                     "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SLURM_JOB_ID": "7",
+                     "BV_STEP_NODELIST": "node1", "BV_STEP_NUM_NODES": "1"}, world)
 
 
 def _ranks(out: Path, world: int, who: str, at: int) -> list[tuple[int, str]]:
     """Run the script on `world` ranks: each rank's exit status and output."""
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(out), who, str(at)],
                               env=_env(rank, world, port), cwd=out.parent,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -178,7 +161,7 @@ def test_an_accelerate_save_killed_midway_is_not_loaded(tmp_path: Path) -> None:
 
     def run(at: int) -> tuple[int, str]:
         proc = subprocess.run([sys.executable, "-c", ACCELERATE, str(out), str(at)],
-                              env=_env(0, 1, _free_port()), cwd=tmp_path, capture_output=True,
+                              env=_env(0, 1, free_port()), cwd=tmp_path, capture_output=True,
                               text=True, timeout=240, check=False)
         return proc.returncode, proc.stdout + proc.stderr
 
