@@ -53,7 +53,7 @@ _AUTOMATIC = re.compile(r"^checkpoint_(\d+)$")  # what save_state() names its fo
 def newest(folder: str) -> int | None:
     """The highest ``checkpoint_<n>`` number in `folder` (Accelerate's automatic names), or
     None."""
-    return max(newest_all(folder), default=None)
+    return max(checkpoint_numbers(folder), default=None)
 
 
 def patch(module: ModuleType) -> bool:
@@ -96,36 +96,39 @@ def _save_published(save: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
     config = self.project_configuration
     project = config.project_dir
     stage = os.path.join(project, publish.STAGING)
-    name = f"checkpoint_{self.save_iteration}"
+    n = self.save_iteration
+    name = f"checkpoint_{n}"
     final = os.path.join(project, "checkpoints")
     if os.path.exists(os.path.join(final, name)):  # Accelerate's own refusal, unchanged
         raise ValueError(f"Checkpoint directory {os.path.join(final, name)} "
-                         f"({self.save_iteration}) already exists. Please manually override "
+                         f"({n}) already exists. Please manually override "
                          "`self.save_iteration` with what iteration to start with.")
     saver = self.is_main_process or (config.save_on_each_node and self.is_local_main_process)
-    if saver:
-        publish.clear(stage)
-        os.makedirs(stage, exist_ok=True)
-    publish.barrier()  # the staging folder is clear before any rank writes in it
-    config.project_dir = stage  # this save only
-    try:
-        result = save(self, None, *args, **kwargs)
-    finally:
-        config.project_dir = project
-    publish.barrier()  # every rank's part is written
-    if saver:
-        os.makedirs(final, exist_ok=True)
-        publish.publish(os.path.join(stage, "checkpoints", name), os.path.join(final, name))
-        publish.clear(stage)
-        publish.done(stage)
-        numbers = sorted(newest_all(final))
-        limit = config.total_limit
-        for n in numbers[:max(0, len(numbers) - limit)] if limit is not None else []:
-            shutil.rmtree(os.path.join(final, f"checkpoint_{n}"), ignore_errors=True)
+
+    def write() -> Any:
+        config.project_dir = stage  # this save only
+        try:
+            return save(self, None, *args, **kwargs)
+        finally:
+            config.project_dir = project
+
+    result = publish.staged_save(stage, saver, write, os.path.join("checkpoints", name),
+                                 os.path.join(final, name))
+    if saver and config.total_limit is not None:
+        for old in to_rotate(checkpoint_numbers(final), n, config.total_limit):
+            shutil.rmtree(os.path.join(final, f"checkpoint_{old}"), ignore_errors=True)
     return os.path.join(final, name) if isinstance(result, str) else result
 
 
-def newest_all(folder: str) -> list[int]:
+def to_rotate(numbers: list[int], saved: int, total_limit: int) -> list[int]:
+    """The older checkpoints Accelerate's `total_limit` removes once `saved` is published: as
+    its own `save_state()` counts before a save, ``len(older) + 1 - total_limit`` of them, the
+    lowest numbers first (the new one is always kept)."""
+    older = sorted(n for n in numbers if n != saved)
+    return older[:max(0, len(older) + 1 - total_limit)]
+
+
+def checkpoint_numbers(folder: str) -> list[int]:
     """Every ``checkpoint_<n>`` number in `folder`."""
     try:
         names = os.listdir(folder)

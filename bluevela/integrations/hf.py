@@ -177,19 +177,17 @@ def _save_published(save: Any, self: Any, model: Any, trial: Any, *args: Any,
     run_dir = self._get_output_dir(trial=trial)
     stage = os.path.join(run_dir, publish.STAGING)
     name = f"checkpoint-{self.state.global_step}"
+
+    def write() -> Any:
+        self._get_output_dir = lambda trial=None: stage  # this save only
+        try:
+            return save(self, model, trial, *args, **kwargs)
+        finally:
+            del self._get_output_dir
+
+    result = publish.staged_save(stage, self.args.should_save, write, name,
+                                 os.path.join(run_dir, name))
     if self.args.should_save:
-        publish.clear(stage)
-        os.makedirs(stage, exist_ok=True)
-    publish.barrier()  # the staging folder is clear before any rank writes in it
-    self._get_output_dir = lambda trial=None: stage  # this save only
-    try:
-        result = save(self, model, trial, *args, **kwargs)
-    finally:
-        del self._get_output_dir
-    publish.barrier()  # every rank's part is written
-    if self.args.should_save:
-        publish.publish(os.path.join(stage, name), os.path.join(run_dir, name))
-        publish.done(stage)
         rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                            best_model_checkpoint=self.state.best_model_checkpoint,
                            use_mtime=True)

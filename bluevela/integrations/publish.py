@@ -17,11 +17,14 @@ import contextlib
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from bluevela.util.fs import fsync_dir
 
 STAGING = ".bv-saving"  # beside the checkpoints: where a save is written before it is published
+T = TypeVar("T")
 
 
 def barrier() -> None:
@@ -55,6 +58,7 @@ def publish(staged: str, target: str) -> None:
     if not os.path.isdir(staged):
         return
     fsync_tree(staged)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
     old = None
     if os.path.lexists(target):
         old = f"{staged}.old"
@@ -85,3 +89,23 @@ def done(stage: str) -> None:
     """The staging folder removed once empty (another node's save may still use it)."""
     with contextlib.suppress(OSError):
         os.rmdir(stage)
+
+
+def staged_save(stage: str, saver: bool, write: Callable[[], T], made: str,
+                target: str) -> T:
+    """The framework's save, `write()`, pointed at `stage` by the caller: the staging folder
+    cleared first (by the saving process, before any rank writes), every rank's part written
+    (the second barrier), then the saving process publishes ``stage/made`` as `target` and
+    empties the staging folder. A rank lost on the way raises in a barrier: nothing is
+    published."""
+    if saver:
+        clear(stage)
+        os.makedirs(stage, exist_ok=True)
+    barrier()
+    result = write()
+    barrier()
+    if saver:
+        publish(os.path.join(stage, made), target)
+        clear(stage)
+        done(stage)
+    return result

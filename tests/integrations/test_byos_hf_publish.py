@@ -174,3 +174,17 @@ def test_an_accelerate_save_killed_midway_is_not_loaded(tmp_path: Path) -> None:
     assert rc == 0 and "start_step=2" in text and "end_step=6" in text, text
     assert sorted(os.listdir(out / "checkpoints")) == ["checkpoint_1", "checkpoint_2"], text
     assert not (out / STAGING).exists()
+
+
+def test_accelerate_total_limit_counts_as_accelerate_does() -> None:
+    """After the publish, the older checkpoints removed are those Accelerate's own
+    `save_state()` removes before a save (``len(older) + 1 - total_limit``, lowest first): the
+    one just saved is always kept, `total_limit` 0 or 1 included."""
+    from bluevela.integrations.accelerate import to_rotate
+
+    assert to_rotate([0, 1, 2, 3], 3, 2) == [0, 1]
+    assert to_rotate([3, 1, 0, 2], 3, 1) == [0, 1, 2]
+    assert to_rotate([0, 1, 2, 3], 3, 0) == [0, 1, 2]
+    assert to_rotate([0, 1, 2, 3], 3, 4) == []
+    assert to_rotate([0, 1, 2, 3], 3, 9) == []
+    assert to_rotate([3], 3, 1) == []
