@@ -166,6 +166,17 @@ def _staged(trainer: Any, trial: Any) -> bool:
             and not getattr(args, "push_to_hub", False))
 
 
+def _save_into(folder: str, save: Any, self: Any, model: Any, trial: Any, *args: Any,
+               **kwargs: Any) -> Any:
+    """HF's own save, its ``checkpoint-N`` written under `folder` instead of the output
+    directory (this save only)."""
+    self._get_output_dir = lambda trial=None: folder
+    try:
+        return save(self, model, trial, *args, **kwargs)
+    finally:
+        del self._get_output_dir
+
+
 def _save_published(save: Any, self: Any, model: Any, trial: Any, *args: Any,
                     **kwargs: Any) -> Any:
     """HF's save into the staging folder, then published by the saving process once every
@@ -178,15 +189,10 @@ def _save_published(save: Any, self: Any, model: Any, trial: Any, *args: Any,
     stage = os.path.join(run_dir, publish.STAGING)
     name = f"checkpoint-{self.state.global_step}"
 
-    def write() -> Any:
-        self._get_output_dir = lambda trial=None: stage  # this save only
-        try:
-            return save(self, model, trial, *args, **kwargs)
-        finally:
-            del self._get_output_dir
-
-    result = publish.staged_save(stage, self.args.should_save, write, name,
-                                 os.path.join(run_dir, name))
+    result = publish.staged_save(
+        stage, self.args.should_save,
+        lambda: _save_into(stage, save, self, model, trial, *args, **kwargs),
+        name, os.path.join(run_dir, name))
     if self.args.should_save:
         rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                            best_model_checkpoint=self.state.best_model_checkpoint,
@@ -209,11 +215,7 @@ def _patch_saves(trainer_cls: Any, tier: bool) -> None:
         work = fs.save_dir()
         folder = work / f"checkpoint-{self.state.global_step}"
         folder.mkdir()
-        self._get_output_dir = lambda trial=None: str(work)  # this save only, this node
-        try:
-            result = save(self, model, trial, *args, **kwargs)
-        finally:
-            del self._get_output_dir
+        result = _save_into(str(work), save, self, model, trial, *args, **kwargs)
         fs.save(int(self.state.global_step), folder)
         return result
 
