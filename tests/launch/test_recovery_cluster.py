@@ -119,9 +119,9 @@ def test_node_crash_resumes_from_checkpoint_on_healthy_nodes(devcluster: DevClus
             assert len(step_nodes) == 2
             crashed = step_nodes[1]
             job.output()
-            last_ckpt = max(job.ckpt_seen)
+            crash_from = time.time()
             devcluster.run([sys.executable, str(DEVCLUSTER), "crash", crashed])
-            crash_at = time.time()
+            crash = (crash_from, time.time())
             job.wait_for("attempt 2", r"^==== bv attempt 2 job", 120)
             devcluster.run([sys.executable, str(DEVCLUSTER), "revive", crashed], check=False)
             out, err = job.finish(240)
@@ -156,8 +156,8 @@ def test_node_crash_resumes_from_checkpoint_on_healthy_nodes(devcluster: DevClus
         if show:  # still known to slurmctld (MinJobAge): a relaunch is not a Slurm restart
             assert f"Restarts={1 - spare}" in show, show
         # The goodput ledger of the same job: one interruption, the crashed node's.
-        check_crash_ledger(devcluster, job, crashed=crashed, crash_at=crash_at,
-                           last_ckpt=last_ckpt, step_s=STEP_S, spare=spare)
+        check_crash_ledger(devcluster, job, crashed=crashed, crash=crash,
+                           resumed_from=resumed[0], step_s=STEP_S, spare=spare)
         check_fleet(devcluster, tmp_path, {job.job_id(): "node failure"}, page=False)
     if warm:
         assert f"agent on {second_nodes[0]}: ranks forked by the node's warm parent" in part2, \
@@ -264,8 +264,9 @@ def test_the_batch_nodes_death_is_in_the_ledger(devcluster: DevCluster, tmp_path
             job.wait_for("step=6 of attempt 1", r"^step=6 attempt=1$", 150)
             show = devcluster.run(["scontrol", "show", "job", "-o", job.job_id()]).stdout
             batch = re.search(r"\bBatchHost=(\S+)", show).group(1)  # type: ignore[union-attr]
+            crash_from = time.time()
             devcluster.run([sys.executable, str(DEVCLUSTER), "crash", batch])
-            crash_at = time.time()
+            crash = (crash_from, time.time())
             job.wait_for("attempt 2 after Slurm's requeue", r"^==== bv attempt 2 job", 200)
             devcluster.run([sys.executable, str(DEVCLUSTER), "revive", batch], check=False)
             out, err = job.finish(200)
@@ -275,4 +276,4 @@ def test_the_batch_nodes_death_is_in_the_ledger(devcluster: DevCluster, tmp_path
                 job.proc.kill()
             if batch is not None:
                 devcluster.run([sys.executable, str(DEVCLUSTER), "revive", batch], check=False)
-        check_batch_crash_ledger(devcluster, job, batch=batch, crash_at=crash_at)
+        check_batch_crash_ledger(devcluster, job, batch=batch, crash=crash)
