@@ -64,6 +64,13 @@ HOOKS: dict[str, Callable[[ModuleType], None]] = {
 }
 
 
+def _run_hook(name: str, hook: Callable[[ModuleType], None], module: ModuleType) -> None:
+    try:
+        hook(module)
+    except Exception as exc:  # noqa: BLE001 - never break the user's import
+        sys.stderr.write(f"bv: integration for {name} off ({type(exc).__name__}: {exc})\n")
+
+
 class AfterImport(importlib.abc.MetaPathFinder):
     """Runs `hooks[name](module)` right after module `name` is first executed."""
 
@@ -83,11 +90,7 @@ class AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: ModuleType) -> None:
             run(module)
-            try:
-                hook(module)
-            except Exception as exc:  # noqa: BLE001 - never break the user's import
-                sys.stderr.write(f"bv: integration for {fullname} off "
-                                 f"({type(exc).__name__}: {exc})\n")
+            _run_hook(fullname, hook, module)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
@@ -110,6 +113,12 @@ def _destroy_process_group() -> None:
 
 
 def start() -> None:
+    """In the rank, before the script. A module imported already (a warm parent's pre-import,
+    launch/warm.py `BV_WARM_PREIMPORT`: the rank is forked after it) gets its hook now, before
+    the script can use it; the others when they are imported."""
     os.environ.update(rank_env(os.environ))
-    sys.meta_path.insert(0, AfterImport(HOOKS))
+    later = dict(HOOKS)
+    for name in [n for n in later if n in sys.modules]:
+        _run_hook(name, later.pop(name), sys.modules[name])
+    sys.meta_path.insert(0, AfterImport(later))
     atexit.register(_destroy_process_group)
