@@ -132,6 +132,16 @@ def _option_names(v: list[str]) -> list[str]:
     return v
 
 
+def _module_names(v: list[str]) -> list[str]:
+    """Dotted Python module names (`lightning.pytorch`), at least one."""
+    if not v:
+        raise ValueError("must name at least one module (torch)")
+    for name in v:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", name):
+            raise ValueError(f"{name!r} is not a module name (e.g. lightning.pytorch)")
+    return v
+
+
 def _python_command(v: str) -> str:
     """A command name or an absolute path, without control characters."""
     plain = not any(ord(c) < 0x20 or ord(c) == 0x7F for c in v)
@@ -171,6 +181,12 @@ class Launch:
     # The warm start (launch/warm.py): a pre-imported parent on every node of the job forks
     # each step's ranks, so a relaunch pays no interpreter start and no torch import.
     warm_start: bool = False
+    # What each warm parent imports before it is needed (BV_WARM_PREIMPORT; a job's own
+    # `--env BV_WARM_PREIMPORT=...` wins): a framework imported in the ranks instead is on the
+    # relaunch's path (lightning.pytorch: ~2.4 s after torch on the dev cluster). Only modules
+    # whose import starts no device context and no thread (the ranks are forked after it).
+    warm_preimport: Annotated[list[str], _Checked(_module_names)] = field(
+        default_factory=lambda: ["torch", "torch._dynamo"])
     # The job's Python (the batch script's `exec` line; `bv submit --python`): a command on
     # the job's PATH or an absolute path, >= 3.11 with this bluevela (checked at submit).
     python: Annotated[str, _Checked(_python_command)] = "python3"

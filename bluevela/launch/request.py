@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from bluevela import __version__
 from bluevela.errors import LaunchError
 from bluevela.launch.rdzv_guard import GUARD_ENV
-from bluevela.launch.warm import WARM_ENV
+from bluevela.launch.warm import PREIMPORT_ENV, WARM_ENV
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TIME = re.compile(r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2}|UNLIMITED|INFINITE)$")
@@ -174,6 +174,7 @@ class SubmitRequest:
     grow_deadline: float = 0.0  # seconds to wait for a node grown in place of a lost one; 0: off
     rdzv_guard: str = "required"  # site.yaml launch.rdzv_guard: "optional" lets torchrun run unguarded
     warm_start: bool = False  # site.yaml launch.warm_start: ranks forked by warm parents
+    warm_preimport: tuple[str, ...] = ()  # site.yaml launch.warm_preimport; (): warm.py's default
     cpus_per_task: int | None = None
     mem: str | None = None
     exclusive: bool = False
@@ -404,6 +405,11 @@ class SubmitRequest:
         lines.append(f"export {GUARD_ENV}={self.rdzv_guard}")
         if self.warm_start:  # the site's word: ranks forked by warm parents (launch/warm.py)
             lines.append(f"export {WARM_ENV}=1")
+            if self.warm_preimport:  # the job's own BV_WARM_PREIMPORT (--env) wins
+                mods = ",".join(self.warm_preimport)
+                if not re.fullmatch(r"[A-Za-z0-9_.,]+", mods):
+                    raise LaunchError(f"launch.warm_preimport: not module names: {mods!r}")
+                lines.append(f'export {PREIMPORT_ENV}="${{{PREIMPORT_ENV}:-{mods}}}"')
         # The supervisor is the job's main process (it receives --signal=B:USR1): exec.
         lines.append("exec " + " ".join(shlex.quote(w) for w in self.supervisor_argv()))
         return "\n".join(lines) + "\n"

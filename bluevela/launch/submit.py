@@ -119,6 +119,7 @@ def build_request(
         grow_deadline=launch.grow_deadline_s if launch else 0.0,
         rdzv_guard=launch.rdzv_guard if launch else "required",
         warm_start=launch.warm_start if launch else False,
+        warm_preimport=tuple(launch.warm_preimport) if launch else (),
         cpus_per_task=cpus_per_task,
         mem=mem,
         exclusive=exclusive,

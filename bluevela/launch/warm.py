@@ -552,11 +552,17 @@ class RankJob:
 
 
 def _preimport(env: Mapping[str, str]) -> None:
+    """Import what the ranks will (site.yaml launch.warm_preimport). One whose import made a
+    CUDA context is refused (the zygote goes, the node's ranks start cold): a forked rank
+    cannot use its parent's context ("Cannot re-initialize CUDA in forked subprocess")."""
     import importlib
 
     for name in (env.get(PREIMPORT_ENV, DEFAULT_PREIMPORT) or "").split(","):
         if name.strip():
             importlib.import_module(name.strip())
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        raise WarmError("the import initialised CUDA, which a forked rank cannot use")
 
 
 def _real_dir(path: str) -> str:

@@ -219,6 +219,58 @@ def test_site_yaml_launch_warm_start(tmp_path: Path) -> None:
     assert build_request(loaded, script="train.py", nodes=1).warm_start is True
 
 
+def test_site_yaml_launch_warm_preimport(tmp_path: Path) -> None:
+    """The site's modules for the warm parents, exported by the batch script unless the job
+    gave its own (`--env BV_WARM_PREIMPORT=...`); anything but module names refused."""
+    import yaml
+
+    from bluevela.errors import SiteConfigError
+    from bluevela.launch.submit import build_request
+    from bluevela.site import load_site
+
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "site.yaml").read_text())
+    site = tmp_path / "site.yaml"
+    site.write_text(yaml.safe_dump(data))
+    assert load_site(site).launch.warm_preimport == ["torch", "torch._dynamo"]
+    data["launch"].update(warm_start=True, warm_preimport=["torch", "lightning.pytorch"])
+    site.write_text(yaml.safe_dump(data))
+    req = build_request(load_site(site), script="train.py", nodes=1)
+    text = req.materialize()
+    line = 'export BV_WARM_PREIMPORT="${BV_WARM_PREIMPORT:-torch,lightning.pytorch}"'
+    assert f"\n{line}\n" in text and text.index(line) < text.index("\nexec ")
+    own = subprocess.run(["bash", "-c", f"{line}; echo $BV_WARM_PREIMPORT"], capture_output=True,
+                         text=True, env={"BV_WARM_PREIMPORT": "torch,transformers"}, check=True)
+    assert own.stdout.strip() == "torch,transformers"
+    for bad in (["torch; rm -rf /"], [], ["lightning..pytorch"], ["$(id)"]):
+        data["launch"]["warm_preimport"] = bad
+        site.write_text(yaml.safe_dump(data))
+        with pytest.raises(SiteConfigError, match="warm_preimport"):
+            load_site(site)
+
+
+def test_a_preimport_that_makes_a_cuda_context_sends_the_node_cold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decision without a GPU: torch says its CUDA is initialised after the imports (the
+    GPU test below makes a real context)."""
+    torch = pytest.importorskip("torch")
+    warm._preimport({warm.PREIMPORT_ENV: "json"})  # torch is imported here, CUDA is not
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(warm.WarmError, match="initialised CUDA"):
+        warm._preimport({warm.PREIMPORT_ENV: "json"})
+
+
+@pytest.mark.gpu
+def test_a_real_cuda_context_in_the_warm_parent_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "bv_cuda_at_import.py").write_text("import torch\ntorch.cuda.init()\n")
+    code = ("from bluevela.launch import warm\n"
+            "try:\n    warm._preimport({warm.PREIMPORT_ENV: 'bv_cuda_at_import'})\n"
+            "except warm.WarmError as exc:\n    print('refused', exc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                          timeout=300, check=False)
+    assert proc.stdout.startswith("refused"), proc.stdout + proc.stderr
+
+
 # --------------------------------------------------------------------------------------------
 # The processes
 
