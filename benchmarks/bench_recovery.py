@@ -5,7 +5,15 @@ checkpoint every 5 steps, resume from the last checkpoint at start (issue 10's s
 `step=10` (``BV_BENCH_CRASH_STEP=N``: at step N, the job 20 steps longer) the second node of
 the step is crashed (`slurm/devcluster crash`: every process in its namespace SIGKILLed,
 slurmd included). Each line of the job's output file is timestamped
-as it appears (polled at 20 Hz); phases are measured from the crash:
+as it appears (polled at 20 Hz); phases are measured from the crash.
+
+``BV_BENCH_SCRIPT`` (bv's kinds; the bare Slurm job always runs bv's runtime script):
+``runtime`` (default: examples/train_ddp.py, bv's runtime script), ``plain``
+(examples/plain_ddp.py: DDP that knows nothing of bv, its own checkpoint every 5 steps) or
+``lightning`` (examples/byos/lightning_ddp.py: ModelCheckpoint every 5 steps, fit(ckpt_path=
+"last")); "resumed" is then that script's first rank line after its checkpoint was loaded
+(``rank=R resumed_from_step=S`` / ``rank=R start_step=S``), and both sides of a before/after
+run this checkout's copy of it.
 
 - bv (`bv submit --spare-nodes 1`, 3-node allocation): crash -> the supervisor's end line
   (step ended) -> the attempt-2 banner (relaunched) -> the first `rank=R attempt=2
@@ -82,12 +90,53 @@ EXAMPLE = str(REPO / "examples" / "train_ddp.py")
 # BV_BENCH_CRASH_STEP (default 10: ~5 s into training, before a spare's warm parent has
 # imported, issue 37): the step at which the node is crashed; the job trains 20 more.
 CRASH_STEP = max(1, int(os.environ.get("BV_BENCH_CRASH_STEP", "10")))
-TRAIN_ARGS = ["--steps", str(max(30, CRASH_STEP + 20)), "--step-s", "0.5", "--ckpt-every", "5"]
-CRASH_AT = f"step={CRASH_STEP} attempt=1"
-RESUMED = re.compile(r"^rank=\d+ attempt=2 resumed_from_step=(\d+)$")
+STEPS = str(max(30, CRASH_STEP + 20))
+TRAIN_ARGS = ["--steps", STEPS, "--step-s", "0.5", "--ckpt-every", "5"]
+
+
+@dataclass(frozen=True)
+class Script:
+    """A training script the crash job runs (BV_BENCH_SCRIPT), and its lines: the crash comes
+    at `crash_line`; `first` is a rank's line at its start (attempt 1's, for the launch
+    figure), `resumed` a rank's after its checkpoint was loaded (group 1: the step), looked
+    for after the crash only."""
+
+    name: str
+    path: str
+    args: tuple[str, ...]  # after the script; {work}: the run's directory
+    crash_line: str
+    first: re.Pattern[str]
+    resumed: re.Pattern[str]
+
+    def argv(self, work: Path, path: str | None = None) -> list[str]:
+        return [path or self.path, *(a.replace("{work}", str(work)) for a in self.args)]
+
+
+SCRIPTS = {
+    # bv's runtime script: it knows bv's attempt and checkpoint signal.
+    "runtime": Script("runtime", EXAMPLE, ("--ckpt-dir", "{work}/ckpt", *TRAIN_ARGS),
+                      f"step={CRASH_STEP} attempt=1",
+                      re.compile(r"^rank=\d+ attempt=1 resumed_from_step=\d+$"),
+                      re.compile(r"^rank=\d+ attempt=2 resumed_from_step=(\d+)$")),
+    # A DDP script that knows nothing of bv (torchrun's environment, its own checkpoint).
+    "plain": Script("plain", str(REPO / "examples" / "plain_ddp.py"),
+                    ("--ckpt-dir", "{work}/ckpt", *TRAIN_ARGS), f"step={CRASH_STEP}",
+                    re.compile(r"^rank=\d+ resumed_from_step=\d+ world_size="),
+                    re.compile(r"^rank=\d+ resumed_from_step=(\d+) world_size=")),
+    # Lightning as its docs write it (ModelCheckpoint every 5 steps, fit(ckpt_path="last")).
+    "lightning": Script("lightning", str(REPO / "examples" / "byos" / "lightning_ddp.py"),
+                        ("--root", "{work}/root", "--steps", STEPS, "--step-s", "0.5",
+                         "--every", "5"), f"step={CRASH_STEP}",
+                        re.compile(r"^rank=\d+ start_step=\d+ "),
+                        re.compile(r"^rank=\d+ start_step=(\d+) ")),
+}
+SCRIPT = SCRIPTS[os.environ.get("BV_BENCH_SCRIPT") or "runtime"]
+# The bare Slurm job runs bv's runtime script whatever BV_BENCH_SCRIPT says.
+CRASH_AT = SCRIPTS["runtime"].crash_line
+RESUMED = SCRIPTS["runtime"].resumed
+FIRST_RANK = SCRIPTS["runtime"].first  # benchmarks/ab_launch.py's
 # The states `_job_state` gives once a job has ended (GONE: no longer known to Slurm).
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "GONE", "NODE_FAIL")
-FIRST_RANK = re.compile(r"^rank=\d+ attempt=1 resumed_from_step=\d+$")
 # The dev cluster's (slurm/devcluster); BV_DEVCLUSTER_* set before `up` (and kept for this
 # run) give Slurm's production defaults instead: the variant that shows which paths stay flat.
 SLURMD_TIMEOUT_S = int(os.environ.get("BV_DEVCLUSTER_SLURMD_TIMEOUT_S") or 30)
@@ -196,7 +245,7 @@ def _grow_site(work: Path, base: Path = REPO) -> Path:
 
 def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
            checkout: Path | None = None, grow: bool = False, shrink: bool = False,
-           example: str = EXAMPLE) -> Run:
+           example: str | None = None, script: Script = SCRIPT) -> Run:
     run = Run("bv silent" if silent else "bv grow" if grow else "bv shrink" if shrink
               else "bv" if spare else "bv no spare")
     if grow:
@@ -207,11 +256,11 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
             env["BV_SITE"] = str(checkout / "site.yaml")
     else:
         env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
-    ckpt = work / "ckpt"
     t0 = time.monotonic()
     out = subprocess.run(
         [PY, "-m", "bluevela", "submit", "-N", "2", "--spare-nodes", "1" if spare else "0",
-         *(["--min-nodes", "1"] if shrink else []), "--procs-per-node", "1", example, "--ckpt-dir", str(ckpt), *TRAIN_ARGS],
+         *(["--min-nodes", "1"] if shrink else []), "--procs-per-node", "1",
+         *script.argv(work, example)],
         capture_output=True, text=True, env=env, cwd=work, check=True).stdout
     submitted = time.monotonic()
     run.start["submit"] = submitted - t0
@@ -225,11 +274,11 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
     try:
         if sampler is not None:
             sampler.start()
-        if tail.wait(lambda s: s.startswith(CRASH_AT), 180) is None:
-            run.error = "never reached step 10"
+        if tail.wait(lambda s: s.strip() == script.crash_line, 180) is None:
+            run.error = f"never reached {script.crash_line}"
             return run
         for name, pred in (("job started", lambda s: s.startswith("==== bv attempt 1 job")),
-                           ("first rank line", lambda s: FIRST_RANK.match(s) is not None)):
+                           ("first rank line", lambda s: script.first.match(s) is not None)):
             seen = next((t for t, line in tail.lines if pred(line)), None)
             if seen is not None:
                 run.start[name] = seen - submitted
@@ -241,14 +290,14 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
         n = len(tail.lines)
         for name, pred in (("step ended", lambda s: s.startswith("==== bv attempt 1 ended:")),
                            ("relaunched", lambda s: s.startswith("==== bv attempt 2 job")),
-                           ("resumed", lambda s: RESUMED.match(s) is not None)):
+                           ("resumed", lambda s: script.resumed.match(s) is not None)):
             hit = tail.wait(pred, 180, n)
             if hit is None:
                 run.error = f"no '{name}'"
                 return run
             run.phases[name] = hit[0] - run.crash_at
             if name == "resumed":
-                m = RESUMED.match(hit[1])
+                m = script.resumed.match(hit[1])
                 run.resumed_step = int(m.group(1)) if m else None
         tail.poll()
         _trace(run, tail, checkout)
@@ -405,7 +454,7 @@ def _before_after(env: dict[str, str], old: Path, pairs: int,
     new = Path(new_dir) if new_dir else None
     # One training script for both sides: the old checkout's (the new runtime keeps its API;
     # the new script may use calls the old runtime lacks).
-    example = str(old / "examples" / "train_ddp.py")
+    example = str(old / "examples" / "train_ddp.py") if SCRIPT.name == "runtime" else None
     runs: dict[str, list[Run]] = {"old": [], "new": []}
     grows: dict[str, list[Run]] = {"old": [], "new": []}  # BV_BENCH_AB_GROW=1
     gratios: list[float] = []
@@ -491,7 +540,7 @@ def _before_after(env: dict[str, str], old: Path, pairs: int,
                  "torchrun, ranks; " + spread(lratios))
 
 
-def _pair(env: dict[str, str], old: Path, new: Path | None, example: str,
+def _pair(env: dict[str, str], old: Path, new: Path | None, example: str | None,
           hooks: SideHooks | None, i: int, *, grow: bool) -> dict[str, Run]:
     """One crash run by each side, in the pair's order (old first in even pairs): on a spare,
     or (`grow`) with no spare, the job growing by the free node. The runs that completed."""
@@ -572,7 +621,8 @@ def _figures_on(args: argparse.Namespace, old_dir: str | None,
                                   "bv grow": [], "bv shrink": []}
     # BV_BENCH_KINDS="bv grow,bv no spare": only those (the machine is shared; each run ~1 min).
     only = [k.strip() for k in os.environ.get("BV_BENCH_KINDS", "").split(",") if k.strip()]
-    kinds = [k for k in runs if not only or k in only]
+    kinds = [k for k in runs if (not only or k in only)
+             and (k != "bare" or SCRIPT.name == "runtime")]  # bare runs the runtime script
     for _ in range(rounds):
         for kind in kinds:
             with tempfile.TemporaryDirectory(prefix="bv-bench-recovery-") as tmp:
