@@ -15,6 +15,10 @@ as it appears (polled at 20 Hz); phases are measured from the crash.
 (``rank=R resumed_from_step=S`` / ``rank=R start_step=S``), and both sides of a before/after
 run this checkout's copy of it.
 
+- submitit (``BV_BENCH_SUBMITIT=1``, before/after runs only: one after each pair; ``pip install
+  submitit``): examples/plain_ddp.py through submitit's SlurmExecutor as its docs show a
+  multi-node torch job (benchmarks/_submitit_job.py), requeued by Slurm after the crash:
+  crash -> job left RUNNING -> RUNNING again -> the first resumed rank line of task 0.
 - bv (`bv submit --spare-nodes 1`, 3-node allocation): crash -> the supervisor's end line
   (step ended) -> the attempt-2 banner (relaunched) -> the first `rank=R attempt=2
   resumed_from_step=S` line.
@@ -37,7 +41,10 @@ prints, not a timed test. Dev cluster: SlurmdTimeout=30, cred_expire=20 (left as
 
 Before/after a change (issue 16: the signed control channel; issues 23/24: the happy path):
 with ``BV_BENCH_OLD=<checkout of the old commit>`` only the `bv` (spare) crash is run (and,
-with ``BV_BENCH_AB_GROW=1``, a grow crash by each side in every pair too),
+with ``BV_BENCH_AB_GROW=1``, a grow crash by each side in every pair too; with
+``BV_BENCH_AB_HANG=1`` a hang: rank 1 of tests/data/resilience/train_ckpt.py stops at the crash
+step, ``--hang-timeout`` ``BV_BENCH_HANG_TIMEOUT_S`` (5 s), a spare; measured from the step line
+it stopped after),
 alternately by the old checkout (``PYTHONPATH`` points the submit and the job at it) and by
 this one (``BV_BENCH_NEW=<checkout>`` pins the new side to a commit too), old first in even
 pairs and new first in odd ones. Two figures come from each run:
@@ -129,11 +136,15 @@ SCRIPTS = {
                          "--every", "5"), f"step={CRASH_STEP}",
                         re.compile(r"^rank=\d+ start_step=\d+ "),
                         re.compile(r"^rank=\d+ start_step=(\d+) ")),
+    # The hang (BV_BENCH_AB_HANG=1): rank 1 sleeps for ever at the crash step of attempt 1.
+    "hang": Script("hang", str(REPO / "tests" / "data" / "resilience" / "train_ckpt.py"),
+                   ("--ckpt-dir", "{work}/ckpt", "--steps", STEPS, "--step-time", "0.5",
+                    "--ckpt-every", "5", "--hang-rank", "1", "--hang-step", str(CRASH_STEP)),
+                   f"step={CRASH_STEP}", re.compile(r"^rank=\d+ attempt=1 start_step=\d+ "),
+                   re.compile(r"^rank=\d+ attempt=2 start_step=(\d+) ")),
 }
 SCRIPT = SCRIPTS[os.environ.get("BV_BENCH_SCRIPT") or "runtime"]
-# The bare Slurm job runs bv's runtime script whatever BV_BENCH_SCRIPT says.
-CRASH_AT = SCRIPTS["runtime"].crash_line
-RESUMED = SCRIPTS["runtime"].resumed
+HANG_TIMEOUT_S = float(os.environ.get("BV_BENCH_HANG_TIMEOUT_S") or 5)
 FIRST_RANK = SCRIPTS["runtime"].first  # benchmarks/ab_launch.py's
 # The states `_job_state` gives once a job has ended (GONE: no longer known to Slurm).
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "GONE", "NODE_FAIL")
@@ -177,6 +188,9 @@ class Tail:
         except FileNotFoundError:
             return
         now = time.monotonic()
+        if not data and self.path.exists() and self.path.stat().st_size < self.pos:
+            self.pos, self.buf = 0, b""  # truncated (an attempt's output opened anew)
+            return
         self.pos += len(data)
         self.buf += data
         while b"\n" in self.buf:
@@ -222,7 +236,8 @@ def _settle(env: dict[str, str], job: str, crashed: str) -> None:
         time.sleep(0.5)
     else:
         _sh(env, "scancel", job, check=False)
-    _sh(env, PY, DEVCLUSTER, "revive", crashed, check=False)
+    if crashed:
+        _sh(env, PY, DEVCLUSTER, "revive", crashed, check=False)
     for n in ("node1", "node2", "node3"):
         _sh(env, "scontrol", "update", f"NodeName={n}", "State=RESUME", check=False)
     deadline = time.monotonic() + 120
@@ -245,9 +260,13 @@ def _grow_site(work: Path, base: Path = REPO) -> Path:
 
 def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
            checkout: Path | None = None, grow: bool = False, shrink: bool = False,
-           example: str | None = None, script: Script = SCRIPT) -> Run:
+           example: str | None = None, script: Script = SCRIPT, hang: bool = False) -> Run:
+    """One crash (`hang`: rank 1 stops at the crash step instead, and the watchdog's
+    --hang-timeout ends the step; times are then from the step line it stopped after)."""
     run = Run("bv silent" if silent else "bv grow" if grow else "bv shrink" if shrink
-              else "bv" if spare else "bv no spare")
+              else "bv hang" if hang else "bv" if spare else "bv no spare")
+    if hang:
+        script, example = SCRIPTS["hang"], None
     if grow:
         env = {**env, "BV_SITE": str(_grow_site(work, checkout or REPO))}
     if checkout is not None:  # the submit and the job (sbatch exports it) import that checkout
@@ -260,6 +279,7 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
     out = subprocess.run(
         [PY, "-m", "bluevela", "submit", "-N", "2", "--spare-nodes", "1" if spare else "0",
          *(["--min-nodes", "1"] if shrink else []), "--procs-per-node", "1",
+         *(["--hang-timeout", f"{HANG_TIMEOUT_S:g}"] if hang else []),
          *script.argv(work, example)],
         capture_output=True, text=True, env=env, cwd=work, check=True).stdout
     submitted = time.monotonic()
@@ -274,7 +294,8 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
     try:
         if sampler is not None:
             sampler.start()
-        if tail.wait(lambda s: s.strip() == script.crash_line, 180) is None:
+        reached = tail.wait(lambda s: s.strip() == script.crash_line, 180)
+        if reached is None:
             run.error = f"never reached {script.crash_line}"
             return run
         for name, pred in (("job started", lambda s: s.startswith("==== bv attempt 1 job")),
@@ -284,10 +305,14 @@ def run_bv(env: dict[str, str], work: Path, silent: bool, spare: bool = True,
                 run.start[name] = seen - submitted
         banner = next(line for _, line in tail.lines if line.startswith("==== bv attempt 1 job"))
         nodes = _sh(env, "scontrol", "show", "hostnames", banner.split()[7]).split()
-        crashed = nodes[1]
-        run.crash_at = time.monotonic()
-        _sh(env, PY, DEVCLUSTER, "crash", crashed, *(["--silent"] if silent else []))
-        n = len(tail.lines)
+        if hang:  # stopped when its last step's line came; no node is lost
+            run.crash_at, crashed = reached[0], ""
+            n = next(i for i, (t, _) in enumerate(tail.lines) if t >= reached[0])
+        else:
+            crashed = nodes[1]
+            run.crash_at = time.monotonic()
+            _sh(env, PY, DEVCLUSTER, "crash", crashed, *(["--silent"] if silent else []))
+            n = len(tail.lines)
         for name, pred in (("step ended", lambda s: s.startswith("==== bv attempt 1 ended:")),
                            ("relaunched", lambda s: s.startswith("==== bv attempt 2 job")),
                            ("resumed", lambda s: script.resumed.match(s) is not None)):
@@ -348,13 +373,32 @@ exec srun --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL torchrun --nnode
 """
 
 
-def run_bare(env: dict[str, str], work: Path) -> Run:
-    run = Run("bare")
-    out = work / "bare.out"
-    script = BARE.format(out=shlex.quote(str(out)), script=shlex.quote(EXAMPLE),
-                         ckpt=shlex.quote(str(work / "ckpt")), args=" ".join(TRAIN_ARGS))
-    job = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True,
-                         env=env, cwd=work, check=True).stdout.strip().split(";")[0]
+def _submitit(env: dict[str, str], work: Path) -> tuple[str, Path]:
+    """examples/plain_ddp.py through submitit (benchmarks/_submitit_job.py): its job id and
+    task 0's output file."""
+    plain = SCRIPTS["plain"]
+    folder = work / "submitit"
+    job = subprocess.run([PY, str(Path(__file__).with_name("_submitit_job.py")), str(folder),
+                          *plain.argv(work)], capture_output=True, text=True, env=env,
+                         cwd=work, check=True, timeout=120).stdout.split()[-1]
+    return job, folder / f"{job}_0_log.out"
+
+
+def run_bare(env: dict[str, str], work: Path, submitit: bool = False) -> Run:
+    """Slurm's requeue after the crash: an sbatch script's `srun torchrun` of bv's runtime
+    script ("bare"), or the plain script through submitit ("submitit")."""
+    run = Run("submitit" if submitit else "bare")
+    script = SCRIPTS["plain" if submitit else "runtime"]
+    if submitit:
+        job, out = _submitit(env, work)
+    else:
+        out = work / "bare.out"
+        text = BARE.format(out=shlex.quote(str(out)), script=shlex.quote(EXAMPLE),
+                           ckpt=shlex.quote(str(work / "ckpt")), args=" ".join(TRAIN_ARGS))
+        job = subprocess.run(["sbatch", "--parsable"], input=text, capture_output=True,
+                             text=True, env=env, cwd=work,
+                             check=True).stdout.strip().split(";")[0]
+    run.job = job
     tail = Tail(out)
     crashed = "node2"
     # BV_BENCH_CPU=1: from here on (the windows it reports begin at the attempt-1 banner)
@@ -362,8 +406,8 @@ def run_bare(env: dict[str, str], work: Path) -> Run:
     try:
         if sampler is not None:
             sampler.start()
-        if tail.wait(lambda s: s.startswith(CRASH_AT), 180) is None:
-            run.error = "never reached step 10"
+        if tail.wait(lambda s: s.strip() == script.crash_line, 180) is None:
+            run.error = f"never reached {script.crash_line}"
             return run
         nodelist = re.search(r"\sNodeList=(\S+)", _sh(env, "scontrol", "show", "job", "-o", job))
         crashed = _sh(env, "scontrol", "show", "hostnames", nodelist.group(1)).split()[1] \
@@ -386,12 +430,12 @@ def run_bare(env: dict[str, str], work: Path) -> Run:
             return run
         run.phases["job ended"] = left - run.crash_at
         run.phases["running again"] = again - run.crash_at
-        hit = tail.wait(lambda s: RESUMED.match(s) is not None, 180, n)
+        hit = tail.wait(lambda s: script.resumed.match(s) is not None, 180, n)
         if hit is None:
             run.error = "no resumed line"
             return run
         run.phases["resumed"] = hit[0] - run.crash_at
-        m = RESUMED.match(hit[1])
+        m = script.resumed.match(hit[1])
         run.resumed_step = int(m.group(1)) if m else None
         return run
     finally:
@@ -458,9 +502,12 @@ def _before_after(env: dict[str, str], old: Path, pairs: int,
     runs: dict[str, list[Run]] = {"old": [], "new": []}
     grows: dict[str, list[Run]] = {"old": [], "new": []}  # BV_BENCH_AB_GROW=1
     gratios: list[float] = []
+    hangs: dict[str, list[Run]] = {"old": [], "new": []}  # BV_BENCH_AB_HANG=1
+    hratios: list[float] = []
     ratios: list[float] = []
     sratios: list[float] = []
     lratios: list[float] = []  # job started -> first rank line: bv's launch, no Slurm scheduling
+    subs: list[Run] = []  # BV_BENCH_SUBMITIT=1: the plain script through submitit, each pair
 
     def launch(r: Run) -> float:
         return r.start["first rank line"] - r.start.get("job started", float("nan"))
@@ -476,6 +523,23 @@ def _before_after(env: dict[str, str], old: Path, pairs: int,
                 grows[which].append(run)
             if len(gpair) == 2:
                 gratios.append(gpair["new"].total / gpair["old"].total)
+        if os.environ.get("BV_BENCH_AB_HANG") == "1":
+            hpair = _pair(env, old, new, example, hooks, i, grow=False, hang=True)
+            for which, run in hpair.items():
+                hangs[which].append(run)
+            if len(hpair) == 2:
+                hratios.append(hpair["new"].total / hpair["old"].total)
+        if os.environ.get("BV_BENCH_SUBMITIT") == "1":  # after the pair, on the same cluster
+            with tempfile.TemporaryDirectory(prefix="bv-bench-recovery-") as tmp:
+                try:
+                    srun_ = run_bare(env, Path(tmp), submitit=True)
+                except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
+                    srun_ = Run("submitit", error=f"{type(exc).__name__}: {exc}")
+            print("recovery: submitit: " + ", ".join(f"{k} {v:.1f} s"
+                                                      for k, v in srun_.phases.items())
+                  + (f" (ERROR {srun_.error})" if srun_.error else ""), flush=True)
+            if not srun_.error:
+                subs.append(srun_)
         if len(pair) == 2:
             ratios.append(pair["new"].total / pair["old"].total)
             sratios.append(pair["new"].start["first rank line"]
@@ -534,6 +598,23 @@ def _before_after(env: dict[str, str], old: Path, pairs: int,
                      "<= 1.1", "crash -> resumed on a grown node (no spare, the job grows); "
                      + "; ".join(f"{w}: " + ", ".join(f"{r.total:.1f}" for r in grows[w])
                                  for w in ("old", "new")) + "; " + spread(gratios))
+    if hratios or any(hangs.values()):
+        yield Figure("recovery.hang_new_vs_old_ratio",
+                     statistics.median(hratios) if hratios else float("nan"), "ratio",
+                     "<= 1.1", f"rank 1 stopped -> resumed (--hang-timeout {HANG_TIMEOUT_S:g}, "
+                     "a spare); " + "; ".join(
+                         f"{w}: " + ", ".join(f"{r.total:.1f} (ended {r.phases['step ended']:.1f})"
+                                              for r in hangs[w]) for w in ("old", "new"))
+                     + "; " + spread(hratios))
+    if subs:
+        total = statistics.median(r.total for r in subs)
+        yield Figure("recovery.submitit_crash_to_resumed_s", total, "s", "",
+                     f"examples/plain_ddp.py through submitit (Slurm's requeue), median of "
+                     f"{len(subs)}: " + ", ".join(f"{r.total:.1f}" for r in subs) + "; job "
+                     f"ended {statistics.median(r.phases['job ended'] for r in subs):.1f}, "
+                     f"running again {statistics.median(r.phases['running again'] for r in subs):.1f}"
+                     + (f"; bv (new) / submitit {med('new', 'resumed') / total:.3f}"
+                        if runs["new"] else ""))
     yield Figure("recovery.launch_new_vs_old_ratio",
                  statistics.median(lratios) if lratios else float("nan"), "ratio", "",
                  "job started (attempt-1 banner) -> first rank line: supervisor, agents, "
@@ -541,10 +622,11 @@ def _before_after(env: dict[str, str], old: Path, pairs: int,
 
 
 def _pair(env: dict[str, str], old: Path, new: Path | None, example: str | None,
-          hooks: SideHooks | None, i: int, *, grow: bool) -> dict[str, Run]:
+          hooks: SideHooks | None, i: int, *, grow: bool, hang: bool = False) -> dict[str, Run]:
     """One crash run by each side, in the pair's order (old first in even pairs): on a spare,
-    or (`grow`) with no spare, the job growing by the free node. The runs that completed."""
-    kind = "grow" if grow else "bv"
+    or (`grow`) with no spare, the job growing by the free node, or (`hang`) a hung rank
+    with a spare. The runs that completed."""
+    kind = "grow" if grow else "hang" if hang else "bv"
     pair: dict[str, Run] = {}
     for which in (("old", "new") if i % 2 == 0 else ("new", "old")):
         if hooks is not None:
@@ -552,9 +634,10 @@ def _pair(env: dict[str, str], old: Path, new: Path | None, example: str | None,
         with tempfile.TemporaryDirectory(prefix="bv-bench-recovery-") as tmp:
             try:
                 run = run_bv(env, Path(tmp), silent=False, spare=not grow, grow=grow,
-                             checkout=old if which == "old" else new, example=example)
+                             checkout=old if which == "old" else new, example=example,
+                             hang=hang)
             except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
-                run = Run("bv grow" if grow else "bv", error=f"{type(exc).__name__}: {exc}")
+                run = Run(f"bv {kind}", error=f"{type(exc).__name__}: {exc}")
         print(f"recovery: pair {i + 1} {kind} ({which}, job {run.job}): crash -> " + ", ".join(
             f"{k} {v:.1f} s" for k, v in run.phases.items()) + "; submit " + ", ".join(
             f"{k} {v:.2f} s" for k, v in run.start.items())
