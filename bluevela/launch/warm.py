@@ -552,14 +552,22 @@ class RankJob:
 
 
 def _preimport(env: Mapping[str, str]) -> None:
-    """Import what the ranks will (site.yaml launch.warm_preimport). One whose import made a
-    CUDA context is refused (the zygote goes, the node's ranks start cold): a forked rank
-    cannot use its parent's context ("Cannot re-initialize CUDA in forked subprocess")."""
+    """Import what the ranks will (site.yaml launch.warm_preimport). A module the job's
+    Python does not have is left out (a site's list names frameworks some jobs lack; their
+    ranks never import it); one that fails otherwise fails the zygote (the ranks would fail on
+    it too). One whose import made a CUDA context is refused (the zygote goes, the node's ranks
+    start cold): a forked rank cannot use its parent's context ("Cannot re-initialize CUDA in
+    forked subprocess")."""
     import importlib
 
-    for name in (env.get(PREIMPORT_ENV, DEFAULT_PREIMPORT) or "").split(","):
-        if name.strip():
-            importlib.import_module(name.strip())
+    for name in (n.strip() for n in (env.get(PREIMPORT_ENV, DEFAULT_PREIMPORT) or "").split(",")):
+        if not name:
+            continue
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not (name + ".").startswith(exc.name + "."):
+                raise  # the module is there and imports one that is not: broken
     cuda = getattr(sys.modules.get("torch"), "cuda", None)
     if cuda is not None and cuda.is_initialized():
         raise WarmError("the import initialised CUDA, which a forked rank cannot use")

@@ -259,6 +259,18 @@ def test_a_preimport_that_makes_a_cuda_context_sends_the_node_cold(
         warm._preimport({warm.PREIMPORT_ENV: "json"})
 
 
+def test_a_preimport_the_jobs_python_lacks_is_left_out_and_a_broken_one_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A site's list may name a framework some jobs' Python lacks: those jobs' parents stay
+    warm without it. A module that is there but fails to import fails the parent."""
+    (tmp_path / "bv_test_broken_mod.py").write_text("import bv_test_no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    warm._preimport({warm.PREIMPORT_ENV: "json,bv_test_not_installed,bv_test_absent.sub"})
+    assert "json" in sys.modules and "bv_test_not_installed" not in sys.modules
+    with pytest.raises(ModuleNotFoundError, match="bv_test_no_such_dependency"):
+        warm._preimport({warm.PREIMPORT_ENV: "json,bv_test_broken_mod"})
+
+
 @pytest.mark.gpu
 def test_a_real_cuda_context_in_the_warm_parent_is_refused(tmp_path: Path) -> None:
     (tmp_path / "bv_cuda_at_import.py").write_text("import torch\ntorch.cuda.init()\n")
