@@ -637,7 +637,8 @@ def _pair(env: dict[str, str], old: Path, new: Path | None, example: str | None,
                              checkout=old if which == "old" else new, example=example,
                              hang=hang)
             except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
-                run = Run(f"bv {kind}", error=f"{type(exc).__name__}: {exc}")
+                run = Run("bv" if kind == "bv" else f"bv {kind}",
+                          error=f"{type(exc).__name__}: {exc}")
         print(f"recovery: pair {i + 1} {kind} ({which}, job {run.job}): crash -> " + ", ".join(
             f"{k} {v:.1f} s" for k, v in run.phases.items()) + "; submit " + ", ".join(
             f"{k} {v:.2f} s" for k, v in run.start.items())
