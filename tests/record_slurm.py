@@ -10,12 +10,19 @@ CliSlurmClient parses), ``sacct -c`` lines (the jobcomp record of a job slurmctl
 ``scontrol show config``, the grow path's ``squeue -o`` fields and ``scontrol show job -o``,
 ``scontrol show reservation -o`` and ``sinfo`` of a drained node, then of it resumed. ``jobs.json`` names each job
 by its role and says what it is (the tests assert these facts). Overwrites the release's folder.
+
+``python3 -m tests.record_slurm --completing`` records, into the same folder and touching nothing
+else there, ``squeue --json`` of a 2-node job that has ended while one node's epilog has not
+(that node's slurmd is stopped with SIGSTOP meanwhile, then continued): ``squeue-completing.json``
+and ``completing.json`` (the job, its allocation, the node still completing).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -54,13 +61,61 @@ def wait_state(job: int, wanted: set[str], timeout: float = 90) -> None:
         time.sleep(0.5)
 
 
-def main() -> int:
+def _release_dir() -> tuple[str, Path]:
     version = sh("sinfo", "--version").strip()
     m = re.search(r"(\d+)\.(\d+)", version)
     if m is None:
         raise SystemExit(f"record_slurm: cannot read the release from {version!r}")
     out = DATA / f"{int(m.group(1))}.{int(m.group(2)):02d}"
     out.mkdir(parents=True, exist_ok=True)
+    return version, out
+
+
+def _slurmd_pid(node: str) -> int:
+    conf = os.environ.get("SLURM_CONF", "")
+    pids = [int(p) for p in sh("pgrep", "-f", f"slurmd -f {conf} -N {node}$").split()]
+    if len(pids) != 1:
+        raise SystemExit(f"record_slurm: {len(pids)} slurmd processes for {node} under {conf!r}")
+    return pids[0]
+
+
+def record_completing() -> int:
+    """A 2-node job that ended on node1 and node2 while node2's slurmd (so its epilog's end)
+    is stopped: slurmctld holds the job COMPLETING on node2 alone."""
+    version, out = _release_dir()
+    work = Path(tempfile.mkdtemp(prefix="bv-record-"))
+    job = submit(work, "sleep 3", "-N2", "-w", "node1,node2", "--job-name=completing")
+    wait_state(job, {"RUNNING"})
+    pid = _slurmd_pid("node2")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            text = sh("squeue", "--all", "--states=all", "--json", "-j", str(job))
+            raw = json.loads(text)["jobs"][0]
+            st = raw["job_state"]
+            if raw.get("nodes") == "node2" and (st == "COMPLETING" or "COMPLETING" in st):
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"record_slurm: job {job} never stood completing on node2 "
+                                 f"alone ({st}, {raw.get('nodes')!r})")
+            time.sleep(0.3)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_state(job, {"COMPLETED"})
+    manifest = {"_source": f"tests/record_slurm.py --completing on the dev cluster, {version}, "
+                f"{time.strftime('%Y-%m-%d', time.gmtime())}",
+                "job": job, "allocated": ["node1", "node2"], "completing": ["node2"]}
+    (out / "squeue-completing.json").write_text(text)
+    (out / "completing.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    print(f"record_slurm: squeue-completing.json, completing.json in {out}")
+    return 0
+
+
+def main() -> int:
+    if sys.argv[1:] == ["--completing"]:
+        return record_completing()
+    version, out = _release_dir()
     work = Path(tempfile.mkdtemp(prefix="bv-record-"))
     jobs = {
         "completed": submit(work, "true", "-N2", f"--job-name={HOSTILE_NAME}", "-o", "bv-%j.out"),

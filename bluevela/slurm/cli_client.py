@@ -68,6 +68,17 @@ def _expand_nodes(expr: str) -> tuple[str, ...]:
         raise SlurmError(f"cannot parse node list {expr!r} from Slurm") from exc
 
 
+def _allocated_nodes(raw: dict[str, Any]) -> tuple[str, ...]:
+    """The job's allocation from `squeue --json`'s job_resources, or () where it has none."""
+    res = raw.get("job_resources")
+    if not isinstance(res, dict):
+        return ()
+    alloc = res.get("nodes")
+    if isinstance(alloc, dict):  # 24.11+
+        alloc = alloc.get("list")
+    return _expand_nodes(alloc) if isinstance(alloc, str) else ()
+
+
 def _expand_stdout(pattern: str, job_id: int, user: str, name: str, first_node: str) -> str:
     """Expand sbatch filename patterns (%j %J %A %u %x %N %n %t %%) for the batch step."""
     repl = {"j": str(job_id), "J": str(job_id), "A": str(job_id), "a": "4294967294",
@@ -106,6 +117,13 @@ def parse_squeue_job(raw: dict[str, Any]) -> JobInfo:
     if not state.is_terminal() and state is not JobState.COMPLETING:
         exit_code, signal = None, None
     nodes = _expand_nodes(str(raw.get("nodes") or ""))
+    completing = state is JobState.COMPLETING or (
+        isinstance(state_raw, list) and "COMPLETING" in state_raw)
+    if completing:
+        # While a job completes, `nodes` names only the nodes whose epilog has not yet ended
+        # (slurmctld packs the completing bitmap): a 2-node job that ended reads "node2" once
+        # node1 is done. The allocation is in job_resources (24.11+: nodes.list; 22.05: nodes).
+        nodes = _allocated_nodes(raw) or nodes
     user = str(raw.get("user_name") or "")
     name = str(raw.get("name") or "")
     stdout = str(raw.get("standard_output") or "")

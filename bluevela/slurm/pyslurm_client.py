@@ -55,6 +55,10 @@ class PySlurmClient:
             # Requeued: each attempt's record (and the requeue flag) come from the CLI path.
             return self._cli.job(job_id)
         state = JobState.from_slurm(str(j.state))
+        if state is JobState.COMPLETING:
+            # Slurm's node list of a completing job names only the nodes whose epilog still
+            # runs; the allocation comes from squeue's job_resources on the CLI path.
+            return self._cli.job(job_id)
         return JobInfo(
             job_id=int(j.id),
             state=state,

@@ -13,6 +13,7 @@ pyslurm that does not import or does not match fails the test, never skips it.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -95,3 +96,32 @@ def test_pyslurm_client_reads_jobs_as_the_cli_does(devcluster: DevCluster,
         assert ps.job(jobs["done"]).stdout == f"{tmp_path}/bv-{jobs['done']}.out"
     finally:
         cli.cancel(list(jobs.values()))
+
+
+def test_pyslurm_client_names_a_completing_jobs_allocation(devcluster: DevCluster,
+                                                          tmp_path: Path) -> None:
+    """A 2-node job that ended while node2's epilog cannot end (its slurmd stopped): pyslurm's
+    node list then names node2 alone; bv's client names the allocation, as the CLI's does."""
+    pyslurm = _pyslurm(devcluster)
+    from bluevela.slurm.pyslurm_client import PySlurmClient, pyslurm_matches
+
+    os.environ["PATH"] = devcluster.env.get("PATH", os.environ["PATH"])
+    cli = CliSlurmClient(retry_s=0)
+    if not pyslurm_matches(cli):
+        _not_here(f"pyslurm {pyslurm.__version__} is not built for the cluster's Slurm "
+                  f"{'.'.join(map(str, cli.version()))}")
+    ps = PySlurmClient(fallback=cli)
+    job = _submit(devcluster, "sleep 2", "-N2", "-w", "node1,node2", f"--chdir={tmp_path}")
+    pid = int((devcluster.state_dir / "run" / "slurmd.node2.pid").read_text().split()[0])
+    try:
+        _wait(cli, job, {"RUNNING"})
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while str(pyslurm.Job.load(job).allocated_nodes) != "node2":
+            assert time.monotonic() < deadline, "the job never stood completing on node2 alone"
+            time.sleep(0.3)
+        a = ps.job(job)
+        assert a.nodes == ("node1", "node2") and a.nodes == cli.job(job).nodes
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        cli.cancel([job])

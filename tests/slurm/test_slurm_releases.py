@@ -60,6 +60,31 @@ def test_squeue_json(release: str) -> None:
     assert running.end_time is None or running.end_time > running.start_time  # time limit
 
 
+COMPLETING = sorted(p.parent.name for p in (DATA / "slurm").glob("*/completing.json"))
+
+
+@pytest.mark.parametrize("release", COMPLETING)
+def test_a_completing_job_keeps_its_allocation(release: str) -> None:
+    """A job that ended while one node's epilog has not: Slurm's `nodes` then names that node
+    alone (24.11+ says the job is COMPLETED with a COMPLETING flag, 22.05 says COMPLETING).
+    bv names the whole allocation: `bv submit --wait --json` once gave a 2-node job's nodes as
+    ["node2"] on 24.11 (a CI run of test_ddp_two_nodes_two_procs)."""
+    folder = DATA / "slurm" / release
+    rec = json.loads((folder / "completing.json").read_text())
+    raw = json.loads((folder / "squeue-completing.json").read_text())["jobs"][0]
+    assert raw["nodes"] == ",".join(rec["completing"])  # the recording is what it says
+    job = parse_squeue_job(raw)
+    assert job.job_id == rec["job"]
+    assert job.nodes == tuple(rec["allocated"])
+    if isinstance(raw["job_state"], list):  # 24.11+: the outcome is known, the epilogs run on
+        assert job.state is JobState.COMPLETED and job.exit_code == 0
+    else:
+        assert job.state is JobState.COMPLETING
+    # Without job_resources (an older or trimmed reply): Slurm's own list, never nothing.
+    bare = {k: v for k, v in raw.items() if k != "job_resources"}
+    assert parse_squeue_job(bare).nodes == tuple(rec["completing"])
+
+
 @pytest.mark.parametrize("release", RELEASES)
 def test_sacct_records(release: str) -> None:
     """The jobcomp/filetxt record (`sacct -c`) of the jobs that ended."""
