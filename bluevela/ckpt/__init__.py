@@ -1,8 +1,8 @@
 """The checkpoint store: node-local tier, a copy on another node, a drain to shared storage,
 and a resume that never loads a torn or corrupt copy (docs/checkpoints.md).
 
-- `shardfile`: one rank's shard of one step as one self-verifying file (SHA-256 trailer),
-  written atomically; `layout`: where shards lie and the inventory of a tier.
+- `shardfile`: one rank's shard of one step as one self-verifying file (a digest trailer),
+  written atomically; `digest`: that digest, a SHA-256 tree hashed on several cores; `layout`: where shards lie and the inventory of a tier.
 - `stage`: the state copied into reused host buffers; its payload (tagged JSON skeleton, no
   pickle, tensors at aligned offsets).
 - `partner`: who keeps whose copy (switch-aware ring) and the HMAC-authenticated, bounded TCP

@@ -2,11 +2,17 @@
 
 Layout (all integers big-endian)::
 
-    b"BVCKPT01"                 magic, 8 bytes
+    b"BVCKPT02"                 magic, 8 bytes
     u32 header length           at most MAX_HEADER
     header                      JSON: job, name, step, rank, world, payload (bytes), node
     payload                     exactly header["payload"] bytes
-    b"BVCKEND1" + sha256        40 bytes: SHA-256 over everything before it
+    b"BVCKEND1" + digest        40 bytes: the SHA-256 tree (bluevela/ckpt/digest.py) of the
+                                magic, length and header (one leaf) and the payload (4 MiB
+                                leaves), hashed on several cores beside the I/O
+
+Format 1 (b"BVCKPT01", the same layout with one SHA-256 over everything before the trailer) is
+still read, verified and copied as it was written: a checkpoint saved before the tree came in
+resumes.
 
 A file is written whole under a temporary name (O_EXCL|O_NOFOLLOW), fsynced, renamed into
 place and its directory fsynced, so a reader sees either nothing or the whole file; what a
@@ -29,9 +35,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import IO, Any
 
+from bluevela.ckpt.digest import TreeHash
 from bluevela.util.fs import atomic_fill_at, write_all
 
-MAGIC = b"BVCKPT01"
+MAGIC = b"BVCKPT02"  # what is written: the tree digest
+MAGIC_V1 = b"BVCKPT01"  # read: one SHA-256 over the whole file
+MAGICS = (MAGIC, MAGIC_V1)
 END = b"BVCKEND1"
 MAX_HEADER = 64 << 10
 TRAILER = len(END) + 32
@@ -56,7 +65,8 @@ class ShardInfo:
 
     header: dict[str, Any]
     size: int  # the whole file, bytes
-    digest: str  # sha256 hex of the file before its trailer
+    digest: str  # hex: the file's digest (its trailer's), of the kind its magic names
+    magic: bytes = MAGIC  # the format: a copy is written in its source's
 
     @property
     def step(self) -> int:
@@ -67,12 +77,22 @@ class ShardInfo:
         return int(self.header["rank"])
 
 
-def encode_header(header: dict[str, Any]) -> bytes:
+def encode_header(header: dict[str, Any], magic: bytes = MAGIC) -> bytes:
     """The magic word and the length-prefixed header, as they start the file."""
+    if magic not in MAGICS:
+        raise ValueError(f"not a shard format: {magic!r}")
     body = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     if len(body) > MAX_HEADER:
         raise ValueError(f"shard header of {len(body)} bytes over {MAX_HEADER}")
-    return MAGIC + struct.pack(">I", len(body)) + body
+    return magic + struct.pack(">I", len(body)) + body
+
+
+def new_digest(head: bytes) -> Any:
+    """The running digest of a file that starts with `head` (magic, length, header): the tree
+    for format 2, one SHA-256 for format 1. Fed the payload with `update`."""
+    if head[:len(MAGIC_V1)] == MAGIC_V1:
+        return hashlib.sha256(head)
+    return TreeHash(head)
 
 
 def file_size(header: dict[str, Any]) -> int:
@@ -80,17 +100,18 @@ def file_size(header: dict[str, Any]) -> int:
 
 
 class _Hashing:
-    """Writes to a fd and hashes what it wrote."""
+    """Writes a file's head and payload to a fd and hashes what it wrote (the payload's
+    leaves on the hash threads while the next chunk is written)."""
 
-    def __init__(self, fd: int, hashing: bool = True) -> None:
+    def __init__(self, fd: int, head: bytes, hashing: bool = True) -> None:
         self.fd = fd
-        self.sha = hashlib.sha256()
-        self.hashing = hashing
-        self.count = 0
+        self.sha = new_digest(head) if hashing else None
+        write_all(fd, head)
+        self.count = len(head)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
-        if self.hashing:
+        if self.sha is not None:
             self.sha.update(view)
         write_all(self.fd, view)
         self.count += len(view)
@@ -98,16 +119,19 @@ class _Hashing:
 
 def write_shard(dir_fd: int, name: str, header: dict[str, Any],
                 chunks: Iterable[bytes | bytearray | memoryview],
-                digest_of: Callable[[], bytes] | None = None) -> ShardInfo:
+                digest_of: Callable[[], bytes] | None = None,
+                magic: bytes = MAGIC) -> ShardInfo:
     """Write one shard atomically under `dir_fd`/`name`.
 
     Args:
         dir_fd: the directory (opened without following a link: `util.fs.open_dir`).
         name: the file name (no separator).
         header: what the file says about itself; `payload` must be the chunks' total length.
-        chunks: the payload, in order.
+        chunks: the payload, in order; not changed by the caller until this returns (their
+            leaves are hashed on other threads).
         digest_of: the file's digest once the chunks are consumed, when the caller computed
             it already (a verified copy: not hashed twice).
+        magic: the format (a verified copy keeps its source's: `digest_of` is of that kind).
 
     Raises:
         OSError: any I/O failure (ENOSPC included): the temporary file is removed and `name`
@@ -115,20 +139,19 @@ def write_shard(dir_fd: int, name: str, header: dict[str, Any],
         ValueError: the chunks' length is not the header's `payload`.
     """
     def fill(fd: int) -> tuple[int, bytes]:
-        out = _Hashing(fd, hashing=digest_of is None)
-        out.write(encode_header(header))
+        out = _Hashing(fd, encode_header(header, magic), hashing=digest_of is None)
         start = out.count
         for chunk in chunks:
             out.write(chunk)
         if out.count - start != int(header["payload"]):
             raise ValueError(f"payload of {out.count - start} bytes, header says "
                              f"{header['payload']}")
-        digest = out.sha.digest() if digest_of is None else digest_of()
+        digest = out.sha.digest() if out.sha is not None else digest_of()  # type: ignore[misc]
         write_all(fd, END + digest)
         return out.count + TRAILER, digest
 
     size, digest = atomic_fill_at(dir_fd, name, fill, 0o600)
-    return ShardInfo(header, size, digest.hex())
+    return ShardInfo(header, size, digest.hex(), magic)
 
 
 def open_shard(dir_fd: int, name: str) -> int:
@@ -162,7 +185,7 @@ def read_header(f: IO[bytes], size: int) -> tuple[dict[str, Any], bytes]:
     head = f.read(len(MAGIC) + 4)
     if len(head) < len(MAGIC) + 4:
         raise ShardError(f"torn: {size} bytes, shorter than a header")
-    if head[:len(MAGIC)] != MAGIC:
+    if head[:len(MAGIC)] not in MAGICS:
         raise ShardError("not a bv shard (bad magic)")
     (hlen,) = struct.unpack(">I", head[len(MAGIC):])
     if hlen > MAX_HEADER:
@@ -194,17 +217,19 @@ def _check_expect(header: dict[str, Any], expect: dict[str, Any] | None) -> None
 
 
 def _stream_header(f: IO[bytes], size: int,
-                   expect: dict[str, Any] | None) -> tuple[dict[str, Any], hashlib._Hash]:
+                   expect: dict[str, Any] | None) -> tuple[dict[str, Any], Any, bytes]:
     """The header of a shard that arrives as a stream, checked (shape, `expect`, canonical
-    form: a copy is written back from the parsed header), and the digest started over it."""
+    form: a copy is written back from the parsed header), the digest started over it, and the
+    file's magic (its format)."""
     header, raw = read_header(f, size)
     _check_expect(header, expect)
-    if raw != encode_header(header):
+    magic = raw[:len(MAGIC)]
+    if raw != encode_header(header, magic):
         raise ShardError("corrupt header: not in its canonical form")
-    return header, hashlib.sha256(raw)
+    return header, new_digest(raw), magic
 
 
-def _check_trailer(f: IO[bytes], sha: hashlib._Hash, digest: str | None) -> None:
+def _check_trailer(f: IO[bytes], sha: Any, digest: str | None) -> None:
     """The end marker and digest that follow a streamed payload hashed into `sha`, and, with
     `digest`, that it is the file the sender vouched for."""
     trailer = _read_exact(f, TRAILER)
@@ -232,26 +257,29 @@ def read_verified(fd: int, *, into: bool = True,
     try:
         header, raw = read_header(f, size)
         _check_expect(header, expect)
-        sha = hashlib.sha256(raw)
+        sha = new_digest(raw)
         n = header["payload"]
         payload = bytearray(n) if into else None
         view = memoryview(payload) if payload is not None else None
-        scratch = None if into else bytearray(min(_CHUNK, max(n, 1)))
         done = 0
         while done < n:
             want = min(_CHUNK, n - done)
-            target = view[done:done + want] if view is not None else memoryview(scratch)[:want]  # type: ignore[arg-type]
-            got = f.readinto(target)
+            if view is not None:
+                got = f.readinto(view[done:done + want])
+                part: Any = view[done:done + got]
+            else:  # verify only: a fresh chunk each time (the hash threads may still read
+                part = f.read(want)  # the last one; TreeHash bounds how many wait)
+                got = len(part)
             if not got:
                 raise ShardError(f"torn: payload ends after {done} of {n} bytes")
-            sha.update(target[:got])
+            sha.update(part)
             done += got
         trailer = f.read(TRAILER)
         if len(trailer) != TRAILER or trailer[:len(END)] != END:
             raise ShardError("torn: no end marker")
         if trailer[len(END):] != sha.digest():
             raise ShardError("corrupt: checksum mismatch")
-        return ShardInfo(header, size, sha.hexdigest()), payload
+        return ShardInfo(header, size, sha.hexdigest(), raw[:len(MAGIC)]), payload
     except OSError as exc:
         raise ShardError(f"unreadable: {exc.strerror or exc}") from None
     finally:
@@ -304,7 +332,7 @@ def copy_stream(f: IO[bytes], size: int, dst_dir_fd: int, name: str,
             not `digest` (the one the sender vouched for).
         OSError: the destination cannot be written, or `f` fails.
     """
-    header, sha = _stream_header(f, size, expect)
+    header, sha, magic = _stream_header(f, size, expect)
     n = header["payload"]
 
     def chunks() -> Iterable[bytes]:
@@ -318,7 +346,7 @@ def copy_stream(f: IO[bytes], size: int, dst_dir_fd: int, name: str,
             yield chunk
         _check_trailer(f, sha, digest)
 
-    return write_shard(dst_dir_fd, name, header, chunks(), digest_of=sha.digest)
+    return write_shard(dst_dir_fd, name, header, chunks(), digest_of=sha.digest, magic=magic)
 
 
 def _read_exact(f: IO[bytes], n: int) -> bytes:
@@ -342,7 +370,7 @@ def read_stream(f: Any, size: int, expect: dict[str, Any] | None = None,
         ShardError: torn, corrupt, or not what `expect`/`digest` say.
         OSError: `f` fails.
     """
-    header, sha = _stream_header(f, size, expect)
+    header, sha, magic = _stream_header(f, size, expect)
     n = header["payload"]
     payload = bytearray(n)
     view = memoryview(payload)
@@ -354,4 +382,4 @@ def read_stream(f: Any, size: int, expect: dict[str, Any] | None = None,
         sha.update(view[done:done + got])
         done += got
     _check_trailer(f, sha, digest)
-    return ShardInfo(header, size, sha.hexdigest()), payload
+    return ShardInfo(header, size, sha.hexdigest(), magic), payload

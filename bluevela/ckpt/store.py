@@ -693,7 +693,8 @@ class CheckpointStore:
                 fd = self._step_fd("own" if rank == self.rank else "held", step)
                 try:
                     write_shard(fd, layout.shard_name(rank), info.header, [payload],
-                                digest_of=lambda: bytes.fromhex(info.digest))
+                                digest_of=lambda: bytes.fromhex(info.digest),
+                                magic=info.magic)
                 finally:
                     os.close(fd)
                 self.kept_fetched.append((step, rank, None))
