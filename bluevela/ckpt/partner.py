@@ -402,7 +402,7 @@ def fetch_shard(addr: tuple[str, int], key: bytes, step: int, rank: int, dst_dir
 
 def fetch_payload(addr: tuple[str, int], key: bytes, step: int, rank: int,
                   max_bytes: int = MAX_SHARD_BYTES,
-                  expect: dict[str, Any] | None = None) -> tuple[ShardInfo, bytearray]:
+                  expect: dict[str, Any] | None = None) -> tuple[ShardInfo, memoryview]:
     """Fetch rank `rank`'s shard of `step` (a file of at most `max_bytes`: the buffer is
     allocated before a byte arrives) from a node's server into memory, verified (its
     digest, and the one the server MACed): a resume loads it at once, and keeps a node-local

@@ -191,7 +191,7 @@ def _dtype_name(t: Any) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def decode(payload: bytearray) -> tuple[Any, dict[str, bytes]]:
+def decode(payload: bytearray | memoryview) -> tuple[Any, dict[str, bytes]]:
     """A payload back to the state (tensors are views of `payload`: keep it, or clone) and the
     extra parts saved with it.
 
@@ -213,7 +213,7 @@ def decode(payload: bytearray) -> tuple[Any, dict[str, bytes]]:
         raise StageError(f"payload does not parse: {exc}") from None
 
 
-def _tensor_views(payload: bytearray, metas: list[Any], offset: int) -> tuple[list[Any], int]:
+def _tensor_views(payload: bytearray | memoryview, metas: list[Any], offset: int) -> tuple[list[Any], int]:
     """The skeleton's tensors as views of `payload` from `offset` on (each aligned to ALIGN),
     and the offset past the last.
 
@@ -240,7 +240,7 @@ def _tensor_views(payload: bytearray, metas: list[Any], offset: int) -> tuple[li
     return tensors, offset
 
 
-def _byte_runs(payload: bytearray, sizes: Iterable[int], offset: int) -> tuple[list[bytes], int]:
+def _byte_runs(payload: bytearray | memoryview, sizes: Iterable[int], offset: int) -> tuple[list[bytes], int]:
     """Copies of the runs of `sizes` bytes from `offset` on (each aligned to ALIGN), and the
     offset past the last."""
     runs = []

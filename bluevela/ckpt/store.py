@@ -666,7 +666,7 @@ class CheckpointStore:
         return self._load_step(step, places(step, rank, self.node, self._invs, self._shared),
                                rank)
 
-    def _keep_fetched(self, step: int, rank: int, info: ShardInfo, payload: bytearray) -> None:
+    def _keep_fetched(self, step: int, rank: int, info: ShardInfo, payload: memoryview) -> None:
         """A node-local copy of a fetched shard (the next resume on this node reads it here),
         written by a thread of its own: the resume goes on with the bytes in memory.
 

@@ -205,3 +205,23 @@ atexit.register(lambda: write_shard(d, "atexit", {{"step": 1, "rank": 0,
     for name in ("child", "atexit"):
         info, body = load_at(d, name)
         assert len(body) == 3 * LEAF + 5 and info.magic == MAGIC
+
+
+def test_a_payload_is_read_into_populated_anonymous_memory(tmp_path: Path) -> None:
+    """load_at and read_stream read into `payload_buffer`: mapped anonymous memory, writable
+    (torch views it without a copy), exactly the payload's size; an empty payload has an
+    empty buffer."""
+    import mmap
+
+    from bluevela.ckpt.shardfile import payload_buffer
+
+    buf = payload_buffer(3 * LEAF + 1)
+    assert len(buf) == 3 * LEAF + 1 and not buf.readonly
+    assert isinstance(buf.obj, mmap.mmap) == hasattr(mmap, "MAP_POPULATE")
+    buf[-1] = 7
+    assert buf[-1] == 7 and len(payload_buffer(0)) == 0
+    d = _fd(tmp_path)
+    payload = _payload(LEAF + 9)
+    write_shard(d, "s", {"step": 1, "rank": 0, "payload": len(payload)}, [payload])
+    _, got = load_at(d, "s")
+    assert got == payload and not got.readonly
