@@ -16,10 +16,14 @@ start-up hook (boot.py) calls `patch()` when `transformers.trainer` is imported:
 
 The node-local checkpoint tier (docs/checkpoints.md, "Frameworks"), when the site turns it on
 for this node: every Trainer also opens a checkpoint store (`bluevela.ckpt.folder`, a
-collective, in `__init__`, after HF has set up torch.distributed) and first links the newest
-step complete somewhere at ``<output_dir>/checkpoint-N`` (unless HF's own folder of that step
-or a newer one is there), so ``get_last_checkpoint(output_dir)`` after the Trainer exists and
-``resume_from_checkpoint=True`` find it. Each save (`Trainer._save_checkpoint`, HF's one save
+collective, once torch.distributed is set up) and first links the newest step complete
+somewhere at ``<output_dir>/checkpoint-N`` (unless HF's own folder of that step or a newer one
+is there), so ``get_last_checkpoint(output_dir)`` and ``resume_from_checkpoint=True`` find it.
+The store opens when the script's ``TrainingArguments`` are made (HF sets up torch.distributed
+in them, every rank makes them, and HF's example scripts call ``get_last_checkpoint`` right
+after, before any Trainer exists); the first Trainer with those arguments' ``output_dir`` takes
+that store. A ``TrainingArguments`` made on some ranks only would wait in that collective: HF's
+Trainer needs them on every rank anyway. Each save (`Trainer._save_checkpoint`, HF's one save
 path: periodic saves and bv's) is written to this node's tier instead of ``output_dir`` and
 handed to the store (partner copy, drain every `checkpoint.drain_every`-th save, at bv's
 signal and when `train()` returns). Not for hyper-parameter search runs (a trial's own
@@ -121,8 +125,34 @@ def patch(module: ModuleType) -> bool:
 
     trainer_cls.__init__ = __init__
     _patch_saves(trainer_cls, tier)
+    if tier:
+        _patch_arguments(transformers.TrainingArguments)
     setattr(trainer_cls, _PATCHED, True)
     return True
+
+
+# output_dir (as given) -> the FolderStore its arguments opened, None once a Trainer took it or
+# when it could not open (each later Trainer then opens its own, as without this).
+_EARLY: dict[str, Any] = {}
+
+
+def _patch_arguments(args_cls: Any) -> None:
+    """Every ``TrainingArguments`` opens the store of its ``output_dir`` once made (see the
+    module's doc), so the checkpoint is linked before the script looks for it."""
+    if getattr(args_cls, _PATCHED, False):
+        return
+    post_init = args_cls.__post_init__
+
+    @functools.wraps(post_init)
+    def __post_init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        post_init(self, *args, **kwargs)
+        out = getattr(self, "output_dir", None)
+        if (out and not getattr(self, "load_best_model_at_end", False)
+                and str(out) not in _EARLY):
+            _EARLY[str(out)] = _restore(self, str(out))
+
+    args_cls.__post_init__ = __post_init__
+    setattr(args_cls, _PATCHED, True)
 
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # HF's PREFIX_CHECKPOINT_DIR-<global_step>
@@ -139,22 +169,34 @@ def newest(output_dir: str) -> int | None:
 
 
 def _open_store(trainer: Any) -> None:
-    """The Trainer's checkpoint store, and the newest step complete somewhere linked where
-    HF's resume looks. A store that cannot open leaves HF's own saves (one line)."""
+    """The Trainer's checkpoint store: the one its arguments opened, else one opened now."""
+    out = str(trainer.args.output_dir)
+    fs = _EARLY.get(out)
+    if fs is not None:
+        _EARLY[out] = None  # taken: arguments made again (a copy of them) open no other
+    else:
+        fs = _restore(trainer.args, out)
+    if fs is not None:
+        trainer._bv_folder = fs
+
+
+def _restore(args: Any, output_dir: str) -> Any:
+    """A store for `output_dir`, and the newest step complete somewhere linked where HF's
+    resume looks (a collective). None, and one line, when it cannot open: HF's own saves."""
     from bluevela.ckpt.folder import FolderStore
 
     try:
-        _ = trainer.args.device  # HF sets up torch.distributed here: the store's collective
-        fs = FolderStore(trainer.args.output_dir, "hf")
-        step = fs.restore("checkpoint-%d", newest(trainer.args.output_dir))
+        _ = args.device  # HF sets up torch.distributed here: the store's collective
+        fs = FolderStore(output_dir, "hf")
+        step = fs.restore("checkpoint-%d", newest(output_dir))
     except (OSError, ValueError) as exc:
         sys.stderr.write(f"bv: no node-local checkpoint store for the Trainer ({exc}): HF's "
                          "own saves\n")
-        return
-    trainer._bv_folder = fs
+        return None
     if step is not None and fs.store.rank == 0:
         sys.stderr.write(f"bv: checkpoint-{step} from the checkpoint store, linked in "
-                         f"{trainer.args.output_dir} (this node's copy)\n")
+                         f"{output_dir} (this node's copy)\n")
+    return fs
 
 
 def _staged(trainer: Any, trial: Any) -> bool:

@@ -96,8 +96,13 @@ from transformers.trainer_utils import get_last_checkpoint
             os.kill(os.getpid(), signal.SIGUSR1)  # what bv's node agent sends
 args = TrainingArguments(output_dir=sys.argv[1], max_steps=6, save_steps=1000, report_to=[],
                          use_cpu=sys.argv[3] == "cpu", disable_tqdm=True, per_device_train_batch_size=4)
+# argv[5] "before": get_last_checkpoint() before the Trainer exists (HF's example scripts).
+before = sys.argv[5:6] == ["before"]
+early = get_last_checkpoint(sys.argv[1]) if before and os.path.isdir(sys.argv[1]) else None
 t = Trainer(model=M(), args=args, train_dataset=D(), callbacks=[Ask()])
-last = get_last_checkpoint(sys.argv[1]) if os.path.isdir(sys.argv[1]) else None
+last = early if before else (get_last_checkpoint(sys.argv[1]) if os.path.isdir(sys.argv[1])
+                             else None)
+print(f"last={last and os.path.basename(last)}", flush=True)
 # HF's two documented idioms: the path get_last_checkpoint() finds (its example scripts), or
 # True (the Trainer looks for it in output_dir itself; it raises where there is none yet).
 t.train(resume_from_checkpoint=(last is not None) if sys.argv[4] == "true" else last)

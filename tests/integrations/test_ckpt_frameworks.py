@@ -23,7 +23,11 @@ def _shards(root: Path, name: str) -> list[str]:
 
 
 @pytest.mark.timeout(600)
-def test_hf_trainer_saves_to_the_node_local_tier_and_resumes_from_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("look", ["after", "before"])
+def test_hf_trainer_saves_to_the_node_local_tier_and_resumes_from_it(tmp_path: Path,
+                                                                     look: str) -> None:
+    """`look`: the script calls get_last_checkpoint(output_dir) after the Trainer exists, or
+    before it (HF's example scripts: right after the TrainingArguments, which open the store)."""
     _need("transformers")
     out, local = tmp_path / "out", tmp_path / "local"
     env = _env(tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
@@ -35,9 +39,12 @@ def test_hf_trainer_saves_to_the_node_local_tier_and_resumes_from_it(tmp_path: P
     assert not any(p.name.startswith("checkpoint-") for p in out.iterdir()), list(out.iterdir())
     assert _shards(local, "hf") == ["step-00000003"], list(local.rglob("*"))
     assert _shards(out / "bv-ckpt", "hf") == ["step-00000003"]
-    second = _run(HF, out, "run", env, "cpu", "path")
-    # get_last_checkpoint(output_dir) after the Trainer exists found the store's step.
+    second = _run(HF, out, "run", env, "cpu", "path", look)
+    # get_last_checkpoint(output_dir), before or after the Trainer exists, found the store's
+    # step (without the early store, "before" found nothing: last=None, start_step=0).
+    assert re.search(r"^last=checkpoint-3$", second, re.M), second
     assert re.search(r"^start_step=3$", second, re.M), second
+    assert second.count("bv: checkpoint-3 from the checkpoint store") == 1, second
     assert re.search(r"^end_step=6 ", second, re.M), second
     assert "bv: checkpoint-3 from the checkpoint store" in second, second
     link = out / "checkpoint-3"
