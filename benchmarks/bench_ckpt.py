@@ -8,6 +8,9 @@ memory over 100 saves in this process.
     BV_CKPT_BENCH_MB=64,256 BV_DEVCLUSTER_ID=7 python benchmarks/run.py ckpt
     BV_CKPT_BENCH_CRASH=1 BV_CKPT_BENCH_PAIRS=2 BV_CKPT_BENCH_MB=64 ... ckpt   # crash -> step
 
+`BV_CKPT_BENCH_WARM=1`: the crash jobs with the warm start (`--env BV_WARM_START=1`, both
+sides), so that the relaunch (issue 37: ~0.5 s) does not hide the resume itself.
+
 The shared directory is a directory of this machine's disk, or with `BV_CKPT_BENCH_FS=gluster`
 a GlusterFS volume mounted on every node (slurm/devcluster-gfs); `BV_CKPT_BENCH_RATE=1gbit`
 throttles every node's link (tc tbf: the file system's traffic and the partner copies).
@@ -176,7 +179,9 @@ def crash_one(mb: float, via: str, shared: Path, work: Path, env: dict[str, str]
     local = cwd / "local"
     proc = subprocess.Popen(
         [sys.executable, "-m", "bluevela", "submit", "--wait", "-N", "2", "--spare-nodes", "1",
-         "--procs-per-node", "1", "-t", "30", str(REPO / "benchmarks" / "ckpt_crash_job.py"),
+         "--procs-per-node", "1", "-t", "30",
+         *(["--env", "BV_WARM_START=1"] if os.environ.get("BV_CKPT_BENCH_WARM") else []),
+         str(REPO / "benchmarks" / "ckpt_crash_job.py"),
          "--shared", str(shared / f"{via}-{mb:g}"), "--local-base", str(local), "--via", via,
          "--mb", f"{mb:g}", "--steps", "24"], cwd=cwd, env=env, text=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -221,7 +226,7 @@ def crash_resume(sizes: list[float], pairs: int) -> Iterator[Figure]:
     env = _env()
     work = Path(tempfile.mkdtemp(prefix="bv-ckpt-crash-"))
     shared, throttled, fs, rate = _shared_fs(work)
-    tag = f"{fs}{' ' + rate if rate else ''}"
+    tag = f"{fs}{' ' + rate if rate else ''}{' warm' if os.environ.get('BV_CKPT_BENCH_WARM') else ''}"
     for mb in sizes:
         got: dict[str, list[float]] = {"store": [], "torch": []}
         for i in range(pairs):

@@ -60,19 +60,27 @@ def _wait(cli: CliSlurmClient, job: int, states: set[str], timeout: float = 90) 
         time.sleep(0.5)
 
 
-def test_pyslurm_client_reads_jobs_as_the_cli_does(devcluster: DevCluster,
-                                                   tmp_path: Path) -> None:
-    pyslurm = _pyslurm(devcluster)
-    from bluevela.slurm.connect import get_client
+def _clients(cluster: DevCluster) -> tuple[Any, CliSlurmClient, Any]:
+    """pyslurm, the CLI client and bv's pyslurm client for the cluster (skip, or fail where
+    asked, when pyslurm is not built for the cluster's release)."""
+    pyslurm = _pyslurm(cluster)
     from bluevela.slurm.pyslurm_client import PySlurmClient, pyslurm_matches
 
-    os.environ["PATH"] = devcluster.env.get("PATH", os.environ["PATH"])
+    os.environ["PATH"] = cluster.env.get("PATH", os.environ["PATH"])
     cli = CliSlurmClient(retry_s=0)
     if not pyslurm_matches(cli):
         _not_here(f"pyslurm {pyslurm.__version__} is not built for the cluster's Slurm "
                   f"{'.'.join(map(str, cli.version()))}")
+    return pyslurm, cli, PySlurmClient(fallback=cli)
+
+
+def test_pyslurm_client_reads_jobs_as_the_cli_does(devcluster: DevCluster,
+                                                   tmp_path: Path) -> None:
+    from bluevela.slurm.connect import get_client
+    from bluevela.slurm.pyslurm_client import PySlurmClient
+
+    _, cli, ps = _clients(devcluster)
     assert isinstance(get_client(), PySlurmClient)  # what bv picks when they match
-    ps = PySlurmClient(fallback=cli)
     jobs = {
         "done": _submit(devcluster, "true", "-N2", f"--chdir={tmp_path}", "-o", "bv-%j.out"),
         "failed": _submit(devcluster, "exit 3", "-N1", f"--chdir={tmp_path}"),
@@ -102,15 +110,7 @@ def test_pyslurm_client_names_a_completing_jobs_allocation(devcluster: DevCluste
                                                           tmp_path: Path) -> None:
     """A 2-node job that ended while node2's epilog cannot end (its slurmd stopped): pyslurm's
     node list then names node2 alone; bv's client names the allocation, as the CLI's does."""
-    pyslurm = _pyslurm(devcluster)
-    from bluevela.slurm.pyslurm_client import PySlurmClient, pyslurm_matches
-
-    os.environ["PATH"] = devcluster.env.get("PATH", os.environ["PATH"])
-    cli = CliSlurmClient(retry_s=0)
-    if not pyslurm_matches(cli):
-        _not_here(f"pyslurm {pyslurm.__version__} is not built for the cluster's Slurm "
-                  f"{'.'.join(map(str, cli.version()))}")
-    ps = PySlurmClient(fallback=cli)
+    pyslurm, cli, ps = _clients(devcluster)
     job = _submit(devcluster, "sleep 2", "-N2", "-w", "node1,node2", f"--chdir={tmp_path}")
     pid = int((devcluster.state_dir / "run" / "slurmd.node2.pid").read_text().split()[0])
     try:
