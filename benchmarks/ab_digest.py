@@ -51,10 +51,10 @@ print(MAGIC.decode(), json.dumps(out))
 """
 
 OPS = ("write", "load", "verify", "fetch")
-FORMATS: dict[str, str] = {}  # checkout -> the shard format its code wrote
 
 
-def _side(checkout: Path, work: Path, sizes: str) -> dict[str, dict[str, float]]:
+def _side(checkout: Path, work: Path, sizes: str) -> tuple[str, dict[str, dict[str, float]]]:
+    """The side's shard format (the magic its code wrote) and its seconds per size and op."""
     # `-c` puts the working directory first on sys.path: the child runs in `work`, so that
     # PYTHONPATH (the side's checkout) is where bluevela comes from.
     env = dict(os.environ, PYTHONPATH=str(checkout))
@@ -63,8 +63,7 @@ def _side(checkout: Path, work: Path, sizes: str) -> dict[str, dict[str, float]]
     if proc.returncode != 0:
         raise SystemExit(f"ab_digest: {checkout}: {proc.stderr.strip()[-2000:]}")
     magic, _, doc = proc.stdout.strip().splitlines()[-1].partition(" ")
-    FORMATS[str(checkout)] = magic
-    return {str(k): v for k, v in json.loads(doc).items()}
+    return magic, {str(k): v for k, v in json.loads(doc).items()}
 
 
 def main() -> int:
@@ -77,19 +76,20 @@ def main() -> int:
     args = ap.parse_args()
     sides = {"old": args.old.resolve(), "new": args.new.resolve()}
     runs: dict[str, list[dict[str, dict[str, float]]]] = {"old": [], "new": []}
+    formats: dict[str, str] = {}
     for r in range(args.rounds):
         order = ("old", "new") if r % 2 == 0 else ("new", "old")
         got: dict[str, dict[str, dict[str, float]]] = {"old": {}, "new": {}}
         for mb in args.mb.split(","):
             for name in order:
                 with tempfile.TemporaryDirectory(prefix="bv-ab-digest-", dir=args.dir) as work:
-                    got[name].update(_side(sides[name], Path(work), mb))
+                    formats[name], times = _side(sides[name], Path(work), mb)
+                    got[name].update(times)
         for name in order:
             runs[name].append(got[name])
     print(f"ab_digest: {args.rounds} rounds, old {sides['old']} vs new {sides['new']}, "
           f"{os.cpu_count()} cores, hash threads {os.environ.get('BV_CKPT_HASH_THREADS', 'default')}; "
-          f"formats written: old {FORMATS.get(str(sides['old']))}, "
-          f"new {FORMATS.get(str(sides['new']))}")
+          f"formats written: old {formats['old']}, new {formats['new']}")
     print(f"{'MB':>5} {'op':<7} {'old s':>8} {'new s':>8} {'old/new':>8} {'min-max':>12}  GB/s new")
     for mb in args.mb.split(","):
         for op in OPS:

@@ -72,11 +72,12 @@ def _release_dir() -> tuple[str, Path]:
 
 
 def _slurmd_pid(node: str) -> int:
-    conf = os.environ.get("SLURM_CONF", "")
-    pids = [int(p) for p in sh("pgrep", "-f", f"slurmd -f {conf} -N {node}$").split()]
-    if len(pids) != 1:
-        raise SystemExit(f"record_slurm: {len(pids)} slurmd processes for {node} under {conf!r}")
-    return pids[0]
+    """The node's slurmd, from the dev cluster's pid file (slurm/devcluster env names it)."""
+    state = os.environ.get("BV_DEVCLUSTER_DIR")
+    if not state:
+        raise SystemExit("record_slurm: --completing needs the dev cluster's environment "
+                         "(eval \"$(slurm/devcluster env)\")")
+    return int((Path(state) / "run" / f"slurmd.{node}.pid").read_text().split()[0])
 
 
 def record_completing() -> int:

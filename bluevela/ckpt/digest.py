@@ -145,12 +145,3 @@ class TreeHash:
     def hexdigest(self) -> str:
         return self.digest().hex()
 
-
-def tree_digest(head: bytes, payload: bytes | bytearray | memoryview) -> bytes:
-    """The tree digest of a whole file in memory, one leaf after another on this thread (the
-    reference the tests hold TreeHash to)."""
-    view = memoryview(payload).cast("B")
-    root = hashlib.sha256(TREE_TAG + struct.pack(">Q", LEAF) + _sha(head))
-    for start in range(0, len(view), LEAF):
-        root.update(_sha(view[start:start + LEAF]))
-    return root.digest()
