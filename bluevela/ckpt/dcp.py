@@ -12,10 +12,12 @@ staged; the store writes in the background). The coordinator's shard carries DCP
 this job). DCP reads a replicated item from the rank that wrote it: the reader takes that
 rank's shard from its fastest verified place too (this node, the node that holds it, shared).
 
-Resharding (a different world size) is DCP's own: it works where every rank's shard can be
-read, so from shared storage (`StoreReader(store)` after a drain); the node-local resume of
-the store itself needs the same world size. This module imports torch: load it only in a
-training process.
+Resharding (a job of another size: a shrink, a grow) is DCP's planner over the store's
+shards: `StoreReader` resumes the newest step complete somewhere whatever the number of ranks
+that saved it (`load_latest(any_world=True)`: each rank verifies its share of the saved
+shards, from this node, the node holding a copy, or shared storage), and DCP reads each item
+from the saved rank that wrote it. This module imports torch: load it only in a training
+process.
 """
 
 from __future__ import annotations
@@ -118,10 +120,10 @@ class StoreReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.restored is None:
-            self.restored = self.store.load_latest()
+            self.restored = self.store.load_latest(any_world=True)
             if self.restored is None:
                 raise FileNotFoundError("bv ckpt: no checkpoint to resume from")
-            self.shards[self.store.rank] = self.restored.state
+            self.shards.update(self.restored.state)  # saved rank -> its state
         raw = self.restored.extra.get(META) if self.store.rank == 0 else None
         raw = self.store.coll.all_gather(raw)[0]
         if raw is None:

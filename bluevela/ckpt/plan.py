@@ -72,21 +72,40 @@ def _steps(invs: Sequence[NodeInv]) -> set[int]:
     return {s for inv in invs for s in (*inv.own, *inv.held)}
 
 
-def _ranks(world: int | Sequence[int]) -> Sequence[int]:
+World = int | Sequence[int] | None
+"""Whose shards a step needs: `world` ranks (0..world-1), the ranks listed (a replicated state
+saved by rank 0 only), or None: the ranks the step was saved by, whatever the job's size now
+(a resharding resume), taken as 0..the highest rank seen of that step anywhere (a shard's
+header says the world it was saved by: a step missing its highest ranks everywhere is found
+out when the first header is read)."""
+
+
+def saved_world(step: int, invs: Sequence[NodeInv],
+                shared: dict[int, frozenset[int]] | None = None) -> int:
+    """1 + the highest rank of `step` seen on any node or in shared storage (0: none)."""
+    seen = [r for inv in invs for r in (*inv.own.get(step, ()), *inv.held.get(step, ()))]
+    seen += list((shared or {}).get(step, ()))
+    return max(seen) + 1 if seen else 0
+
+
+def _ranks(world: World, step: int, invs: Sequence[NodeInv],
+           shared: dict[int, frozenset[int]] | None = None) -> Sequence[int]:
+    if world is None:
+        return range(saved_world(step, invs, shared))
     return range(world) if isinstance(world, int) else world
 
 
-def local_complete(invs: Sequence[NodeInv], world: int | Sequence[int]) -> list[int]:
-    """Steps, newest first, of which every rank's shard (of `world` ranks, or of the ranks
-    listed: a replicated state saved by rank 0 only) is on some node of the job."""
+def local_complete(invs: Sequence[NodeInv], world: World) -> list[int]:
+    """Steps, newest first, of which every rank's shard (see `World`) is on some node of the
+    job."""
     out = []
     for step in sorted(_steps(invs), reverse=True):
-        if all(any(inv.holds(step, r) for inv in invs) for r in _ranks(world)):
+        if all(any(inv.holds(step, r) for inv in invs) for r in _ranks(world, step, invs)):
             out.append(step)
     return out
 
 
-def needs_shared(invs: Sequence[NodeInv], world: int | Sequence[int], failed: set[int]) -> bool:
+def needs_shared(invs: Sequence[NodeInv], world: World, failed: set[int]) -> bool:
     """Whether shared storage must be listed before choosing (see the module docstring)."""
     good = [s for s in local_complete(invs, world) if s not in failed]
     if not good:
@@ -95,7 +114,7 @@ def needs_shared(invs: Sequence[NodeInv], world: int | Sequence[int], failed: se
     return bool(drained) and max(drained) > good[0]
 
 
-def candidates(invs: Sequence[NodeInv], world: int | Sequence[int],
+def candidates(invs: Sequence[NodeInv], world: World,
                shared: dict[int, frozenset[int]],
                failed: set[int]) -> list[int]:
     """Steps every rank can read somewhere (node-local or shared), newest first."""
@@ -103,7 +122,7 @@ def candidates(invs: Sequence[NodeInv], world: int | Sequence[int],
     out = []
     for step in sorted(steps, reverse=True):
         if all(any(inv.holds(step, r) for inv in invs) or r in shared.get(step, ())
-               for r in _ranks(world)):
+               for r in _ranks(world, step, invs, shared)):
             out.append(step)
     return out
 

@@ -45,7 +45,15 @@ from bluevela.ckpt.partner import (
     fetch_payload,
     send_shard,
 )
-from bluevela.ckpt.plan import NodeInv, Place, candidates, needs_shared, places
+from bluevela.ckpt.plan import (
+    NodeInv,
+    Place,
+    World,
+    candidates,
+    needs_shared,
+    places,
+    saved_world,
+)
 from bluevela.ckpt.shardfile import (
     ShardError,
     ShardInfo,
@@ -125,6 +133,7 @@ class Restored:
     seconds: float
     skipped: list[str]  # this rank's skips
     summary: str  # every rank's, one line (the same on every rank)
+    world: int = 0  # the ranks the step was saved by (0: this job's, the same world)
 
 
 class _Job:
@@ -574,7 +583,7 @@ class CheckpointStore:
         return {s: frozenset(r) for s, r in out.items()}
 
     def load_latest(self, *, source_rank: int | None = None,
-                    at_most: int | None = None) -> Restored | None:
+                    at_most: int | None = None, any_world: bool = False) -> Restored | None:
         """Resume (a collective): the newest step every rank can read, or None when there is
         none (see the module docstring). Logs and returns the summary line.
 
@@ -582,6 +591,11 @@ class CheckpointStore:
             source_rank: every rank loads this rank's shard (a replicated state that only
                 one rank saves: Lightning's checkpoint, saved on global rank 0).
             at_most: no step newer than this one (a named older checkpoint).
+            any_world: a step saved by any number of ranks (a shrink or a grow: DCP's
+                `StoreReader` reshards from it). The step must be complete (every shard it
+                was saved with verified somewhere); rank r of this job verifies and returns
+                the saved ranks r, r + world, ... (`state`: saved rank -> state; `extra`: the
+                lowest of them), and `load_rank` reads any other one.
         """
         self.wait()
         t0 = time.perf_counter()
@@ -591,7 +605,9 @@ class CheckpointStore:
         mine = self._my_inventory()
         gathered = self.coll.all_gather(mine.to_wire() if first else None)
         invs = [NodeInv.from_wire(g) for g in gathered if g is not None]
-        need: int | list[int] = self.world if source_rank is None else [source_rank]
+        need: World = self.world if source_rank is None else [source_rank]
+        if any_world:
+            need = None
         wanted = self.rank if source_rank is None else source_rank
         failed: set[int] = set()
         if at_most is not None:
@@ -612,22 +628,32 @@ class CheckpointStore:
                 self._announce(None, [], all_skips, time.perf_counter() - t0, started)
                 return None
             step = cands[0]
-            result = self._load_step(step, places(step, wanted, self.node, invs, shared),
-                                     wanted, same_world=source_rank is None)
+            if any_world:
+                saved = saved_world(step, invs, shared)
+                result = self._load_ranks(step, range(self.rank, saved, self.world), saved)
+                mine_skips = list(self._skips)
+            else:
+                saved = self.world
+                result = self._load_step(
+                    step, places(step, wanted, self.node, invs, shared), wanted,
+                    world=self.world if source_rank is None else None)
+                mine_skips = [f"rank {wanted} step {step} {s}" for s in self._skips]
+                if source_rank is not None and self.rank != 0:
+                    mine_skips = []  # every rank tried the same shard: rank 0 says it
             ok = result is not None
-            mine_skips = [f"rank {wanted} step {step} {s}" for s in self._skips]
-            if source_rank is not None and self.rank != 0:
-                mine_skips = []  # every rank tried the same shard: rank 0 says it
             skipped += mine_skips
             outcome = self.coll.all_gather(
                 {"ok": ok, "skips": mine_skips, "source": result[2] if result else None})
             all_skips += [s for o in outcome for s in o["skips"]]
             if all(o["ok"] for o in outcome) and result is not None:
                 seconds = time.perf_counter() - t0
-                summary = self._announce(step, [o["source"] for o in outcome], all_skips,
-                                         seconds, started)
+                sources = [w for o in outcome for w in (o["source"].split("; ")
+                                                         if o["source"] else [])]
+                summary = self._announce(step, sources, all_skips, seconds, started,
+                                         saved if saved != self.world else 0)
                 state, extra, source = result
-                return Restored(step, state, extra, source, seconds, skipped, summary)
+                return Restored(step, state, extra, source, seconds, skipped, summary,
+                                saved if any_world else 0)
             del result
             if not listed:
                 retry_shared = True  # the same step again, with shared storage's copies
@@ -642,12 +668,13 @@ class CheckpointStore:
         return {int(s): frozenset(r) for s, r in got[0].items()}
 
     def _announce(self, step: int | None, sources: list[str], skips: list[str],
-                  seconds: float, started: float) -> str:
+                  seconds: float, started: float, saved: int = 0) -> str:
         """Say how the resume ended (the summary line, logged and, on rank 0, printed): from
         `step`, or from nothing (None; a warning when copies were skipped). A resume from a
         step is recorded for the goodput ledger: one record for the job, from rank 0, with
-        every rank's tier. Returns the summary line."""
-        summary = _summary(step, sources, skips, seconds)
+        every shard's tier. `saved`: the ranks a resharded step was saved by. Returns the
+        summary line."""
+        summary = _summary(step, sources, skips, seconds, saved, self.world)
         (logger.warning if step is None and skips else logger.info)(summary)
         _say(summary, self.rank)
         if step is not None and self.rank == 0:
@@ -665,6 +692,30 @@ class CheckpointStore:
         none verifies (`last_skips` says why). Not a collective."""
         return self._load_step(step, places(step, rank, self.node, self._invs, self._shared),
                                rank)
+
+    def _load_ranks(self, step: int, ranks: range, saved: int
+                    ) -> tuple[dict[int, Any], dict[str, bytes], str] | None:
+        """The saved ranks `ranks` of a step saved by `saved` ranks, each verified from its
+        fastest place (a resharding resume); None when one has no good copy. `_skips` names
+        every skip of them."""
+        states: dict[int, Any] = {}
+        extra: dict[str, bytes] = {}
+        sources: list[str] = []
+        skips: list[str] = []
+        for r in ranks:
+            got = self._load_step(step, places(step, r, self.node, self._invs, self._shared),
+                                  r, world=saved)
+            skips += [f"rank {r} step {step} {s}" for s in self._skips]
+            if got is None:
+                states.clear()
+                self._skips = skips
+                return None
+            states[r] = got[0]
+            if not sources:
+                extra = got[1]
+            sources.append(got[2])
+        self._skips = skips
+        return states, extra, "; ".join(sources)
 
     def _keep_fetched(self, step: int, rank: int, info: ShardInfo, payload: memoryview) -> None:
         """A node-local copy of a fetched shard (the next resume on this node reads it here),
@@ -715,12 +766,14 @@ class CheckpointStore:
         return list(self._skips)
 
     def _load_step(self, step: int, where: list[Place], rank: int | None = None,
-                   same_world: bool = True) -> tuple[Any, dict[str, bytes], str] | None:
+                   world: int | None = None) -> tuple[Any, dict[str, bytes], str] | None:
+        """`rank`'s shard of `step` from the first of `where` that verifies; `world`: the
+        ranks it must have been saved by (None: not checked)."""
         self._skips = []
         rank = self.rank if rank is None else rank
         expect = {"step": step, "rank": rank, "name": self.cfg.name}
-        if same_world:
-            expect["world"] = self.world  # refused on its header, before its payload is read
+        if world is not None:
+            expect["world"] = world  # refused on its header, before its payload is read
         name = layout.shard_name(rank)
         for place in where:
             if (step, rank, place) in self._bad:
@@ -752,8 +805,9 @@ class CheckpointStore:
                 self._bad.add((step, rank, place))
                 why = _words(exc)
                 if isinstance(exc, ShardError) and exc.field == "world":
-                    why = (f"saved by {exc.found} ranks, now {self.world} "
-                           "(resharding: DCP from shared storage)")
+                    why = (f"saved by {exc.found} ranks, now {self.world} (resharding: "
+                           "DCP's StoreReader)" if world == self.world else
+                           f"saved by {exc.found} ranks, {world} seen")
                 self._skips.append(f"{place.words()}: {why}")
         if not where:
             self._skips.append("no copy anywhere")
@@ -772,14 +826,16 @@ def _words(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _summary(step: int | None, sources: list[str], skips: list[str], seconds: float) -> str:
+def _summary(step: int | None, sources: list[str], skips: list[str], seconds: float,
+             saved: int = 0, world: int = 0) -> str:
     if step is None:
         head = "bv ckpt: no checkpoint to resume from"
     else:
         counts: dict[str, int] = {}
         for s in sources:
             counts[s] = counts.get(s, 0) + 1
-        head = (f"bv ckpt: resumed step {step} in {seconds:.2f} s from "
+        resharded = f" (saved by {saved} ranks, now {world})" if saved else ""
+        head = (f"bv ckpt: resumed step {step}{resharded} in {seconds:.2f} s from "
                 + ", ".join(f"{w} x{n}" for w, n in sorted(counts.items())))
     return head + ("; skipped: " + "; ".join(skips) if skips else "; nothing skipped")
 

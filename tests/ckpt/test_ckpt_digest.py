@@ -94,7 +94,8 @@ def test_the_hash_runs_beside_the_caller_and_holds_a_bounded_number_of_leaves() 
         seen.add(threading.current_thread().name)
         return real(data)
 
-    dg._sha = spy  # type: ignore[assignment]  (the workers look it up per leaf)
+    # the workers look _sha up per leaf
+    dg._sha = spy
     try:
         h = dg.TreeHash(b"h")
         most = 0
@@ -103,7 +104,7 @@ def test_the_hash_runs_beside_the_caller_and_holds_a_bounded_number_of_leaves() 
             most = max(most, len(h._pending))
         h.digest()
     finally:
-        dg._sha = real  # type: ignore[assignment]
+        dg._sha = real
     assert seen and all(name.startswith("bv-ckpt-hash") for name in seen - {"MainThread"})
     assert most <= 2 * threads
 

@@ -121,8 +121,8 @@ def test_a_shard_of_another_world_size_is_skipped_on_its_header(
     assert _resume(tmp_path, 1) == [None]
     out = capsys.readouterr().out
     for where in ("local (own copy on this node)", "shared"):
-        assert (f"rank 0 step 2 {where}: saved by 2 ranks, now 1 (resharding: DCP from "
-                "shared storage)") in out, out
+        assert (f"rank 0 step 2 {where}: saved by 2 ranks, now 1 (resharding: DCP's "
+                "StoreReader)") in out, out
     assert "checksum" not in out
 
 
@@ -177,6 +177,88 @@ def test_spare_fetches_the_lost_nodes_shard_from_its_partner_no_shared_read(
     # The fetched copy is now the spare's own node-local file.
     assert verify_at(os.open(_shard(tmp_path, "n3", "own", 2, 1).parent, os.O_RDONLY),
                      layout.shard_name(1)).step == 2
+
+
+def _resume_any(tmp: Path, world: int, nodes: dict[int, str]) -> list[Any]:
+    def body(rank: int, coll: Any) -> Any:
+        s = make_store(tmp, rank, coll, node=nodes[rank])
+        try:
+            return s.load_latest(any_world=True)
+        finally:
+            s.close()
+
+    return run_ranks(world, body)
+
+
+def test_a_grown_or_shrunk_job_takes_every_saved_shard_from_node_local_copies(
+        tmp_path: Path) -> None:
+    """A resharding resume (DCP's StoreReader): saved by 2 ranks, resumed by 3 (a grow, node
+    n2 lost with its disk); saved by 3, resumed by 2 (a shrink, n3 lost). Every saved shard
+    verified once, each from its fastest place; nothing read from shared storage (made
+    unreadable)."""
+    grow, shrink = tmp_path / "grow", tmp_path / "shrink"
+    _save_steps(grow, 2, [1, 2], shared_dir=None)
+    _save_steps(shrink, 3, [1, 2], shared_dir=None)
+    shutil.rmtree(grow / "local" / "n2")
+    shutil.rmtree(shrink / "local" / "n3")  # its copies were on n1 (ring, half away)
+    for d in (grow, shrink):
+        (d / "shared").mkdir()
+        os.chmod(d / "shared", 0)
+    try:
+        grown = _resume_any(grow, 3, {0: "n1", 1: "n3", 2: "n4"})
+        shrunk = _resume_any(shrink, 2, {0: "n2", 1: "n1"})
+    finally:
+        for d in (grow, shrink):
+            os.chmod(d / "shared", 0o755)
+    assert [r.step for r in grown] == [2, 2, 2] and [r.world for r in grown] == [2, 2, 2]
+    assert sorted(grown[0].state) == [0] and sorted(grown[1].state) == [1]
+    assert grown[2].state == {}  # no saved shard of its own: DCP reads what it needs
+    _check(grown[0].state[0], 0, 2)
+    _check(grown[1].state[1], 1, 2)
+    assert grown[1].source == "partner (held copy on n1)"
+    assert grown[0].summary.startswith("bv ckpt: resumed step 2 (saved by 2 ranks, now 3) in ")
+    assert grown[0].summary.endswith("from local (own copy on this node) x1, "
+                                     "partner (held copy on n1) x1; nothing skipped")
+    assert [r.step for r in shrunk] == [2, 2] and [r.world for r in shrunk] == [3, 3]
+    assert sorted(shrunk[0].state) == [0, 2] and sorted(shrunk[1].state) == [1]
+    for r in (0, 2):
+        _check(shrunk[0].state[r], r, 2)
+    _check(shrunk[1].state[1], 1, 2)
+    assert shrunk[0].source == "local (held copy on this node); partner (held copy on n1)"
+    assert shrunk[1].source == "partner (own copy on n2)"
+    assert "(saved by 3 ranks, now 2)" in shrunk[0].summary
+    assert [list((d / "shared").iterdir()) for d in (grow, shrink)] == [[], []]
+    # A replicated state (DDP) in any world size: every rank reads saved rank 0's shard.
+
+    def replicated(rank: int, coll: Any) -> Any:
+        s = make_store(grow, rank, coll, node=["n1", "n3", "n4"][rank])
+        try:
+            return s.load_latest(source_rank=0)
+        finally:
+            s.close()
+
+    for r in run_ranks(3, replicated):
+        assert r.step == 2
+        _check(r.state, 0, 2)
+
+
+def test_a_resharding_resume_skips_a_step_missing_a_saved_shard(tmp_path: Path) -> None:
+    """Step 2's rank 1 shard is bad everywhere (its node's file and the partner copy torn, not
+    drained): the job of another size resumes step 1 and names both skips; a step whose
+    highest rank is gone everywhere (a shard's header says 2 ranks, 1 is seen) is skipped
+    on that header."""
+    _save_steps(tmp_path, 2, [1, 2, 3], shared_dir=None, keep=3)
+    for p in (_shard(tmp_path, "n2", "own", 3, 1), _shard(tmp_path, "n1", "held", 3, 1)):
+        p.unlink()  # step 3: rank 1 gone everywhere; rank 0 says it was saved by 2
+    for p in (_shard(tmp_path, "n2", "own", 2, 1), _shard(tmp_path, "n1", "held", 2, 1)):
+        p.write_bytes(p.read_bytes()[:-5])
+    got = _resume_any(tmp_path, 3, {0: "n1", 1: "n2", 2: "n3"})
+    assert [r.step for r in got] == [1, 1, 1]
+    _check(got[1].state[1], 1, 1)
+    summary = got[0].summary
+    assert "rank 0 step 3 local (own copy on this node): saved by 2 ranks, 1 seen" in summary
+    assert "rank 1 step 2 local (own copy on this node): torn" in summary
+    assert "rank 1 step 2 partner (held copy on n1): " in summary
 
 
 def test_partner_lost_with_the_node_resumes_from_shared(tmp_path: Path) -> None:
@@ -371,6 +453,12 @@ def test_plan_prefers_local_and_lists_shared_only_when_needed() -> None:
     assert needs_shared([n1c], 2, set())
     assert NodeInv.from_wire(n1c.to_wire()) == n1c
     assert needs_shared([n1], 2, {3, 2})
+    # A resharding resume (world None): the ranks each step was saved by, wherever seen.
+    n2 = NodeInv("n2", ("h2", 2), own={3: fs({1, 2})}, held={2: fs({0})})
+    assert candidates([n1, n2], None, {}, set()) == [3, 2]
+    assert candidates([n1, n2], None, {}, {3}) == [2]
+    assert candidates([n1, n2], None, {3: fs({4})}, set()) == [2]  # rank 3 of 5 nowhere
+    assert candidates([n1, n2], None, {3: fs({0, 1, 2, 3})}, set()) == [3, 2]
 
 
 def test_runtime_gives_the_store_and_nothing_imports_torch() -> None:
