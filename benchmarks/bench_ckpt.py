@@ -13,13 +13,16 @@ sides), so that the relaunch (issue 37: ~0.5 s) does not hide the resume itself.
 
 The shared directory is a directory of this machine's disk, or with `BV_CKPT_BENCH_FS=gluster`
 a GlusterFS volume mounted on every node (slurm/devcluster-gfs); `BV_CKPT_BENCH_RATE=1gbit`
-throttles every node's link (tc tbf: the file system's traffic and the partner copies).
+throttles every node's link (tc tbf: the file system's traffic and the partner copies), or with
+`BV_CKPT_BENCH_THROTTLE=fs` the file system's traffic only, per node (the partner copies on an
+unshaped "compute fabric", as on a site whose storage network is apart).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -68,8 +71,6 @@ def staging_memory(mb: float = 64, saves: int = 100) -> Iterator[Figure]:
         yield Figure(f"ckpt stall {mb:g} MB in-process (median)", stalls[len(stalls) // 2],
                      "s", "", "node-local tier on /dev/shm, no partner")
     finally:
-        import shutil
-
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -84,29 +85,40 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _shared_fs(work: Path) -> tuple[Path, list[str], str, str]:
+def _shared_fs(work: Path) -> tuple[Path, list[list[str]], str, str]:
     """The shared directory (this machine's disk, or with BV_CKPT_BENCH_FS=gluster the dev
-    cluster's GlusterFS) and the nodes throttled to BV_CKPT_BENCH_RATE (the caller lifts it)."""
+    cluster's GlusterFS), throttled to BV_CKPT_BENCH_RATE: with BV_CKPT_BENCH_THROTTLE=link
+    (the default) every node's whole link, the partner copies too; with `fs` the file
+    system's traffic only, per node (`devcluster-gfs throttle`: a storage network apart from
+    the compute fabric). Returns the commands that lift it (the caller runs them), and the
+    setting in words."""
     shared = work / "shared"
     fs = os.environ.get("BV_CKPT_BENCH_FS", "local")
     rate = os.environ.get("BV_CKPT_BENCH_RATE", "")
+    how = os.environ.get("BV_CKPT_BENCH_THROTTLE", "link")
     if fs == "gluster":
         up = subprocess.run([sys.executable, str(GFS), "up"], check=True, capture_output=True,
                             text=True, timeout=900)
         shared = Path(up.stdout.strip().splitlines()[-1]) / work.name
-    throttled = []
-    if rate:
+    lift: list[list[str]] = []
+    if rate and how == "fs":
+        if fs != "gluster":
+            raise RuntimeError("BV_CKPT_BENCH_THROTTLE=fs needs BV_CKPT_BENCH_FS=gluster")
+        subprocess.run([sys.executable, str(GFS), "throttle", rate], check=True,
+                       capture_output=True, timeout=60)
+        lift.append([sys.executable, str(GFS), "throttle", "off"])
+        rate = f"{rate} fs only"
+    elif rate:
         for node in ("node1", "node2", "node3"):
             subprocess.run([sys.executable, str(DEVCLUSTER), "throttle", node, rate],
                            check=True, capture_output=True, timeout=60)
-            throttled.append(node)
-    return shared, throttled, fs, rate
+            lift.append([sys.executable, str(DEVCLUSTER), "throttle", node, "off"])
+    return shared, lift, fs, rate
 
 
-def _unthrottle(nodes: list[str]) -> None:
-    for node in nodes:
-        subprocess.run([sys.executable, str(DEVCLUSTER), "throttle", node, "off"],
-                       check=False, capture_output=True, timeout=60)
+def _unthrottle(lift: list[list[str]]) -> None:
+    for argv in lift:
+        subprocess.run(argv, check=False, capture_output=True, timeout=60)
 
 
 def cluster(mb: float, rounds: int) -> Iterator[Figure]:
@@ -125,6 +137,8 @@ def cluster(mb: float, rounds: int) -> Iterator[Figure]:
             timeout=1800, check=False)
     finally:
         _unthrottle(throttled)
+        for d in (work / "local", shared):  # the checkpoints; the output file stays
+            shutil.rmtree(d, ignore_errors=True)
     text = "".join(p.read_text(errors="replace") for p in sorted(work.glob("bv-*.out")))
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark job failed ({proc.returncode}):\n{proc.stdout}\n{text}")
@@ -172,8 +186,6 @@ def crash_one(mb: float, via: str, shared: Path, work: Path, env: dict[str, str]
     once checkpoint step 4 is complete (for the store: once the partner holds its copy) and
     its node-local disk deleted: (crash -> the relaunched step's first step, every rank's
     resume, where rank 0 resumed from)."""
-    import shutil
-
     cwd = work / f"crash-{via}-{mb:g}"
     cwd.mkdir()
     local = cwd / "local"
@@ -214,6 +226,10 @@ def crash_one(mb: float, via: str, shared: Path, work: Path, env: dict[str, str]
         if crashed:
             subprocess.run([sys.executable, str(DEVCLUSTER), "revive", crashed], check=False,
                            capture_output=True, timeout=120, env=env)
+        # Each job's checkpoints go with it (6 x 2 GB per rank at 2 GB: a few jobs fill a
+        # disk); its output file stays.
+        shutil.rmtree(local, ignore_errors=True)
+        shutil.rmtree(shared / f"{via}-{mb:g}", ignore_errors=True)
     return float(first.group(1)) - t_crash, float(resumed.group(2)), resumed.group(3)
 
 
@@ -237,6 +253,7 @@ def crash_resume(sizes: list[float], pairs: int) -> Iterator[Figure]:
                     total, resume_s, source = crash_one(mb, via, shared / f"p{i}", sub, env)
                 except BaseException:
                     _unthrottle(throttled)
+                    shutil.rmtree(shared, ignore_errors=True)
                     raise
                 got[via].append(total)
                 yield Figure(f"ckpt crash->first step {mb:g} MB {tag} {via} (pair {i + 1})",
@@ -248,6 +265,7 @@ def crash_resume(sizes: list[float], pairs: int) -> Iterator[Figure]:
                      "ratio", goal,
                      f"median of {pairs} pair(s), range {ratios[0]:.2f}-{ratios[-1]:.2f}")
     _unthrottle(throttled)
+    shutil.rmtree(shared, ignore_errors=True)
 
 
 def figures(args: Any) -> Iterator[Figure]:

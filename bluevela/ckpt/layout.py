@@ -47,6 +47,16 @@ def check_name(name: str) -> str:
     return name
 
 
+def node_dir(local: Path, node: str) -> Path:
+    """`local` with each `%n` replaced by `node`, the node's name (Slurm's convention for a
+    path of one node among several on one host: several slurmd per host, a shared root)."""
+    if "%n" not in str(local):
+        return local
+    if not NAME_RE.match(node) or ".." in node:
+        raise ValueError(f"node name {node!r} cannot name a directory")
+    return Path(str(local).replace("%n", node))
+
+
 def job_root(local: Path, job: str, uid: int | None = None) -> Path:
     """The directory every node-local file of `job` lies under."""
     uid = os.getuid() if uid is None else uid

@@ -882,8 +882,9 @@ def from_site(shared_dir: str | os.PathLike[str] | None, name: str = "ckpt",
               **overrides: Any) -> StoreConfig:
     """A config from site.yaml (this node's class: `checkpoint.dir`, `budget_gb`; the site's
     `checkpoint` keep, drain_every and switches) and the environment (`BV_CKPT_LOCAL_DIR`,
-    `BV_CKPT_LOCAL_BUDGET_GB`, `SLURM_JOB_ID`), with `overrides` on top. No site file: no
-    node-local tier unless the environment names one."""
+    `BV_CKPT_LOCAL_BUDGET_GB`, `SLURM_JOB_ID`), with `overrides` on top; `%n` in the
+    node-local directory is this node's name. No site file: no node-local tier unless the
+    environment names one."""
     values: dict[str, Any] = {"shared_dir": Path(shared_dir) if shared_dir else None,
                               "local_dir": None, "name": name,
                               "job": os.environ.get("SLURM_JOB_ID", "")}
@@ -907,7 +908,7 @@ def from_site(shared_dir: str | os.PathLike[str] | None, name: str = "ckpt",
         values["budget_bytes"] = int(float(os.environ[BUDGET_ENV]) * 1e9)
     values.update(overrides)
     if values["local_dir"] is not None:
-        values["local_dir"] = Path(values["local_dir"])
+        values["local_dir"] = layout.node_dir(Path(values["local_dir"]), _node_name())
     return StoreConfig(**values)
 
 

@@ -65,10 +65,11 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="output_dir (shared by all nodes)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--step-s", type=float, default=0.0)
+    parser.add_argument("--save-steps", type=int, default=1000, help="TrainingArguments.save_steps")
     opts = parser.parse_args()
     args = TrainingArguments(
         output_dir=opts.out, max_steps=opts.steps, per_device_train_batch_size=8,
-        learning_rate=0.05, save_steps=1000, logging_steps=1000, report_to=[],
+        learning_rate=0.05, save_steps=opts.save_steps, logging_steps=1000, report_to=[],
         use_cpu=True, ddp_backend="gloo", disable_tqdm=True, dataloader_num_workers=0,
     )
     last = get_last_checkpoint(opts.out) if os.path.isdir(opts.out) else None

@@ -67,6 +67,18 @@ def test_epilog_uses_the_node_class_dir_and_the_jobs_uid(tmp_path: Path,
     line = clear_for_epilog(site, 9, "x", {"SLURM_JOB_UID": str(uid)})
     assert line is not None and "removed job 9's" in line
     assert not (tmp_path / f"bv-{uid}" / "job-9").exists()
+    # `%n` in the class's dir: this node's own directory, and no other node's.
+    cls = dataclasses.replace(cls, checkpoint=dataclasses.replace(
+        cls.checkpoint, dir=tmp_path / "%n"))
+    site = dataclasses.replace(site, node_classes={**site.node_classes, name: cls})
+    for node in ("n1", "n2"):
+        _tree(tmp_path / node, uid, "9")
+    assert clear_for_epilog(site, 9, "n2", {"SLURM_JOB_UID": str(uid)}) is not None
+    assert (tmp_path / "n1" / f"bv-{uid}" / "job-9").is_dir()
+    assert not (tmp_path / "n2" / f"bv-{uid}" / "job-9").exists()
+    line = clear_for_epilog(site, 9, "../n1", {"SLURM_JOB_UID": str(uid)})
+    assert line is not None and "cannot name a directory" in line
+    assert (tmp_path / "n1" / f"bv-{uid}" / "job-9").is_dir()
 
 
 def test_the_real_epilog_clears_the_jobs_node_local_checkpoints(tmp_path: Path) -> None:

@@ -561,6 +561,12 @@ def test_config_from_site_and_environment(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setenv("BV_CKPT_LOCAL_DIR", str(tmp_path / "shm"))
     assert from_site(None, keep=1).local_dir == tmp_path / "shm"
     assert from_site(None, keep=1).keep == 1
+    # %n: this node's name (several slurmd on one host: the dev cluster's nodes).
+    import socket
+
+    monkeypatch.setenv("BV_CKPT_LOCAL_DIR", str(tmp_path / "local" / "%n" / "x"))
+    host = socket.gethostname().split(".")[0]
+    assert from_site(None).local_dir == tmp_path / "local" / host / "x"
 
 
 def test_a_state_only_rank_0_saves_is_resumed_by_every_rank(tmp_path: Path) -> None:
