@@ -6,7 +6,10 @@ each imports its own bluevela/ckpt/shardfile.py): it writes a shard of that payl
 with `write_shard` (the node-local save: temporary file, fsync, rename), then, the file in the
 page cache, `load_at` (the resume from this node: read into one buffer, verified), `verify_at`
 (the drain's and the epilog's check) and `read_stream` over the open file (the spare's fetch
-from its partner, the socket replaced by the file so that the network is not measured). Rounds
+from its partner, the socket replaced by the file so that the network is not measured), and
+`tcp`: the whole fetch over loopback (a `ShardServer` of the side's code serving the file,
+`fetch_payload` reading it into memory, verified: the sender's sends and the receiver's reads
+and hashing on the same cores). Rounds
 alternate the order (old,new / new,old) so that load on this shared machine falls on both
 sides; the figures are each side's median per operation and the old/new ratio per round
 (median, min-max).
@@ -30,6 +33,7 @@ from _common import PY, REPO
 
 _CHILD = """
 import json, os, sys, time
+from bluevela.ckpt.partner import ShardServer, fetch_payload
 from bluevela.ckpt.shardfile import MAGIC, load_at, read_stream, verify_at, write_shard
 work, sizes = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
 out = {}
@@ -45,12 +49,18 @@ for mb in sizes:
     size = os.path.getsize(os.path.join(work, "s"))
     with open(os.path.join(work, "s"), "rb", buffering=0) as f:
         t = time.perf_counter(); read_stream(f, size, {"step": 1}); rs = time.perf_counter() - t
+    key = b"k" * 32
+    srv = ShardServer(key, lambda s: os.dup(d), lambda s, r: (os.dup(d), "s"),
+                      lambda s, r, n: "no", 1 << 40, host="127.0.0.1")
+    t = time.perf_counter(); fetch_payload(("127.0.0.1", srv.port), key, 1, 0)
+    tcp = time.perf_counter() - t
+    srv.close()
     os.unlink(os.path.join(work, "s"))
-    out[mb] = {"write": w, "load": ld, "verify": v, "fetch": rs}
+    out[mb] = {"write": w, "load": ld, "verify": v, "fetch": rs, "tcp": tcp}
 print(MAGIC.decode(), json.dumps(out))
 """
 
-OPS = ("write", "load", "verify", "fetch")
+OPS = ("write", "load", "verify", "fetch", "tcp")
 
 
 def _side(checkout: Path, work: Path, sizes: str) -> tuple[str, dict[str, dict[str, float]]]:

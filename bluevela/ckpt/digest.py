@@ -92,6 +92,13 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _sha(data: Any) -> bytes:
+    """SHA-256 of a buffer, or of the concatenation of a list of buffers (a leaf that spans
+    the caller's chunks, hashed from them: no copy)."""
+    if isinstance(data, list):
+        h = hashlib.sha256()
+        for part in data:
+            h.update(part)
+        return h.digest()
     return hashlib.sha256(data).digest()
 
 
@@ -104,25 +111,31 @@ class TreeHash:
         self._head = _sha(head)
         self._pending: deque[Future[bytes]] = deque()
         self._leaves: list[bytes] = []
-        self._part = bytearray()
+        self._part: list[memoryview] = []  # the leaf being filled: views of the caller's
+        self._part_len = 0  # buffers (a leaf across chunks is never copied)
         self._final: bytes | None = None
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         if self._final is not None:
             raise ValueError("TreeHash updated after its digest")
         view = memoryview(data).cast("B")
-        if self._part:
-            take = min(LEAF - len(self._part), len(view))
-            self._part += view[:take]
+        if self._part_len:
+            take = min(LEAF - self._part_len, len(view))
+            self._part.append(view[:take])
+            self._part_len += take
             view = view[take:]
-            if len(self._part) == LEAF:
-                self._submit(bytes(self._part))
-                self._part = bytearray()
+            if self._part_len == LEAF:
+                self._flush_part()
         while len(view) >= LEAF:
             self._submit(view[:LEAF])
             view = view[LEAF:]
         if len(view):
-            self._part += view
+            self._part.append(view)
+            self._part_len += len(view)
+
+    def _flush_part(self) -> None:
+        self._submit(self._part if len(self._part) > 1 else self._part[0])
+        self._part, self._part_len = [], 0
 
     def _submit(self, leaf: Any) -> None:
         if len(self._pending) >= self._max:
@@ -131,9 +144,8 @@ class TreeHash:
 
     def digest(self) -> bytes:
         if self._final is None:
-            if self._part:
-                self._submit(bytes(self._part))
-                self._part = bytearray()
+            if self._part_len:
+                self._flush_part()
             while self._pending:
                 self._leaves.append(self._pending.popleft().result())
             root = hashlib.sha256(TREE_TAG + struct.pack(">Q", LEAF) + self._head)

@@ -36,7 +36,7 @@ from tests.integrations.test_byos_cluster import BANNER, _starts, _steps, traceb
 pytestmark = [pytest.mark.cluster]
 EXAMPLES = REPO / "examples" / "byos"
 DEVCLUSTER = REPO / "slurm" / "devcluster"
-STEPS = 40
+STEPS = 24
 STEP_S = 0.3
 EVERY = 8  # the script's own periodic save (steps)
 
