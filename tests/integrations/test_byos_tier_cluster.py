@@ -30,6 +30,7 @@ import hostlist
 import pytest
 
 from bluevela.launch.attempts import split_attempts
+from tests.ckpt.test_ckpt_cluster import _output
 from tests.conftest import REPO, DevCluster
 from tests.integrations.test_byos_cluster import BANNER, _starts, _steps, tracebacks
 
@@ -142,8 +143,3 @@ def test_framework_resumes_on_the_spare_from_the_partners_copy(
     assert summary.group(0).endswith("nothing skipped"), summary.group(0)
     assert _steps(second)[-1] == STEPS and f"done step={STEPS}" in second, second
     assert not tracebacks(second), tracebacks(second)
-
-
-def _output(cwd: Path) -> str:
-    files = sorted(cwd.glob("bv-*.out"))
-    return files[0].read_text(errors="replace") if files else ""
