@@ -704,7 +704,7 @@ class CheckpointStore:
         skips: list[str] = []
         for r in ranks:
             got = self._load_step(step, places(step, r, self.node, self._invs, self._shared),
-                                  r, world=saved)
+                                  r, world=saved, seen=True)
             skips += [f"rank {r} step {step} {s}" for s in self._skips]
             if got is None:
                 states.clear()
@@ -766,9 +766,11 @@ class CheckpointStore:
         return list(self._skips)
 
     def _load_step(self, step: int, where: list[Place], rank: int | None = None,
-                   world: int | None = None) -> tuple[Any, dict[str, bytes], str] | None:
+                   world: int | None = None, seen: bool = False
+                   ) -> tuple[Any, dict[str, bytes], str] | None:
         """`rank`'s shard of `step` from the first of `where` that verifies; `world`: the
-        ranks it must have been saved by (None: not checked)."""
+        ranks it must have been saved by (None: not checked), this job's own or (`seen`) the
+        ranks of the step seen anywhere (a resharding resume)."""
         self._skips = []
         rank = self.rank if rank is None else rank
         expect = {"step": step, "rank": rank, "name": self.cfg.name}
@@ -805,9 +807,9 @@ class CheckpointStore:
                 self._bad.add((step, rank, place))
                 why = _words(exc)
                 if isinstance(exc, ShardError) and exc.field == "world":
-                    why = (f"saved by {exc.found} ranks, now {self.world} (resharding: "
-                           "DCP's StoreReader)" if world == self.world else
-                           f"saved by {exc.found} ranks, {world} seen")
+                    why = (f"saved by {exc.found} ranks, {world} seen" if seen else
+                           f"saved by {exc.found} ranks, now {self.world} (resharding: "
+                           "DCP's StoreReader)")
                 self._skips.append(f"{place.words()}: {why}")
         if not where:
             self._skips.append("no copy anywhere")

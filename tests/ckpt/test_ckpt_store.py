@@ -259,6 +259,11 @@ def test_a_resharding_resume_skips_a_step_missing_a_saved_shard(tmp_path: Path) 
     assert "rank 0 step 3 local (own copy on this node): saved by 2 ranks, 1 seen" in summary
     assert "rank 1 step 2 local (own copy on this node): torn" in summary
     assert "rank 1 step 2 partner (held copy on n1): " in summary
+    # The same with a job of 1 (the size seen of step 3): still "seen", not "now 1".
+    alone = _resume_any(tmp_path, 1, {0: "n1"})
+    assert alone[0].step == 1
+    assert ("rank 0 step 3 local (own copy on this node): saved by 2 ranks, 1 seen"
+            in alone[0].summary), alone[0].summary
 
 
 def test_partner_lost_with_the_node_resumes_from_shared(tmp_path: Path) -> None:
