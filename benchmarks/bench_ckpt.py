@@ -243,29 +243,26 @@ def crash_resume(sizes: list[float], pairs: int) -> Iterator[Figure]:
     work = Path(tempfile.mkdtemp(prefix="bv-ckpt-crash-"))
     shared, throttled, fs, rate = _shared_fs(work)
     tag = f"{fs}{' ' + rate if rate else ''}{' warm' if os.environ.get('BV_CKPT_BENCH_WARM') else ''}"
-    for mb in sizes:
-        got: dict[str, list[float]] = {"store": [], "torch": []}
-        for i in range(pairs):
-            for via in (("store", "torch") if i % 2 == 0 else ("torch", "store")):
-                sub = work / f"p{i}"
-                sub.mkdir(exist_ok=True)
-                try:
+    try:
+        for mb in sizes:
+            got: dict[str, list[float]] = {"store": [], "torch": []}
+            for i in range(pairs):
+                for via in (("store", "torch") if i % 2 == 0 else ("torch", "store")):
+                    sub = work / f"p{i}"
+                    sub.mkdir(exist_ok=True)
                     total, resume_s, source = crash_one(mb, via, shared / f"p{i}", sub, env)
-                except BaseException:
-                    _unthrottle(throttled)
-                    shutil.rmtree(shared, ignore_errors=True)
-                    raise
-                got[via].append(total)
-                yield Figure(f"ckpt crash->first step {mb:g} MB {tag} {via} (pair {i + 1})",
-                             total, "s", "", f"resume itself {resume_s:.2f} s from {source}")
-        ratios = sorted(t / s for s, t in zip(got["store"], got["torch"], strict=True))
-        goal = ">= 3" if mb >= 2000 else ">= 1" if mb <= 64 else ""  # issue 36's two goals
-        yield Figure(f"ckpt crash->first step {mb:g} MB {tag} torch / store",
-                     statistics.median(ratios),
-                     "ratio", goal,
-                     f"median of {pairs} pair(s), range {ratios[0]:.2f}-{ratios[-1]:.2f}")
-    _unthrottle(throttled)
-    shutil.rmtree(shared, ignore_errors=True)
+                    got[via].append(total)
+                    yield Figure(f"ckpt crash->first step {mb:g} MB {tag} {via} (pair {i + 1})",
+                                 total, "s", "", f"resume itself {resume_s:.2f} s from {source}")
+            ratios = sorted(t / s for s, t in zip(got["store"], got["torch"], strict=True))
+            goal = ">= 3" if mb >= 2000 else ">= 1" if mb <= 64 else ""  # issue 36's two goals
+            yield Figure(f"ckpt crash->first step {mb:g} MB {tag} torch / store",
+                         statistics.median(ratios),
+                         "ratio", goal,
+                         f"median of {pairs} pair(s), range {ratios[0]:.2f}-{ratios[-1]:.2f}")
+    finally:  # also when a job fails or the runner stops early
+        _unthrottle(throttled)
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def figures(args: Any) -> Iterator[Figure]:

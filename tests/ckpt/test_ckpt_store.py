@@ -66,12 +66,14 @@ def _save_steps(tmp: Path, world: int, steps: list[int], **kw: Any) -> list[Any]
     return run_ranks(world, body)
 
 
-def _resume(tmp: Path, world: int, nodes: dict[int, str] | None = None, **kw: Any) -> list[Any]:
+def _resume(tmp: Path, world: int, nodes: dict[int, str] | None = None,
+            load: dict[str, Any] | None = None, **kw: Any) -> list[Any]:
+    """Every rank's `load_latest(**load)`; `kw` for the stores."""
     def body(rank: int, coll: Any) -> Any:
         node = (nodes or {}).get(rank)
         s = make_store(tmp, rank, coll, node=node, **kw)
         try:
-            return s.load_latest()
+            return s.load_latest(**(load or {}))
         finally:
             s.close()
 
@@ -180,14 +182,7 @@ def test_spare_fetches_the_lost_nodes_shard_from_its_partner_no_shared_read(
 
 
 def _resume_any(tmp: Path, world: int, nodes: dict[int, str]) -> list[Any]:
-    def body(rank: int, coll: Any) -> Any:
-        s = make_store(tmp, rank, coll, node=nodes[rank])
-        try:
-            return s.load_latest(any_world=True)
-        finally:
-            s.close()
-
-    return run_ranks(world, body)
+    return _resume(tmp, world, nodes, load={"any_world": True})
 
 
 def test_a_grown_or_shrunk_job_takes_every_saved_shard_from_node_local_copies(
@@ -229,15 +224,7 @@ def test_a_grown_or_shrunk_job_takes_every_saved_shard_from_node_local_copies(
     assert "(saved by 3 ranks, now 2)" in shrunk[0].summary
     assert [list((d / "shared").iterdir()) for d in (grow, shrink)] == [[], []]
     # A replicated state (DDP) in any world size: every rank reads saved rank 0's shard.
-
-    def replicated(rank: int, coll: Any) -> Any:
-        s = make_store(grow, rank, coll, node=["n1", "n3", "n4"][rank])
-        try:
-            return s.load_latest(source_rank=0)
-        finally:
-            s.close()
-
-    for r in run_ranks(3, replicated):
+    for r in _resume(grow, 3, {0: "n1", 1: "n3", 2: "n4"}, load={"source_rank": 0}):
         assert r.step == 2
         _check(r.state, 0, 2)
 
